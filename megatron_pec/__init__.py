@@ -1,0 +1,1 @@
+"""megatron-pec: partial-experts flash checkpoints for Megatron MoE training."""
