@@ -1,0 +1,49 @@
+"""``python -m megatron_pec {inspect,verify,agent}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_pec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="summarise a checkpoint directory (--save/--load)")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p = sub.add_parser("verify", help="re-check the size and crc32 of every committed file; exit 0 only if sound")
+    p.add_argument("dir")
+    p.add_argument("--iteration", type=int, default=None)
+    p = sub.add_parser("agent", help="run a node agent in the foreground")
+    p.add_argument("--dir", required=True, help="the node-memory directory: <shm dir>/<job id>/node<k>")
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--idle-timeout", type=float, default=600.0)
+    p.add_argument("--keep-shm", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.command == "agent":
+        from megatron_pec.agent.server import main as agent_main
+
+        return agent_main(args.dir, args.node_rank, args.idle_timeout, args.keep_shm)
+    if not os.path.isdir(args.dir):
+        print(f"error: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    from megatron_pec import inspection
+
+    if args.command == "inspect":
+        report = inspection.inspect(args.dir)
+        print(json.dumps(report, indent=1) if args.json else inspection.format_inspect(report))
+        return 0
+    problems = inspection.verify(args.dir, args.iteration)
+    for line in problems:
+        print(f"FAIL {line}")
+    if not problems:
+        print(f"OK: every committed file under {args.dir} matches its recorded size and crc32")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Trainer side of the node agent: start or reuse it, announce snapshots, collect releases.
+
+Every rank holds one connection to its node's agent. Any rank that finds no
+live agent starts one (under a lock, so a node gets exactly one), detached in
+its own session so it survives the trainer's SIGKILL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+from megatron_pec.agent.server import PIDFILE, SOCKET
+
+
+class AgentUnavailable(RuntimeError):
+    """The node agent could not be started or reached."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def agent_pid(directory: str) -> int | None:
+    try:
+        with open(os.path.join(directory, PIDFILE)) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def ensure_agent(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool,
+                 timeout: float = 60.0) -> int:
+    """Return the pid of this node's agent, starting one if none is alive."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "agent.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        pid = agent_pid(directory)
+        if pid is not None and _connectable(directory):
+            return pid
+        log_path = os.path.join(directory, "agent.log")
+        env = dict(os.environ, MEGATRON_PEC_NODE_RANK=str(node_rank))
+        env.pop("RANK", None)  # the agent's fault points are scoped by node, not by rank
+        with open(log_path, "a") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "megatron_pec", "agent", "--dir", directory, "--node-rank", str(node_rank),
+                 "--idle-timeout", str(idle_timeout)] + (["--keep-shm"] if keep_shm else []),
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True, env=env,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = proc.poll()
+            if code is not None:
+                raise AgentUnavailable(f"the node agent exited with code {code} while starting; see {log_path}")
+            if agent_pid(directory) == proc.pid and _connectable(directory):
+                return proc.pid
+            time.sleep(0.05)
+        proc.kill()
+        raise AgentUnavailable(f"the node agent did not start within {timeout:.0f}s; see {log_path}")
+
+
+def _connectable(directory: str) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(os.path.join(directory, SOCKET))
+        return True
+    except OSError:
+        return False
+
+
+class AgentClient:
+    """One rank's connection; ``notify`` and ``poll`` never block on the agent's work."""
+
+    def __init__(self, directory: str, rank: int):
+        self.directory, self.rank = directory, rank
+        self.sock: socket.socket | None = None
+        self.buffer = b""
+        self.pid: int | None = None
+
+    def connect(self, timeout: float = 30.0) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(os.path.join(self.directory, SOCKET))
+            sock.sendall((json.dumps({"type": "hello", "rank": self.rank}) + "\n").encode())
+            reply = self._read_line(sock)
+        except OSError as exc:
+            sock.close()
+            raise AgentUnavailable(f"cannot reach the node agent at {self.directory}: {exc}") from None
+        if reply is None or reply.get("type") != "ready":
+            sock.close()
+            raise AgentUnavailable(f"the node agent at {self.directory} did not answer the handshake")
+        self.sock, self.pid = sock, reply["pid"]
+
+    def _read_line(self, sock) -> dict | None:
+        while b"\n" not in self.buffer:
+            data = sock.recv(65536)
+            if not data:
+                return None
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    @property
+    def connected(self) -> bool:
+        return self.sock is not None
+
+    def send(self, msg: dict) -> bool:
+        """False (and disconnected) when the agent is gone."""
+        if self.sock is None:
+            return False
+        try:
+            self.sock.settimeout(30.0)
+            self.sock.sendall((json.dumps(msg) + "\n").encode())
+            return True
+        except OSError:
+            self._lost()
+            return False
+
+    def poll(self, block_s: float = 0.0) -> list[dict]:
+        """Messages from the agent that have arrived (waiting up to ``block_s`` for the first)."""
+        if self.sock is None:
+            return []
+        self.sock.settimeout(block_s)  # 0.0 = non-blocking
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    self._lost()
+                    break
+                self.buffer += data
+                self.sock.settimeout(0.0)
+        except (BlockingIOError, socket.timeout):
+            pass
+        except OSError:
+            self._lost()
+        out = []
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            out.append(json.loads(line))
+        return out
+
+    def _lost(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = None
+        warnings.warn(f"megatron-pec: lost the node agent (pid {self.pid}) at {self.directory}; "
+                      "snapshots are skipped until a new agent runs", RuntimeWarning, stacklevel=3)
+
+    def close(self, detach: bool = True) -> None:
+        if detach:
+            self.send({"type": "detach"})
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

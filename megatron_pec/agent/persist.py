@@ -1,0 +1,76 @@
+"""Agent phase 5: check a snapshot slot and persist its persist-level items as a rank file.
+
+Runs in the node agent process, one slot at a time. Reads the slot's bytes
+straight from the tmpfs mapping; writes a compact safetensors file (the slot's
+non-expert tensors plus the persist-level experts) atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+from megatron_pec.slots import open_slot
+from megatron_pec.stformat import FormatError, encode_header
+from megatron_pec.storage import CHUNK, PosixStorage
+
+
+class SnapshotMismatch(RuntimeError):
+    """The slot's header does not describe the snapshot the trainer announced."""
+
+
+def slot_crc(mapping, header, items: set[str]) -> int:
+    """crc32 over the data of ``items`` in header order: what a memory restore verifies."""
+    crc = 0
+    for entry in header.tensors:
+        if entry.item in items:
+            start = header.data_start + entry.begin
+            for offset in range(start, header.data_start + entry.end, CHUNK):
+                crc = zlib.crc32(mapping[offset:min(offset + CHUNK, header.data_start + entry.end)], crc)
+    return crc
+
+
+def check_and_persist(path: str, iteration: int, persist_items: set[str] | None, target: str | None,
+                      storage: PosixStorage) -> dict:
+    """Validate the slot at ``path`` for ``iteration``; persist it to ``target`` if given.
+
+    Returns the slot record ``{iteration, crc32, items}`` plus, when persisted,
+    ``file: {size, crc32, items}``. Raises SnapshotMismatch, FormatError or OSError.
+    """
+    mapping, header = open_slot(path)
+    try:
+        meta = header.metadata
+        if meta.get("state") != "complete" or meta.get("iteration") != str(iteration):
+            raise SnapshotMismatch(f"{path} holds {meta.get('state')} iteration {meta.get('iteration')}, "
+                                   f"expected complete iteration {iteration}")
+        items = json.loads(meta["items"])
+        record = {"iteration": iteration, "crc32": slot_crc(mapping, header, set(items)), "items": items}
+        if target is not None:
+            keep = set(items) if persist_items is None else {i for i in items if i == "dense" or i in persist_items}
+            record["file"] = _write_compact(mapping, header, keep, target, storage)
+        return record
+    finally:
+        mapping.close()
+
+
+def _write_compact(mapping, header, keep: set[str], target: str, storage: PosixStorage) -> dict:
+    entries, offset = [], 0
+    chosen = [e for e in header.tensors if e.item in keep]
+    for e in chosen:
+        entries.append(type(e)(e.name, e.dtype, e.numel, offset, offset + (e.end - e.begin)))
+        offset = entries[-1].end
+    meta = dict(header.metadata)
+    meta["items"] = json.dumps({i: v for i, v in json.loads(meta["items"]).items() if i in keep})
+    head = encode_header(entries, meta)
+
+    def chunks():
+        yield head
+        view = memoryview(mapping)  # zero-copy; dropped before the mapping closes
+        for e in chosen:
+            yield view[header.data_start + e.begin: header.data_start + e.end]
+
+    size, crc = storage.write_atomic(target, chunks())
+    return {"size": size, "crc32": crc, "items": sorted(keep)}
+
+
+__all__ = ["check_and_persist", "slot_crc", "SnapshotMismatch", "FormatError"]

@@ -1,0 +1,120 @@
+"""The ``--pec-*`` flags and the one validated configuration built from Megatron's args.
+
+Runs on every rank, once, when the engine is first used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from megatron_pec.policy import POLICIES
+
+DEFAULT_SHM_DIR = "/dev/shm/megatron_pec"
+
+
+class PecConfigError(ValueError):
+    """A bad flag value or combination; the message names the flag and what to do."""
+
+
+def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--pec-*`` flags; usable as Megatron-LM's ``extra_args_provider``."""
+    g = parser.add_argument_group("megatron-pec (partial-experts flash checkpointing)")
+    g.add_argument("--pec-snapshot-k", type=int, default=None,
+                   help="experts per MoE layer copied to node memory at each save "
+                        "(default: all experts, a plain flash checkpoint)")
+    g.add_argument("--pec-persist-k", type=int, default=None,
+                   help="experts per MoE layer the node agent persists to storage, a subset of the "
+                        "snapshot set (default: equal to --pec-snapshot-k)")
+    g.add_argument("--pec-selection", choices=POLICIES, default="sequential",
+                   help="which experts to save: round-robin (sequential), most unsaved tokens first "
+                        "with equal capacity per EP rank (load-aware), or a byte budget split by layer "
+                        "popularity (popularity). Default: sequential")
+    g.add_argument("--pec-budget-mb", type=float, default=None,
+                   help="popularity policy: expert bytes per rank per checkpoint "
+                        "(default: derived from the K flags)")
+    g.add_argument("--pec-dynamic-k", action="store_true",
+                   help="after a recovery, double K when the accumulated portion of lost tokens "
+                        "exceeds --pec-plt-threshold")
+    g.add_argument("--pec-plt-threshold", type=float, default=0.0375,
+                   help="PLT limit for --pec-dynamic-k, as a fraction (default 0.0375 = 3.75%%)")
+    g.add_argument("--pec-shm-dir", default=DEFAULT_SHM_DIR,
+                   help="tmpfs directory for snapshot slots; node memory lives in "
+                        "DIR/<job id>/node<node rank>/ (default %(default)s)")
+    g.add_argument("--pec-job-id", default=None,
+                   help="job id naming the node memory directory (default: torchrun's "
+                        "TORCHELASTIC_RUN_ID, else 'default')")
+    g.add_argument("--pec-keep", type=int, default=2,
+                   help="persisted iterations to retain; files still referenced for expert versions "
+                        "are always kept (default 2; 0 keeps everything)")
+    g.add_argument("--pec-wait-for-slot", action="store_true",
+                   help="when no snapshot slot is free, wait for one instead of skipping the snapshot")
+    g.add_argument("--pec-keep-shm", action="store_true",
+                   help="keep node-memory slot files when the agent exits")
+    g.add_argument("--pec-agent-idle-timeout", type=float, default=600.0,
+                   help="seconds the node agent waits for trainers to come back after they vanished "
+                        "(default 600)")
+    return parser
+
+
+@dataclass(frozen=True, slots=True)
+class PecConfig:
+    save: str | None
+    """Megatron's --save: the storage root for persisted checkpoints."""
+    load: str | None
+    """Megatron's --load."""
+    snapshot_k: int | None
+    """Experts per layer snapshotted to memory; None = all."""
+    persist_k: int | None
+    """Experts per layer persisted; None = same as snapshot_k."""
+    selection: str
+    budget_mb: float | None
+    dynamic_k: bool
+    plt_threshold: float
+    shm_dir: str
+    job_id: str
+    keep: int
+    wait_for_slot: bool
+    keep_shm: bool
+    agent_idle_timeout: float
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+    def __post_init__(self):
+        for flag, value in (("--pec-snapshot-k", self.snapshot_k), ("--pec-persist-k", self.persist_k)):
+            if value is not None and value < 1:
+                raise PecConfigError(f"{flag} must be at least 1 (got {value}); omit it to save every expert")
+        if self.snapshot_k is not None and self.persist_k is not None and self.persist_k > self.snapshot_k:
+            raise PecConfigError(
+                f"--pec-persist-k ({self.persist_k}) must not exceed --pec-snapshot-k ({self.snapshot_k}): "
+                "persisted experts are a subset of the snapshot")
+        if self.selection not in POLICIES:
+            raise PecConfigError(f"--pec-selection must be one of {', '.join(POLICIES)} (got {self.selection!r})")
+        if not 0.0 < self.plt_threshold < 1.0:
+            raise PecConfigError(f"--pec-plt-threshold is a fraction in (0, 1) (got {self.plt_threshold})")
+        if self.budget_mb is not None and self.budget_mb <= 0:
+            raise PecConfigError(f"--pec-budget-mb must be positive (got {self.budget_mb})")
+        if self.keep < 0:
+            raise PecConfigError(f"--pec-keep must be >= 0 (got {self.keep})")
+        if not self.job_id or "/" in self.job_id or self.job_id.startswith("."):
+            raise PecConfigError(f"--pec-job-id must be a plain name without '/' (got {self.job_id!r})")
+
+    @classmethod
+    def from_args(cls, args) -> "PecConfig":
+        """Build from Megatron's args (or the example's); flags absent from ``args`` take their defaults."""
+        defaults = vars(add_pec_args(argparse.ArgumentParser()).parse_args([]))
+        get = lambda name: getattr(args, name, defaults.get(name))  # noqa: E731
+        job_id = get("pec_job_id") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        return cls(
+            save=getattr(args, "save", None), load=getattr(args, "load", None),
+            snapshot_k=get("pec_snapshot_k"), persist_k=get("pec_persist_k"), selection=get("pec_selection"),
+            budget_mb=get("pec_budget_mb"), dynamic_k=bool(get("pec_dynamic_k")),
+            plt_threshold=get("pec_plt_threshold"), shm_dir=get("pec_shm_dir"), job_id=job_id,
+            keep=get("pec_keep"), wait_for_slot=bool(get("pec_wait_for_slot")),
+            keep_shm=bool(get("pec_keep_shm")), agent_idle_timeout=get("pec_agent_idle_timeout"),
+            no_load_optim=bool(getattr(args, "no_load_optim", False)),
+            no_load_rng=bool(getattr(args, "no_load_rng", False)),
+            finetune=bool(getattr(args, "finetune", False)),
+        )

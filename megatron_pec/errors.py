@@ -1,0 +1,16 @@
+"""User-facing failures: a clear message and a non-zero exit, never a stack trace."""
+
+
+class CheckpointError(SystemExit):
+    """Raised identically on every rank when a checkpoint cannot be saved or loaded as asked.
+
+    A ``SystemExit`` so Megatron's launcher prints the message and exits without a
+    traceback; the message says what was wrong and what to do.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

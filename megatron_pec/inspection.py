@@ -1,0 +1,107 @@
+"""``inspect`` and ``verify``: read a checkpoint directory without torch or Megatron.
+
+``inspect`` summarises iterations (committed or not), bytes per rank, expert
+versions, PLT and K; ``verify`` re-reads every file a committed manifest
+references and checks size and crc32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_pec import manifest
+from megatron_pec.stformat import FormatError, decode_header
+from megatron_pec.storage import PosixStorage, crc32_of
+
+
+def _read_metadata(path: str) -> dict[str, str]:
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        body = prefix + f.read(min(size, 64 << 20))
+    return decode_header(body).metadata
+
+
+def inspect(root: str, storage=PosixStorage()) -> dict:
+    committed = set(manifest.committed_iterations(root, storage))
+    report = {"root": os.path.abspath(root), "tracker": manifest.read_tracker(root, storage), "iterations": []}
+    for i in manifest.iterations_on_disk(root, storage):
+        entry = {"iteration": i, "committed": i in committed}
+        if i in committed:
+            m = manifest.read_manifest(root, i, storage)
+            entry.update(topology=m["topology"], world_size=m["world_size"], num_nodes=m["num_nodes"],
+                         bytes_per_rank={r: e["size"] for r, e in sorted(m["ranks"].items(), key=lambda t: int(t[0]))},
+                         experts_saved=sorted({x for e in m["ranks"].values() for x in e["items"] if x != "dense"}),
+                         expert_versions=m["experts"], referenced_iterations=sorted(int(k) for k in m["sources"]))
+            first = os.path.join(root, m["ranks"][min(m["ranks"], key=int)]["file"])
+            try:
+                pec = json.loads(_read_metadata(first).get("pec", "{}"))
+                entry.update(plt=pec.get("plt"), lost_tokens=pec.get("lost_tokens"),
+                             snapshot_k=pec.get("snapshot", {}).get("k"), persist_k=pec.get("persist", {}).get("k"),
+                             recoveries=pec.get("recoveries"))
+            except (OSError, FormatError, ValueError) as exc:
+                entry["error"] = f"cannot read {first}: {exc}"
+        else:
+            entry["files"] = storage.listdir(manifest.pec_dir(root, i))
+        report["iterations"].append(entry)
+    return report
+
+
+def format_inspect(report: dict) -> str:
+    lines = [f"checkpoint directory {report['root']}  (tracker: {report['tracker']})"]
+    for it in report["iterations"]:
+        if not it["committed"]:
+            lines.append(f"  iteration {it['iteration']:>7}: NOT committed (partial: {', '.join(it['files']) or 'empty'})")
+            continue
+        sizes = it["bytes_per_rank"]
+        lines.append(f"  iteration {it['iteration']:>7}: committed, {it['world_size']} ranks on {it['num_nodes']} "
+                     f"node(s), topology {it['topology']}")
+        lines.append("      bytes per rank: " + ", ".join(f"r{r}={n / 2**20:.2f} MiB" for r, n in sizes.items()))
+        if it.get("snapshot_k") is not None:
+            lines.append(f"      K snapshot/persist: {it['snapshot_k']}/{it['persist_k']}, PLT so far "
+                         f"{(it['plt'] or 0):.3%} after {it['recoveries']} recoveries")
+        if it["expert_versions"]:
+            by_version: dict[int, list[str]] = {}
+            for x, v in it["expert_versions"].items():
+                by_version.setdefault(v, []).append(x)
+            for v in sorted(by_version, reverse=True):
+                lines.append(f"      experts at version {v}: {' '.join(sorted(by_version[v]))}")
+    return "\n".join(lines)
+
+
+def verify(root: str, iteration: int | None = None, storage=PosixStorage()) -> list[str]:
+    """Problems found (empty = sound) in the committed iterations (or just ``iteration``)."""
+    problems = []
+    committed = manifest.committed_iterations(root, storage)
+    if iteration is not None:
+        if iteration not in committed:
+            return [f"iteration {iteration} is not committed under {root}"]
+        committed = [iteration]
+    if not committed:
+        return [f"no committed megatron-pec checkpoint under {root}"]
+    for i in committed:
+        try:
+            m = manifest.read_manifest(root, i, storage)
+        except manifest.ManifestError as exc:
+            problems.append(str(exc))
+            continue
+        files = [(i, e) for e in m["ranks"].values()]
+        files += [(int(v), e) for v, ranks in m["sources"].items() for e in ranks.values()]
+        for version, entry in files:
+            problems += _check_file(root, entry, f"iteration {i} (file of {version})", storage)
+    return problems
+
+
+def _check_file(root: str, entry: dict, context: str, storage) -> list[str]:
+    path = os.path.join(root, entry["file"])
+    try:
+        data = storage.read_into(path)
+    except OSError as exc:
+        return [f"{context}: {path}: {exc.strerror or exc}"]
+    if len(data) != entry["size"]:
+        return [f"{context}: {path} is {len(data)} bytes, expected {entry['size']}"]
+    crc = crc32_of(data)
+    if crc != entry["crc32"]:
+        return [f"{context}: {path} crc32 {crc:08x} != recorded {entry['crc32']:08x} (corrupt)"]
+    return []

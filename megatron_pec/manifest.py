@@ -1,0 +1,188 @@
+"""Storage layout, commit and validity: node markers, the iteration manifest, the tracker, retention.
+
+Run by the node agents (commit, retention) and read by restore, ``inspect`` and
+``verify``. One rule decides validity: an iteration is committed iff its
+``manifest.json`` exists. The manifest is written (tmp, fsync, rename) only by
+whichever agent sees every node's marker, and the tracker only after it.
+
+Layout under ``--save``::
+
+    iter_0000100/pec/rank_00003.safetensors   one per rank: dense + persisted experts
+    iter_0000100/pec/node_0001.json           one per node: its rank files, sizes, crc32
+    iter_0000100/pec/manifest.json            the commit marker
+    latest_checkpointed_iteration.txt         Megatron's tracker
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+
+from megatron_pec import faults
+from megatron_pec.storage import PosixStorage
+
+FORMAT = "megatron-pec/1"
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+class ManifestError(ValueError):
+    """A manifest or marker that is unreadable or inconsistent."""
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def pec_dir(root: str, iteration: int) -> str:
+    return os.path.join(iter_dir(root, iteration), "pec")
+
+
+def rank_file(root: str, iteration: int, rank: int) -> str:
+    return os.path.join(pec_dir(root, iteration), f"rank_{rank:05d}.safetensors")
+
+
+def relative(root: str, path: str) -> str:
+    return os.path.relpath(path, root)
+
+
+def node_marker(root: str, iteration: int, node: int) -> str:
+    return os.path.join(pec_dir(root, iteration), f"node_{node:04d}.json")
+
+
+def manifest_path(root: str, iteration: int) -> str:
+    return os.path.join(pec_dir(root, iteration), "manifest.json")
+
+
+def iterations_on_disk(root: str, storage=PosixStorage()) -> list[int]:
+    return sorted(int(m.group(1)) for name in storage.listdir(root) if (m := _ITER_DIR.match(name)))
+
+
+def read_json(path: str, storage=PosixStorage()) -> dict:
+    try:
+        data = json.loads(storage.read(path))
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ManifestError(f"{path} is not a {FORMAT} file")
+    return data
+
+
+def committed_iterations(root: str, storage=PosixStorage()) -> list[int]:
+    """Iterations whose manifest exists, newest first."""
+    return [i for i in reversed(iterations_on_disk(root, storage)) if storage.exists(manifest_path(root, i))]
+
+
+def read_manifest(root: str, iteration: int, storage=PosixStorage()) -> dict:
+    manifest = read_json(manifest_path(root, iteration), storage)
+    if manifest.get("iteration") != iteration:
+        raise ManifestError(f"{manifest_path(root, iteration)} names iteration {manifest.get('iteration')}")
+    return manifest
+
+
+def read_tracker(root: str, storage=PosixStorage()) -> str | None:
+    try:
+        return storage.read(os.path.join(root, TRACKER)).decode().strip()
+    except OSError:
+        return None
+
+
+def write_node_marker(root: str, iteration: int, node: int, marker: dict, storage=PosixStorage()) -> None:
+    faults.point("before_node_marker", iteration=iteration)
+    storage.write_text_atomic(node_marker(root, iteration, node), json.dumps({"format": FORMAT, **marker}, indent=1))
+
+
+def try_commit(root: str, iteration: int, num_nodes: int, keep: int, storage=PosixStorage()) -> bool:
+    """Write the manifest and tracker if every node's marker for ``iteration`` exists.
+
+    Several agents may race here; each writes identical bytes with an atomic
+    rename, and the lock keeps the tracker from moving backwards.
+    """
+    markers = [node_marker(root, iteration, n) for n in range(num_nodes)]
+    if not all(storage.exists(m) for m in markers):
+        return False
+    with _lock(root):
+        if storage.exists(manifest_path(root, iteration)):
+            return True
+        nodes = [read_json(m, storage) for m in markers]
+        ranks: dict[str, dict] = {}
+        for node in nodes:
+            ranks.update(node["ranks"])
+        first = nodes[0]
+        manifest = {
+            "format": FORMAT, "iteration": iteration, "job_id": first["job_id"],
+            "fingerprint": first["fingerprint"], "topology": first["topology"],
+            "num_nodes": num_nodes, "world_size": len(ranks), "ranks": ranks,
+        }
+        manifest["experts"], manifest["sources"] = _expert_versions(root, iteration, ranks, storage)
+        faults.point("before_manifest", iteration=iteration)
+        storage.write_text_atomic(manifest_path(root, iteration), json.dumps(manifest, indent=1))
+        faults.point("before_tracker", iteration=iteration)
+        current = read_tracker(root, storage)
+        if current is None or not current.isdigit() or int(current) < iteration:
+            storage.write_text_atomic(os.path.join(root, TRACKER), str(iteration))
+        if keep:
+            apply_retention(root, keep, storage)
+    return True
+
+
+def _expert_versions(root: str, iteration: int, ranks: dict, storage) -> tuple[dict, dict]:
+    """Latest persisted version of every expert, merged from the previous committed manifest.
+
+    Returns (expert item -> iteration, iteration -> rank entries of older files still referenced).
+    """
+    older = [i for i in committed_iterations(root, storage) if i < iteration]
+    experts, sources = {}, {}
+    if older:
+        previous = read_manifest(root, older[0], storage)
+        experts = dict(previous["experts"])
+        sources = {int(k): v for k, v in previous["sources"].items()}
+        sources[older[0]] = previous["ranks"]
+    for entry in ranks.values():
+        for item in entry["items"]:
+            if item != "dense":
+                experts[item] = iteration
+    needed = set(experts.values()) - {iteration}
+    return experts, {str(i): sources[i] for i in sorted(needed) if i in sources}
+
+
+def apply_retention(root: str, keep: int, storage=PosixStorage()) -> list[int]:
+    """Delete iterations beyond the newest ``keep`` committed ones, except files a retained
+    manifest still references for expert versions. Returns the iterations removed."""
+    committed = committed_iterations(root, storage)
+    if len(committed) <= keep:
+        return []
+    retained = committed[:keep]
+    referenced: set[int] = set(retained)
+    for i in retained:
+        referenced.update(int(k) for k in read_manifest(root, i, storage)["sources"])
+    removed = []
+    oldest_retained = retained[-1]
+    for i in iterations_on_disk(root, storage):
+        if i >= oldest_retained or i in referenced:
+            continue
+        directory = pec_dir(root, i)
+        # The manifest goes first: the iteration stops being valid before its files vanish.
+        for name in ["manifest.json"] + storage.listdir(directory):
+            storage.remove(os.path.join(directory, name))
+        storage.remove_empty_dirs(iter_dir(root, i))
+        removed.append(i)
+    return removed
+
+
+class _lock:
+    """An exclusive lock on ``<root>/.pec.lock`` (serialises commits from agents on one host)."""
+
+    def __init__(self, root: str):
+        self.path = os.path.join(root, ".pec.lock")
+
+    def __enter__(self):
+        self.f = open(self.path, "a")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()

@@ -1,0 +1,165 @@
+"""Phase 2, collect: this rank's DistributedOptimizer shards as slices, plus small state.
+
+Runs on every rank, with no communication. The slice table is built once
+(``build_slices``) from the optimizer's bucket ranges; ``live_views`` binds it
+to the tensors of ``get_parameter_state_dp_reshardable()`` once Adam's state
+exists, so a save only copies. Each slice is one range of a main param
+or Adam moment that this rank owns, tagged with its item (``dense`` or an
+expert) and its global coordinates in the full parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+
+import numpy
+import torch
+
+from megatron_pec.items import NON_EXPERT, ExpertId, item_name
+from megatron_pec.megatron.layout import param_pieces
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class UnsupportedSetup(RuntimeError):
+    """A Megatron configuration megatron-pec cannot checkpoint; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    name: str             # "<item>/o<opt>.g<buffer>.b<bucket>.p<entry>.x<offset>.<kind>"
+    item: str
+    expert: ExpertId | None
+    param_name: str
+    param_start: int      # global coordinates: element range of the full (unsharded) parameter
+    param_end: int
+    dtype: torch.dtype
+    locator: tuple        # (optimizer, buffer, dtype, bucket, entry, kind, offset) in the reshardable state
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
+
+def distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers inside Megatron's (Chained)Optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    bad = [type(o).__name__ for o in inner if not isinstance(o, DistributedOptimizer)]
+    if bad:
+        raise UnsupportedSetup(f"megatron-pec needs Megatron's distributed optimizer (--use-distributed-optimizer); "
+                               f"found {', '.join(bad)}")
+    for o in inner:
+        if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            raise UnsupportedSetup("megatron-pec does not support --use-precision-aware-optimizer yet; "
+                                   "drop that flag to use megatron-pec")
+    return inner
+
+
+def main_param(opt, model_param) -> torch.Tensor:
+    """The fp32 main-param shard of ``model_param``.
+
+    Read from param_groups directly: ``_get_main_param_and_optimizer_states`` would
+    touch ``optimizer.state`` (a defaultdict) and create empty entries, after which
+    Megatron's ``load_state_dict`` no longer allocates the Adam moments.
+    """
+    group, order = opt.model_param_group_index_map[model_param]
+    return opt.optimizer.param_groups[group]["params"][order]
+
+
+def build_slices(model_chunks, optimizer) -> list[Slice]:
+    """The static slice table: names, items, sizes. Needs no optimizer state to exist yet."""
+    optimizers = distributed_optimizers(optimizer)
+    pieces, names = {}, {}
+    for chunk in model_chunks:
+        pieces.update(param_pieces(chunk))
+        names.update({p: n for n, p in chunk.named_parameters()})
+    slices = []
+    for oi, opt in enumerate(optimizers):
+        moment_dtype = getattr(opt.config, "exp_avg_dtype", torch.float32)
+        for gi, by_dtype in enumerate(opt.gbuf_ranges):
+            for dtype, buckets in by_dtype.items():
+                for bi, bucket in enumerate(buckets):
+                    for ei, (param, ranges) in enumerate(bucket["param_map"].items()):
+                        owned = ranges["param"]
+                        main = main_param(opt, param)
+                        for piece in pieces[param]:
+                            lo, hi = max(piece.start, owned.start), min(piece.end, owned.end)
+                            if lo >= hi:
+                                continue
+                            item = item_name(piece.expert)
+                            for kind in KINDS:
+                                offset = lo - owned.start
+                                slices.append(Slice(
+                                    f"{item}/o{oi}.g{gi}.b{bi}.p{ei}.x{offset}.{kind}", item, piece.expert,
+                                    names[param], lo, hi, main.dtype if kind == "param" else moment_dtype,
+                                    (oi, gi, dtype, bi, ei, kind, offset)))
+    return slices
+
+
+def live_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor]:
+    """Views into the optimizer's current main params and Adam moments, by slice name.
+
+    Valid until the optimizer replaces its state tensors (``load_state_dict`` does);
+    Adam's steps update them in place.
+    """
+    optimizers = distributed_optimizers(optimizer)
+    states = [o.get_parameter_state_dp_reshardable() for o in optimizers]
+    views = {}
+    for s in slices:
+        oi, gi, dtype, bi, ei, kind, offset = s.locator
+        tensors = states[oi][gi][dtype][bi][ei]
+        if kind not in tensors:
+            raise RuntimeError("megatron-pec: the optimizer has no Adam state yet; "
+                               "save_checkpoint must run after the first optimizer step")
+        views[s.name] = tensors[kind].view(-1)[offset: offset + s.numel]
+    return views
+
+
+def fingerprint(slices: list[Slice], topology: dict) -> str:
+    """Changes whenever a saved slice would no longer fit the live model the same way."""
+    h = hashlib.sha256(json.dumps(topology, sort_keys=True).encode())
+    for s in slices:
+        h.update(f"{s.name}:{s.param_name}:{s.param_start}:{s.param_end}:{s.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def topology() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": torch.distributed.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
+
+
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"random": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def small_state(optimizer, scheduler, args, iteration: int, flops: float) -> dict:
+    """Everything besides the slices that Megatron's checkpoint holds for this rank."""
+    return {
+        "iteration": iteration,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": rng_state(),
+        "num_floating_point_operations_so_far": flops,
+        "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+        "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
+        "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0),
+        "checkpoint_version": 3.0,
+    }
+
+
+__all__ = ["Slice", "build_slices", "live_views", "small_state", "fingerprint", "topology", "NON_EXPERT",
+           "UnsupportedSetup"]

@@ -1,0 +1,66 @@
+"""Phase 9, restore: saved slices back into the optimizer shards, then model params, RNG,
+scheduler and Megatron's ``args``.
+
+Runs on every rank with its own slices; the only communication is the normal
+DDP parameter all-gather that rebuilds full model params from the shards.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import torch
+
+from megatron_pec.megatron.collect import distributed_optimizers
+
+
+@torch.no_grad()
+def copy_slices(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    for name, tensor in saved.items():
+        live[name].copy_(tensor)
+
+
+@torch.no_grad()
+def sync_model_params(model_chunks, optimizer) -> None:
+    """Main params -> model params on this rank's shard, then all-gather the rest (DDP param sync)."""
+    for opt in distributed_optimizers(optimizer):
+        opt._copy_main_params_to_model_params()
+    for chunk in model_chunks:
+        chunk.start_param_sync(force_sync=True)
+
+
+def restore_optimizer(optimizer, state: dict) -> None:
+    optimizer.load_state_dict(state)
+    # megatron-core 0.16.1 (torch Adam, no apex/TE) gives every param the same `step`
+    # tensor; torch's foreach Adam then increments it once per param per step.
+    for opt in distributed_optimizers(optimizer):
+        for param_state in opt.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].clone()
+
+
+def restore_rng(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    numpy.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def restore_args(args, state: dict, finetune: bool) -> None:
+    """Megatron's load_checkpoint side effects on ``args``."""
+    if finetune:
+        return
+    args.consumed_train_samples = state["consumed_train_samples"]
+    args.skipped_train_samples = state["skipped_train_samples"]
+    args.consumed_valid_samples = state["consumed_valid_samples"]
+    try:
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+        update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
+    except (ImportError, AssertionError):
+        pass  # no calculator configured (a bare test harness)

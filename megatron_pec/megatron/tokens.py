@@ -1,0 +1,59 @@
+"""Per-expert token counts from forward hooks on Megatron's MoE routers.
+
+Installed once per model on every rank. The hook adds ``routing_map.sum(0)``
+(tokens routed to each global expert in this micro-batch) to a counter that
+stays on the router's device, so training never waits on it. At save time one
+all-reduce over the data-parallel group turns the local counts into global
+ones, identical on every rank. Evaluation passes (``module.training`` False)
+update no expert and are not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_pec.items import ExpertId
+
+
+class TokenCounter:
+    def __init__(self, model_chunks):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.layers: list[int] = []
+        self.num_experts = 0
+        self._counts: list[torch.Tensor] = []
+        self.cumulative: dict[ExpertId, int] = {}
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                if isinstance(module, MoELayer):
+                    self._hook(module)
+        for layer in self.layers:
+            for e in range(self.num_experts):
+                self.cumulative[ExpertId(layer, e)] = 0
+
+    def _hook(self, moe_layer) -> None:
+        index = len(self.layers)
+        self.layers.append(int(moe_layer.layer_number))
+        self.num_experts = moe_layer.config.num_moe_experts
+        weight = moe_layer.router.weight
+        self._counts.append(torch.zeros(self.num_experts, dtype=torch.int64, device=weight.device))
+
+        def count(module, inputs, output):
+            if module.training:
+                routing_map = output[1]
+                self._counts[index] += routing_map.sum(0).to(torch.int64)
+
+        moe_layer.router.register_forward_hook(count)
+
+    def synchronize(self, group) -> dict[ExpertId, int]:
+        """Fold the counts since the last call, summed over ``group``, into the cumulative totals."""
+        if not self._counts:
+            return self.cumulative
+        local = torch.stack(self._counts)
+        for c in self._counts:
+            c.zero_()
+        torch.distributed.all_reduce(local, group=group)
+        for row, layer in zip(local.cpu().tolist(), self.layers):
+            for e, n in enumerate(row):
+                self.cumulative[ExpertId(layer, e)] += n
+        return self.cumulative

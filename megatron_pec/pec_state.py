@@ -1,0 +1,83 @@
+"""PEC bookkeeping kept by every rank and stored in every checkpoint: expert versions per
+level, cumulative token counts at those versions, current K, and the lost work so far.
+
+Identical on every rank (it is driven only by all-reduced token counts and the
+deterministic policies), so each rank can plan a save without coordination.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from megatron_pec import policy
+from megatron_pec.items import ExpertId, item_name, parse_item
+
+
+@dataclass
+class Level:
+    """One checkpoint level (snapshot in memory, or persist to storage)."""
+
+    k: int
+    saved_at: dict[ExpertId, int] = field(default_factory=dict)      # iteration of the last saved version
+    tokens_at: dict[ExpertId, int] = field(default_factory=dict)     # cumulative tokens at that version
+    checkpoints: int = 0
+
+    def input(self, layout: policy.ExpertLayout, cumulative: dict[ExpertId, int], budget: int | None,
+              candidates=None) -> policy.SelectionInput:
+        unsaved = {e: cumulative.get(e, 0) - self.tokens_at.get(e, 0) for e in layout.all_experts()}
+        return policy.SelectionInput(layout=layout, k=self.k, unsaved_tokens=unsaved, last_saved=self.saved_at,
+                                     checkpoint_index=self.checkpoints, budget_bytes=budget, candidates=candidates)
+
+    def record(self, experts, iteration: int, cumulative: dict[ExpertId, int]) -> None:
+        for e in experts:
+            self.saved_at[e] = iteration
+            self.tokens_at[e] = cumulative.get(e, 0)
+        self.checkpoints += 1
+
+    def to_json(self) -> dict:
+        return {"k": self.k, "checkpoints": self.checkpoints,
+                "saved_at": {item_name(e): v for e, v in self.saved_at.items()},
+                "tokens_at": {item_name(e): v for e, v in self.tokens_at.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Level":
+        return cls(k=data["k"], checkpoints=data["checkpoints"],
+                   saved_at={parse_item(k): v for k, v in data["saved_at"].items()},
+                   tokens_at={parse_item(k): v for k, v in data["tokens_at"].items()})
+
+
+@dataclass
+class PecState:
+    snapshot: Level
+    persist: Level
+    lost_tokens: int = 0
+    plt: float = 0.0
+    recoveries: int = 0
+
+    def plan(self, selection: str, layout: policy.ExpertLayout, cumulative: dict[ExpertId, int],
+             persist: bool, budget_bytes: int | None) -> tuple[frozenset, frozenset]:
+        """Experts to snapshot, and the subset to persist (empty when this save is memory-only)."""
+        snap_in = self.snapshot.input(layout, cumulative, budget_bytes)
+        if not persist:
+            return policy.select_experts(selection, snap_in), frozenset()
+        persist_budget = None if budget_bytes is None else budget_bytes * self.persist.k // max(1, self.snapshot.k)
+        return policy.select_two_level(selection, snap_in, self.persist.input(layout, cumulative, persist_budget))
+
+    def dumps(self) -> str:
+        return json.dumps({"snapshot": self.snapshot.to_json(), "persist": self.persist.to_json(),
+                           "lost_tokens": self.lost_tokens, "plt": self.plt, "recoveries": self.recoveries})
+
+    @classmethod
+    def loads(cls, text: str) -> "PecState":
+        d = json.loads(text)
+        return cls(Level.from_json(d["snapshot"]), Level.from_json(d["persist"]), d["lost_tokens"], d["plt"],
+                   d["recoveries"])
+
+
+def cumulative_to_json(cumulative: dict[ExpertId, int]) -> str:
+    return json.dumps({item_name(e): n for e, n in cumulative.items()})
+
+
+def cumulative_from_json(text: str) -> dict[ExpertId, int]:
+    return {parse_item(k): v for k, v in json.loads(text).items()}

@@ -1,0 +1,73 @@
+"""JSON encoding of small state (optimizer param_groups, scheduler, RNG states) without pickle.
+
+Tensors, tuples and numpy arrays are tagged so a round trip restores their
+types exactly; anything else unexpected is an error at save time rather than
+a surprise at load time.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy
+import torch
+
+from megatron_pec.stformat import dtype_code, torch_dtype
+
+
+def _encode(obj):
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return {"__float__": repr(obj)}  # repr keeps inf/nan and every bit
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        return {"__tensor__": dtype_code(t.dtype), "shape": list(t.shape),
+                "b64": base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode()}
+    if isinstance(obj, numpy.ndarray):
+        return {"__ndarray__": obj.dtype.str, "shape": list(obj.shape),
+                "b64": base64.b64encode(numpy.ascontiguousarray(obj).tobytes()).decode()}
+    if isinstance(obj, numpy.generic):
+        return _encode(obj.item())
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v) for v in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {"__dict__": {k: _encode(v) for k, v in obj.items()}}
+        return {"__items__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    raise TypeError(f"megatron-pec cannot store a {type(obj).__name__} in checkpoint metadata")
+
+
+def _decode(obj):
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__tensor__" in obj:
+        dtype = torch_dtype(obj["__tensor__"])
+        raw = bytearray(base64.b64decode(obj["b64"]))
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(obj["shape"]).clone()
+    if "__ndarray__" in obj:
+        return numpy.frombuffer(base64.b64decode(obj["b64"]), dtype=numpy.dtype(obj["__ndarray__"])) \
+            .reshape(obj["shape"]).copy()
+    if "__tuple__" in obj:
+        return tuple(_decode(v) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {k: _decode(v) for k, v in obj["__dict__"].items()}
+    if "__items__" in obj:
+        return {_decode(k): _decode(v) for k, v in obj["__items__"]}
+    raise ValueError(f"unknown tagged value in checkpoint metadata: {sorted(obj)}")
+
+
+def dumps(obj) -> str:
+    return json.dumps(_encode(obj), separators=(",", ":"))
+
+
+def loads(text: str):
+    return _decode(json.loads(text))

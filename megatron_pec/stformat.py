@@ -1,0 +1,143 @@
+"""The safetensors byte layout, written and read strictly, without the safetensors package.
+
+A file is: 8-byte little-endian header length N, a JSON header of N bytes
+(padded with spaces to a multiple of 8), then the raw tensor bytes with
+contiguous ``data_offsets`` starting at 0. Slot files and persisted rank files
+both use it, so persisting is a byte copy and loading is a plain read: no
+pickle anywhere.
+
+Tensor names are ``<item>/<slice key>``: the item (``dense`` or ``L<l>.E<e>``)
+a tensor belongs to is part of its name, so a reader can pick items without
+any other index.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1}
+
+
+def dtype_code(dtype) -> str:
+    """safetensors dtype code of a torch dtype (torch stays unimported: the agent never needs it)."""
+    return _CODES[str(dtype)]
+
+
+_CODES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64",
+          "torch.int64": "I64", "torch.int32": "I32", "torch.uint8": "U8"}
+
+
+def torch_dtype(code: str):
+    import torch
+
+    return getattr(torch, {v: k for k, v in _CODES.items()}[code].removeprefix("torch."))
+
+
+class FormatError(ValueError):
+    """The bytes are not a well-formed megatron-pec safetensors file."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    numel: int
+    begin: int  # offset in the data section
+    end: int
+
+    @property
+    def item(self) -> str:
+        return self.name.split("/", 1)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    tensors: tuple[TensorEntry, ...]
+    metadata: dict[str, str]
+    header_len: int  # N, the JSON length including padding
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def file_len(self) -> int:
+        return self.data_start + self.data_len
+
+
+def layout(specs: list[tuple[str, object, int]]) -> tuple[TensorEntry, ...]:
+    """Contiguous entries for ``(name, dtype, numel)`` in the given order."""
+    entries, offset = [], 0
+    for name, dtype, numel in specs:
+        code = dtype_code(dtype)
+        size = numel * ITEMSIZE[code]
+        entries.append(TensorEntry(name, code, numel, offset, offset + size))
+        offset += size
+    return tuple(entries)
+
+
+def encode_header(tensors, metadata: dict[str, str], capacity: int | None = None) -> bytes:
+    """8-byte length + JSON header, space-padded to a multiple of 8 (or to exactly ``capacity``)."""
+    body = {e.name: {"dtype": e.dtype, "shape": [e.numel], "data_offsets": [e.begin, e.end]} for e in tensors}
+    body["__metadata__"] = metadata
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    size = capacity if capacity is not None else (len(raw) + 7) // 8 * 8
+    if len(raw) > size:
+        raise FormatError(f"header needs {len(raw)} bytes but only {size} are reserved")
+    return struct.pack("<Q", size) + raw + b" " * (size - len(raw))
+
+
+def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> Header:
+    """Parse and validate a header from the first bytes of a file (strictly, like safetensors)."""
+    if len(prefix) < 8:
+        raise FormatError("file shorter than the 8-byte header length")
+    (size,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if size > 64 << 20 or len(prefix) < 8 + size:
+        raise FormatError(f"header length {size} is implausible or exceeds the file")
+    raw = bytes(prefix[8:8 + size])
+    if not raw.startswith(b"{"):
+        raise FormatError("header does not start with '{'")
+    try:
+        body = json.loads(raw.decode().rstrip(" "))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"header is not valid JSON ({exc})") from None
+    metadata = body.pop("__metadata__", {}) or {}
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise FormatError("__metadata__ values must be strings")
+    entries = []
+    for name, spec in body.items():
+        try:
+            begin, end = spec["data_offsets"]
+            (numel,) = spec["shape"]
+            dtype = spec["dtype"]
+            if dtype not in ITEMSIZE or end - begin != numel * ITEMSIZE[dtype]:
+                raise ValueError
+        except (KeyError, ValueError, TypeError):
+            raise FormatError(f"bad tensor entry {name!r}") from None
+        entries.append(TensorEntry(name, dtype, numel, begin, end))
+    entries.sort(key=lambda e: e.begin)
+    offset = 0
+    for e in entries:
+        if e.begin != offset:
+            raise FormatError(f"tensor {e.name!r} is not contiguous (starts at {e.begin}, expected {offset})")
+        offset = e.end
+    header = Header(tuple(entries), metadata, size)
+    if file_len is not None and header.file_len != file_len:
+        raise FormatError(f"file is {file_len} bytes but its header describes {header.file_len}")
+    return header
+
+
+def tensor_view(buffer, header: Header, entry: TensorEntry):
+    """A 1-D tensor viewing ``entry``'s bytes inside ``buffer`` (no copy)."""
+    import torch
+
+    if entry.numel == 0:
+        return torch.empty(0, dtype=torch_dtype(entry.dtype))
+    return torch.frombuffer(buffer, dtype=torch_dtype(entry.dtype), count=entry.numel,
+                            offset=header.data_start + entry.begin)

@@ -1,0 +1,105 @@
+"""Storage behind a small interface: atomic write, read, list, remove.
+
+Used by the node agent (persist, commit) and by restore (read). Knows nothing
+of Megatron. ``write_atomic`` is the only way bytes become visible: tmp file,
+fsync, rename, directory fsync - so a reader never sees a torn file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+from typing import Iterable
+
+from megatron_pec import faults
+
+CHUNK = 8 << 20
+
+
+class PosixStorage:
+    """Files under a local or shared POSIX file system."""
+
+    def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
+        """Write ``chunks`` to ``path`` atomically; returns (size, crc32). Raises OSError."""
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        size, crc = 0, 0
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                for chunk in chunks:
+                    faults.point("persist_write", path=path)
+                    for start in range(0, len(chunk), CHUNK):  # bounded syscalls, steady progress
+                        piece = chunk[start:start + CHUNK]
+                        f.write(piece)
+                        crc = zlib.crc32(piece, crc)
+                        size += len(piece)
+                os.fsync(f.fileno())
+            faults.point("before_rename", path=path)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self.fsync_dir(directory)
+        return size, crc
+
+    def write_text_atomic(self, path: str, text: str) -> None:
+        self.write_atomic(path, [text.encode()])
+
+    def read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_into(self, path: str) -> bytearray:
+        """The whole file in a writable buffer (so tensors can view it without copies)."""
+        size = os.path.getsize(path)
+        buf = bytearray(size)
+        with open(path, "rb", buffering=0) as f:
+            view, got = memoryview(buf), 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(errno.EIO, f"{path} shrank while being read")
+                got += n
+        return buf
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_empty_dirs(self, path: str) -> None:
+        for root, _, _ in sorted(os.walk(path), key=lambda t: -len(t[0])):
+            try:
+                os.rmdir(root)
+            except OSError:
+                pass
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def crc32_of(buffer, start: int = 0, end: int | None = None) -> int:
+    view = memoryview(buffer)[start:end]
+    crc = 0
+    for offset in range(0, len(view), CHUNK):
+        crc = zlib.crc32(view[offset:offset + CHUNK], crc)
+    return crc

@@ -1,0 +1,111 @@
+"""Unit tests for megatron_pec.plt (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_pec.items import ExpertId
+from megatron_pec.plt import PltReport, accumulate, lost_tokens, next_k
+
+A, B, C, D = ExpertId(1, 0), ExpertId(1, 1), ExpertId(3, 0), ExpertId(3, 1)
+
+
+def example() -> PltReport:
+    # Target iteration 100. A and D are fresh; B was restored from iteration 90,
+    # C from iteration 80.
+    at_target = {A: 1000, B: 600, C: 300, D: 100}
+    at_version = {A: 1000, B: 540, C: 240, D: 100}
+    version = {A: 100, B: 90, C: 80, D: 100}
+    return lost_tokens(at_target, at_version, version, target_iteration=100)
+
+
+def test_hand_computed_example():
+    r = example()
+    assert r.lost_tokens == 60 + 60
+    assert r.total_tokens == 2000
+    assert r.fraction == pytest.approx(120 / 2000)
+    assert r.stale_experts == {B: (90, 60), C: (80, 60)}
+
+
+def test_per_layer_numbers():
+    r = example()
+    assert r.per_layer == {1: (60, 1600), 3: (60, 400)}
+    assert r.per_layer_fraction(1) == pytest.approx(60 / 1600)
+    assert r.per_layer_fraction(3) == pytest.approx(0.15)
+    with pytest.raises(KeyError, match="no MoE layer 2"):
+        r.per_layer_fraction(2)
+
+
+def test_format_lines():
+    lines = example().format_lines()
+    assert lines[0] == ("PLT 6.0000% (120 of 2000 expert-tokens lost; 2 stale experts in 2 of 2 MoE layers)")
+    assert lines[1] == "  layer 1: PLT 3.7500% (60/1600); stale expert@version (-lost tokens): E1@90 (-60)"
+    assert lines[2] == "  layer 3: PLT 15.0000% (60/400); stale expert@version (-lost tokens): E0@80 (-60)"
+    assert len(lines) == 3
+
+
+def test_zero_loss_when_everything_is_fresh():
+    counts = {A: 10, B: 0, C: 7}
+    r = lost_tokens(counts, counts, {e: 50 for e in counts}, 50)
+    assert (r.lost_tokens, r.total_tokens, r.fraction) == (0, 17, 0.0)
+    assert r.stale_experts == {}
+    assert r.format_lines() == ["PLT 0.0000% (0 of 17 expert-tokens lost; 0 stale experts in 0 of 2 MoE layers)"]
+
+
+def test_stale_expert_without_tokens_is_listed_with_zero_loss():
+    r = lost_tokens({A: 5}, {A: 5}, {A: 10}, 20)
+    assert r.stale_experts == {A: (10, 0)} and r.lost_tokens == 0
+
+
+def test_empty_and_zero_total():
+    r = lost_tokens({}, {}, {}, 10)
+    assert (r.lost_tokens, r.total_tokens, r.fraction) == (0, 0, 0.0)
+    z = lost_tokens({A: 0}, {A: 0}, {A: 5}, 10)
+    assert z.fraction == 0.0 and z.per_layer_fraction(1) == 0.0
+
+
+@pytest.mark.parametrize("at_target, at_version, version, target, match", [
+    ({A: 5, B: 1}, {A: 5}, {A: 1, B: 1}, 10, r"cumulative_at_version lacks \[L1\.E1\]"),
+    ({A: 5}, {A: 5}, {A: 1, C: 1}, 10, r"version_of lacks nothing and has extra \[L3\.E0\]"),
+    ({A: 5}, {A: 6}, {A: 1}, 10, "counts cannot go down"),
+    ({A: 5}, {A: 5}, {A: 11}, 10, "after the target 10"),
+    ({A: -1}, {A: -2}, {A: 1}, 10, "negative cumulative token count"),
+    ({A: 9}, {A: 5}, {A: 10}, 10, "restored at the target 10 yet its counts differ"),
+])
+def test_inconsistent_bookkeeping_is_rejected(at_target, at_version, version, target, match):
+    with pytest.raises(ValueError, match=match):
+        lost_tokens(at_target, at_version, version, target)
+
+
+def test_accumulate_over_faults():
+    r = example()
+    lost, frac = accumulate(0, r)
+    assert (lost, frac) == (120, pytest.approx(0.06))
+    lost, frac = accumulate(lost, r)
+    assert (lost, frac) == (240, pytest.approx(0.12))
+    assert accumulate(7, lost_tokens({}, {}, {}, 1)) == (7, 0.0)
+    with pytest.raises(ValueError, match="previous_lost"):
+        accumulate(-1, r)
+
+
+@pytest.mark.parametrize("k, plt, threshold, experts, expected", [
+    (1, 0.05, 0.0375, 8, 2),     # over the threshold: double
+    (2, 0.01, 0.0375, 8, 2),     # under: unchanged
+    (2, 0.0375, 0.0375, 8, 2),   # equal is not "exceeds"
+    (4, 0.2, 0.0375, 8, 8),
+    (5, 0.2, 0.0375, 8, 8),      # capped at num_experts
+    (8, 0.9, 0.0375, 8, 8),
+])
+def test_next_k(k, plt, threshold, experts, expected):
+    assert next_k(k, plt, threshold, experts) == expected
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 0.1, 0.05, 8), "k must be in"),
+    ((9, 0.1, 0.05, 8), "k must be in"),
+    ((1, -0.1, 0.05, 8), "must be >= 0"),
+    ((1, 0.1, -0.05, 8), "must be >= 0"),
+])
+def test_next_k_rejects_bad_values(args, match):
+    with pytest.raises(ValueError, match=match):
+        next_k(*args)
