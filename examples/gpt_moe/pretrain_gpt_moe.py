@@ -195,6 +195,12 @@ def setup_model_and_optimizer(args):
     config.no_sync_func = ddp_model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer, scheduler = optimizer_provider(args, ddp_model)
+    if os.environ.get("MEGATRON_PEC_FAULT"):
+        # Fault point "optimizer_step": after the dense optimizer stepped, before the expert one.
+        from megatron_pec import faults
+
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])[-1].optimizer
+        inner.register_step_pre_hook(lambda *_: faults.point("optimizer_step"))
     return [ddp_model], optimizer, scheduler
 
 
