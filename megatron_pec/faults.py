@@ -10,6 +10,14 @@ empty dict.
 Points: trainer ``snapshot_begin``, ``snapshot_mid``, ``snapshot_end``,
 ``optimizer_step``; agent ``persist_write`` (mid file), ``before_rename``,
 ``before_node_marker``, ``before_manifest``, ``before_tracker``.
+
+``MEGATRON_PEC_FAULT_ONCE=DIR`` makes every armed point fire at most once across
+all processes that share ``DIR`` (a marker file per point, created with O_EXCL):
+a node agent restarted after an injected kill inherits the trainer's
+environment and would otherwise fire the same fault again.
+
+``python -m megatron_pec.faults campaign --runs N`` runs the random fault
+campaign (``megatron_pec.testing.campaign``, imported only then).
 """
 
 from __future__ import annotations
@@ -60,8 +68,22 @@ def point(name: str, **context) -> None:
     if armed[1] > 0:
         return
     del _ARMED[name]
+    once = os.environ.get("MEGATRON_PEC_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(os.path.join(once, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # another process already fired it
     print(f"megatron-pec fault injection: {action} at {name} {context or ''}", file=sys.stderr, flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     code = errno.ENOSPC if action == "enospc" else errno.EIO
     raise OSError(code, f"injected {action.upper()} at {name}", context.get("path"))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["campaign"]:
+        raise SystemExit("usage: python -m megatron_pec.faults campaign --runs N [--seed S] [--out FILE]")
+    from megatron_pec.testing.campaign import main
+
+    sys.exit(main(sys.argv[2:]))

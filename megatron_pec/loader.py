@@ -189,7 +189,7 @@ class Loader:
             restore.copy_slices(e.live, source.tensors(names))
         restore.sync_model_params(model, optimizer)
         if scheduler is not None and load_optim and small["scheduler"] is not None:
-            scheduler.load_state_dict(small["scheduler"])
+            restore.restore_scheduler(scheduler, small["scheduler"])
         if not (config.no_load_rng or config.finetune):
             restore.restore_rng(small["rng"])
         restore.restore_args(e.args, small, config.finetune)

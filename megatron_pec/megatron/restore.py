@@ -40,6 +40,13 @@ def restore_optimizer(optimizer, state: dict) -> None:
                 param_state["step"] = param_state["step"].clone()
 
 
+def restore_scheduler(scheduler, state: dict) -> None:
+    # OptimizerParamScheduler.load_state_dict *adds* the saved step count (it expects a
+    # fresh scheduler); start from zero so a restore into a running job is exact too.
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
+
+
 def restore_rng(state: dict) -> None:
     from megatron.core import tensor_parallel
 

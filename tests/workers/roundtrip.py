@@ -1,0 +1,92 @@
+"""Bit-exact round trip through node memory and through storage on real megatron-core (EP=2, DP=2).
+
+argv: SAVE_DIR SHM_DIR [extra example flags...]. Reports, per rank, what matched.
+"""
+
+import os
+import random
+import shutil
+import signal
+import sys
+
+import numpy
+import torch
+
+import megatron_pec
+from common import example, report, setup
+from megatron_pec import api
+from megatron_pec.megatron import collect
+
+N = 6  # persistent save here; memory snapshots at every iteration before it
+MORE = 3
+
+
+def capture(args, model, optimizer, scheduler):
+    from megatron.core import tensor_parallel
+
+    live = collect.live_views(api._engine.slices, optimizer)
+    return {
+        "slices": {k: v.clone() for k, v in live.items()},
+        "params": {n: p.detach().clone() for n, p in model[0].named_parameters()},
+        "torch_rng": torch.get_rng_state().clone(),
+        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+        "random": random.getstate(),
+        "numpy": numpy.random.get_state()[1].copy(),
+        "scheduler": scheduler.state_dict(),
+        "param_groups": [o.state_dict()["optimizer"]["param_groups"] for o in optimizer.chained_optimizers],
+        "consumed": args.consumed_train_samples,
+    }
+
+
+def differences(a, b) -> list[str]:
+    bad = [f"slice {k}" for k in a["slices"] if not torch.equal(a["slices"][k], b["slices"][k])]
+    bad += [f"param {k}" for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
+    bad += [k for k in ("torch_rng",) if not torch.equal(a[k], b[k])]
+    bad += [f"tracker {k}" for k in a["tracker"] if not torch.equal(a["tracker"][k], b["tracker"][k])]
+    bad += ["numpy"] if not numpy.array_equal(a["numpy"], b["numpy"]) else []
+    bad += [f"{k}: {a[k]} != {b[k]}" for k in ("random", "scheduler", "param_groups", "consumed") if a[k] != b[k]]
+    return bad
+
+
+def train(args, model, optimizer, scheduler, data, n):
+    losses = []
+    for _ in range(n):
+        losses.append(example.train_step(args, model, optimizer, scheduler, data)[0])
+        args.consumed_train_samples += args.global_batch_size
+    return losses
+
+
+def main():
+    save, shm = sys.argv[1], sys.argv[2]
+    args, model, optimizer, scheduler, data_from = setup(
+        ["--train-iters", "20", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "rt"]
+        + sys.argv[3:])
+    fresh = megatron_pec.load_checkpoint(model, optimizer, scheduler)
+    data = data_from(0)
+    for i in range(1, N + 1):
+        train(args, model, optimizer, scheduler, data, 1)
+        megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 100.0 * i, non_persistent_ckpt=i != N)
+    at_n = capture(args, model, optimizer, scheduler)
+    reference = train(args, model, optimizer, scheduler, data, MORE)
+    result = {"fresh": list(fresh), "reference": reference}
+
+    for leg in ("memory", "storage"):
+        if leg == "storage":
+            engine = api._engine
+            engine.flush()  # iteration N is committed before its slot is released
+            torch.distributed.barrier()
+            if engine.local_world_size == 1 or torch.distributed.get_rank() == 0:
+                pid = int(open(os.path.join(engine.node_dir, "agent.pid")).read())
+                os.kill(pid, signal.SIGKILL)
+                shutil.rmtree(engine.node_dir)
+            torch.distributed.barrier()
+        loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
+        after = capture(args, model, optimizer, scheduler)
+        resumed = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
+        result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed}
+    report("roundtrip", result)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
