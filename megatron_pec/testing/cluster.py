@@ -1,0 +1,380 @@
+"""Simulated multi-node training on one machine, for fault-injection tests, the campaign and the CPU demo.
+
+Runs in the test / campaign / demo driver process, never inside training. A
+``Cluster`` launches ``examples/gpt_moe/pretrain_gpt_moe.py`` as ``nnodes``
+separate ``torchrun --nnodes N --node-rank k --nproc-per-node 1`` processes (one
+rank per "node"), each in its own session so it can be killed as a unit. Every
+node gets its own node agent and node memory automatically, because node
+memory lives in ``<shm dir>/<job id>/node<k>/``.
+
+What it offers, all with bounded waits (a hang raises ``ClusterTimeout``):
+
+* ``launch`` the job (optionally arming ``MEGATRON_PEC_FAULT`` per node),
+  ``wait_for`` a condition (a log line, a file, an iteration in the metrics
+  file), ``wait_exit``;
+* ``kill_trainers`` (SIGKILL the node's torchrun and its workers; the agent,
+  in its own session, survives), ``kill_agent`` (SIGKILL the pid in
+  ``agent.pid``), ``lose_node`` (both, then delete the node's memory);
+* ``close`` kills whatever is left (trainers, agents of this cluster's node
+  directories) and removes the node memory, also when a test failed.
+
+Log helpers parse what the engine prints on restore (``restored iteration N
+from memory|storage``, the PLT line) so tests and the campaign share one parser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+PORTS = range(29700, 29900)  # this harness's share of master ports
+
+# A small GPT-MoE that runs an iteration in ~0.3 s on 2 CPU cores (8 experts, EP=2, DP=2).
+SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "8",
+               "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--seq-length", "64",
+               "--micro-batch-size", "4", "--global-batch-size", "8", "--log-interval", "1",
+               "--eval-iters", "1", "--lr-warmup-iters", "2"]
+
+_RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from (memory|storage)"
+                       r"(?:; experts from older versions: (.*))?$", re.M)
+_PLT = re.compile(r"megatron-pec: PLT ([0-9.]+)% \((\d+) of (\d+) expert-tokens lost", re.M)
+
+
+class ClusterTimeout(AssertionError):
+    """A bounded wait ran out: the job hung or never reached the awaited condition."""
+
+
+@dataclass
+class Restore:
+    """What one rank logged about its restore."""
+
+    rank: int
+    iteration: int
+    source: str                                             # "memory" or "storage"
+    older: dict[str, int] = field(default_factory=dict)     # expert item -> restored version (< iteration)
+
+
+def parse_restores(text: str) -> dict[int, Restore]:
+    out = {}
+    for m in _RESTORED.finditer(text):
+        older = {}
+        for part in filter(None, (p.strip() for p in (m.group(4) or "").split(","))):
+            item, version = part.rsplit("@", 1)
+            older[item] = int(version)
+        out[int(m.group(1))] = Restore(int(m.group(1)), int(m.group(2)), m.group(3), older)
+    return out
+
+
+def parse_plt(text: str) -> float | None:
+    """The PLT (as a fraction) of the last restore logged in ``text``, None if none was logged."""
+    found = _PLT.findall(text)
+    return float(found[-1][0]) / 100 if found else None
+
+
+def free_port(start: int | None = None) -> int:
+    """A master port in this harness's range that nothing listens on (or lingers on) right now."""
+    offset = (start if start is not None else os.getpid() * 7 + int(time.monotonic() * 1000)) % len(PORTS)
+    for i in range(len(PORTS)):
+        port = PORTS[(offset + i) % len(PORTS)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free master port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def _ppid_map() -> dict[int, int]:
+    parents = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            parents[int(name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s living descendants (children first found, breadth-first)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _ppid_map().items():
+        children.setdefault(parent, []).append(child)
+    out, frontier = [], [pid]
+    while frontier:
+        nxt = []
+        for p in frontier:
+            nxt += children.get(p, [])
+        out += nxt
+        frontier = nxt
+    return out
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Cluster:
+    """``nnodes`` simulated nodes of one training job (one rank each), sharing ``save`` storage."""
+
+    def __init__(self, workdir: str | os.PathLike, shm_dir: str | os.PathLike, job_id: str, *, nnodes: int = 2,
+                 model_args: list[str] = SMALL_MODEL, save: str | os.PathLike | None = None,
+                 env: dict[str, str] | None = None, script: Path = PRETRAIN):
+        if not job_id.startswith("f"):
+            raise ValueError(f"fault-injection job ids start with 'f' (got {job_id!r})")
+        self.workdir, self.shm_dir, self.job_id = Path(workdir), Path(shm_dir), job_id
+        self.nnodes, self.model_args, self.script = nnodes, list(model_args), script
+        self.save = Path(save) if save is not None else self.workdir / "checkpoints"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.once_dir = self.workdir / "faults_fired"
+        self.once_dir.mkdir(exist_ok=True)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self.env.pop("MEGATRON_PEC_FAULT", None)
+        self.launches = 0
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._seen: set[int] = set()       # every trainer-side pid this cluster has seen (for close)
+        self._log_files: list = []
+
+    # ---- paths ---------------------------------------------------------------------------------
+    def node_dir(self, node: int) -> Path:
+        return self.shm_dir / self.job_id / f"node{node}"
+
+    def log_path(self, node: int, launch: int | None = None) -> Path:
+        return self.workdir / f"launch{launch or self.launches}.node{node}.log"
+
+    def metrics_path(self, launch: int | None = None) -> Path:
+        return self.workdir / f"launch{launch or self.launches}.metrics.jsonl"
+
+    # ---- start ---------------------------------------------------------------------------------
+    def launch(self, train_args: list[str], faults: str | dict[int, str] | None = None,
+               env: dict[str, str] | None = None) -> int:
+        """Start every node with ``train_args`` (plus the model, --save/--load, shm dir, job id, metrics).
+
+        ``faults``: one MEGATRON_PEC_FAULT spec for all nodes, or {node: spec}. Agents
+        started by a node inherit its spec; every point fires at most once per cluster.
+        Returns the launch number (names its logs and metrics file).
+        """
+        if any(p.poll() is None for p in self.procs.values()):
+            raise RuntimeError("launch() while the previous launch still runs; wait_exit() or kill_trainers()")
+        self.launches += 1
+        port = free_port()
+        args = [*self.model_args, "--save", str(self.save), "--load", str(self.save),
+                "--pec-shm-dir", str(self.shm_dir), "--pec-job-id", self.job_id,
+                "--pec-agent-idle-timeout", "120", "--metrics-file", str(self.metrics_path()), *train_args]
+        self.procs = {}
+        for node in range(self.nnodes):
+            node_env = dict(self.env, MEGATRON_PEC_FAULT_ONCE=str(self.once_dir), **(env or {}))
+            spec = faults.get(node) if isinstance(faults, dict) else faults
+            if spec:
+                node_env["MEGATRON_PEC_FAULT"] = spec
+            log = open(self.log_path(node), "w")
+            self._log_files.append(log)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes),
+                   "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                   "--master-port", str(port), "--max-restarts", "0", str(self.script), *args]
+            self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                env=node_env, cwd=str(REPO), start_new_session=True)
+            self._seen.add(self.procs[node].pid)
+        return self.launches
+
+    # ---- observe -------------------------------------------------------------------------------
+    def log(self, node: int, launch: int | None = None) -> str:
+        try:
+            return self.log_path(node, launch).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def logs(self, launch: int | None = None) -> str:
+        return "\n".join(self.log(n, launch) for n in range(self.nnodes))
+
+    def metrics(self, launch: int | None = None) -> list[dict]:
+        try:
+            lines = self.metrics_path(launch).read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # the trainer died mid-line
+        return out
+
+    def iteration(self, launch: int | None = None) -> int:
+        """Newest iteration rank 0 finished (trained and saved) in this launch; 0 if none."""
+        return max((r["iteration"] for r in self.metrics(launch) if "lm loss" in r), default=0)
+
+    def restores(self, launch: int | None = None) -> dict[int, Restore]:
+        return parse_restores(self.logs(launch))
+
+    def agent_pid(self, node: int) -> int | None:
+        try:
+            pid = int((self.node_dir(node) / "agent.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if _alive(pid) else None
+
+    def wait_for(self, condition, timeout: float, what: str, poll: float = 0.05):
+        """Poll ``condition()`` until it returns something truthy; raises ClusterTimeout after ``timeout`` s.
+
+        Also fails early when every node has exited and the condition still does not hold.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            value = condition()
+            if value:
+                return value
+            if self.procs and all(p.poll() is not None for p in self.procs.values()):
+                value = condition()
+                if value:
+                    return value
+                raise ClusterTimeout(f"every node exited before {what}; logs in {self.workdir}:\n{self._tails()}")
+            if time.monotonic() > deadline:
+                raise ClusterTimeout(f"not {what} within {timeout:.0f}s; logs in {self.workdir}:\n{self._tails()}")
+            time.sleep(poll)
+
+    def wait_iteration(self, iteration: int, timeout: float = 120.0) -> int:
+        return self.wait_for(lambda: self.iteration() >= iteration and self.iteration(), timeout,
+                             f"at iteration {iteration}")
+
+    def wait_log(self, pattern: str, node: int | None = None, timeout: float = 120.0) -> re.Match:
+        regex = re.compile(pattern, re.M)
+        text = (lambda: self.log(node)) if node is not None else self.logs
+        return self.wait_for(lambda: regex.search(text()), timeout, f"logged /{pattern}/")
+
+    def wait_file(self, path: str | os.PathLike, timeout: float = 120.0) -> Path:
+        return self.wait_for(lambda: os.path.exists(path) and Path(path), timeout, f"file {path} present")
+
+    def wait_exit(self, timeout: float = 180.0, nodes=None) -> dict[int, int]:
+        """Return codes of the nodes; a node still running after ``timeout`` s is killed and fails the wait."""
+        nodes = list(self.procs) if nodes is None else list(nodes)
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            try:
+                self.procs[node].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_trainers()
+                raise ClusterTimeout(f"node {node} did not exit within {timeout:.0f}s (hung); logs in "
+                                     f"{self.workdir}:\n{self._tails()}") from None
+        return {n: self.procs[n].returncode for n in nodes}
+
+    def _tails(self, lines: int = 15) -> str:
+        out = []
+        for n in range(self.nnodes):
+            tail = self.log(n).splitlines()[-lines:]
+            out.append(f"--- node {n} ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    # ---- faults --------------------------------------------------------------------------------
+    def _agent_pids(self) -> set[int]:
+        return {p for n in range(self.nnodes) if (p := self.agent_pid(n)) is not None}
+
+    def kill_trainers(self, nodes=None) -> None:
+        """SIGKILL each node's torchrun and all its worker processes; node agents survive."""
+        agents = self._agent_pids() | set(self._agents_by_cmdline())
+        for node in (list(self.procs) if nodes is None else nodes):
+            proc = self.procs[node]
+            tree = [proc.pid] + [p for p in descendants(proc.pid) if p not in agents]
+            self._seen.update(tree)
+            for pid in tree:          # the launcher first, so it cannot react to its workers dying
+                _kill(pid)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                raise ClusterTimeout(f"node {node}'s torchrun survived SIGKILL") from None
+
+    def kill_agent(self, node: int, timeout: float = 30.0) -> int | None:
+        """SIGKILL node ``node``'s agent; returns its pid (None if none ran)."""
+        pid = self.agent_pid(node)
+        if pid is not None:
+            _kill(pid)
+            self.wait_for(lambda: not _alive(pid), timeout, f"agent {pid} dead")
+        return pid
+
+    def lose_node(self, node: int) -> None:
+        """Node loss: the node's trainer processes and agent are SIGKILLed and its memory is gone."""
+        self.kill_trainers([node])
+        self.kill_agent(node)
+        for pid in self._agents_by_cmdline(node):
+            _kill(pid)
+        shutil.rmtree(self.node_dir(node), ignore_errors=True)
+
+    def _agents_by_cmdline(self, node: int | None = None) -> list[int]:
+        """Agents serving this cluster's node directories (found even if agent.pid is gone)."""
+        nodes = range(self.nnodes) if node is None else [node]
+        wanted = [f"--dir {self.node_dir(n)} " for n in nodes]
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()
+                and any(w in _cmdline(int(p)) + " " for w in wanted)]
+
+    # ---- cleanup -------------------------------------------------------------------------------
+    def close(self, keep_memory: bool = False) -> None:
+        """Kill every process this cluster started (trainers and agents) and, unless asked, its node memory."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                self._seen.update(descendants(proc.pid))
+        for pid in list(self._seen):
+            if _alive(pid):
+                self._seen.update(descendants(pid))
+        agents = self._agent_pids() | set(self._agents_by_cmdline())
+        for pid in self._seen | agents:
+            _kill(pid)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in self._log_files:
+            f.close()
+        self._log_files = []
+        if not keep_memory:
+            shutil.rmtree(self.shm_dir / self.job_id, ignore_errors=True)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_megatron_pec(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """``python -m megatron_pec ARGS`` (inspect / verify), output captured."""
+    return subprocess.run([sys.executable, "-m", "megatron_pec", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(REPO))
+
+
+__all__ = ["Cluster", "ClusterTimeout", "Restore", "parse_restores", "parse_plt", "free_port", "SMALL_MODEL",
+           "run_megatron_pec", "descendants"]
