@@ -7,11 +7,13 @@ Same signatures, return values and ``args`` side effects as
 from __future__ import annotations
 
 import atexit
+import sys
 
 from megatron_pec.errors import CheckpointError
 
 _fallback_args = None
 _engine = None
+_crashed = False  # an uncaught exception is ending this process (see _close_at_exit)
 
 
 def use_args(args) -> None:
@@ -47,8 +49,26 @@ def _get_engine(model, optimizer):
         if _engine is not None:
             _engine.close()
         _engine = Engine(_args(), _chunks(model), optimizer)
-        atexit.register(_engine.close)
+        if not getattr(sys.excepthook, "megatron_pec", False):
+            sys.excepthook = _recording_crash(sys.excepthook)
+        atexit.register(_close_at_exit, _engine)
     return _engine
+
+
+def _recording_crash(previous):
+    def excepthook(*exc_info):
+        global _crashed
+        _crashed = True
+        previous(*exc_info)
+
+    excepthook.megatron_pec = True
+    return excepthook
+
+
+def _close_at_exit(engine) -> None:
+    # A trainer that dies of an exception (e.g. a peer node vanished mid-collective) must not
+    # detach "cleanly": the agent would then exit and delete the node memory the restart needs.
+    engine.close(detach=not _crashed)
 
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,

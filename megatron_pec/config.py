@@ -32,8 +32,8 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "with equal capacity per EP rank (load-aware), or a byte budget split by layer "
                         "popularity (popularity). Default: sequential")
     g.add_argument("--pec-budget-mb", type=float, default=None,
-                   help="popularity policy: expert bytes per rank per checkpoint "
-                        "(default: derived from the K flags)")
+                   help="popularity policy: MiB of expert state per checkpoint, summed over all experts "
+                        "of all layers and ranks (default: snapshot-K experts per layer)")
     g.add_argument("--pec-dynamic-k", action="store_true",
                    help="after a recovery, double K when the accumulated portion of lost tokens "
                         "exceeds --pec-plt-threshold")
@@ -56,6 +56,19 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds the node agent waits for trainers to come back after they vanished "
                         "(default 600)")
     return parser
+
+
+def flags_markdown() -> str:
+    """The --pec-* flags as a markdown table (docs/megatron-lm.md embeds it; a test keeps it current)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for action in add_pec_args(argparse.ArgumentParser())._actions:
+        if action.option_strings and action.option_strings[0].startswith("--pec-"):
+            default = "off" if action.const is True else action.default
+            if default is None:
+                default = "all experts" if action.dest.endswith("_k") else "(see meaning)"
+            text = (action.help or "").replace("%%", "%").replace("%(default)s", str(action.default))
+            rows.append(f"| `{action.option_strings[0]}` | {default} | {text} |")
+    return "\n".join(rows)
 
 
 @dataclass(frozen=True, slots=True)

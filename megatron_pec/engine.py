@@ -17,7 +17,7 @@ import torch
 
 from megatron_pec import faults, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, ensure_agent
-from megatron_pec.config import PecConfig
+from megatron_pec.config import PecConfig, PecConfigError
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, item_name
 from megatron_pec.manifest import FORMAT
@@ -37,13 +37,17 @@ class Engine:
         from megatron.core import parallel_state
 
         self.args, self.model, self.optimizer = args, model_chunks, optimizer
-        self.config = PecConfig.from_args(args)
+        try:
+            self.config = PecConfig.from_args(args)
+        except PecConfigError as exc:
+            raise CheckpointError(f"megatron-pec: {exc}") from None
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
         self.node_rank = _env_int("GROUP_RANK", self.rank // self.local_world_size)
         self.num_nodes = self.world_size // self.local_world_size
-        self.dp_group = parallel_state.get_data_parallel_group()
+        # Tokens are split over data- and context-parallel ranks; both see different tokens.
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         # Agreement collectives run on CPU tensors whatever the training backend is.
         self.cpu_group = torch.distributed.new_group(backend="gloo")
 
@@ -268,8 +272,11 @@ class Engine:
         while any(self.ring.held) and self.agent.connected and time.monotonic() < deadline:
             self._collect_releases(block_s=0.5)
 
-    def close(self) -> None:
+    def close(self, detach: bool = True) -> None:
+        """detach=False (the trainer is crashing): leave at once without a clean detach, so the
+        agent keeps the node memory for the restart."""
         if self.agent.connected:
-            self.flush()
-            self.agent.close(detach=True)
+            if detach:
+                self.flush()
+            self.agent.close(detach=detach)
 

@@ -18,7 +18,7 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from megatron_pec.stformat import Header, TensorEntry, decode_header, encode_header, tensor_view
+from megatron_pec.stformat import Header, TensorEntry, decode_header, encode_header, tensor_table, tensor_view
 
 NUM_SLOTS = 3
 HEADER_RESERVE = 256 << 10  # room for metadata (small state, token counts) beyond the tensor table
@@ -42,8 +42,8 @@ class SlotFiles:
 
     def __init__(self, directory: str, rank: int, entries: tuple[TensorEntry, ...], local_ranks: int):
         self.directory, self.rank, self.entries = directory, rank, entries
-        placeholder = {"state": "writing", "pad": ""}
-        self.capacity = len(encode_header(entries, placeholder)) - 8 + HEADER_RESERVE
+        self.table = tensor_table(entries)  # encoded once; each save only encodes its metadata
+        self.capacity = len(encode_header(entries, {}, table=self.table)) - 8 + HEADER_RESERVE
         self.capacity = (self.capacity + 7) // 8 * 8
         self.header = Header(entries, {}, self.capacity)
         self.file_len = self.header.file_len
@@ -81,7 +81,7 @@ class SlotFiles:
             os.close(fd)
 
     def write_header(self, slot: int, metadata: dict[str, str]) -> None:
-        self.maps[slot][:8 + self.capacity] = encode_header(self.entries, metadata, self.capacity)
+        self.maps[slot][:8 + self.capacity] = encode_header(self.entries, metadata, self.capacity, self.table)
 
     def invalidate(self, slot: int) -> None:
         """Mark a slot as being written before its bytes change (a kill mid-copy leaves it invalid)."""

@@ -82,11 +82,20 @@ def layout(specs: list[tuple[str, object, int]]) -> tuple[TensorEntry, ...]:
     return tuple(entries)
 
 
-def encode_header(tensors, metadata: dict[str, str], capacity: int | None = None) -> bytes:
-    """8-byte length + JSON header, space-padded to a multiple of 8 (or to exactly ``capacity``)."""
+def tensor_table(tensors) -> bytes:
+    """The JSON of the tensor entries, without the closing brace (reusable across saves)."""
     body = {e.name: {"dtype": e.dtype, "shape": [e.numel], "data_offsets": [e.begin, e.end]} for e in tensors}
-    body["__metadata__"] = metadata
-    raw = json.dumps(body, separators=(",", ":")).encode()
+    return json.dumps(body, separators=(",", ":")).encode()[:-1]
+
+
+def encode_header(tensors, metadata: dict[str, str], capacity: int | None = None, table: bytes | None = None) -> bytes:
+    """8-byte length + JSON header, space-padded to a multiple of 8 (or to exactly ``capacity``).
+
+    Pass ``table`` (from :func:`tensor_table`) to skip re-encoding the tensor entries.
+    """
+    table = tensor_table(tensors) if table is None else table
+    meta = json.dumps(metadata, separators=(",", ":")).encode()
+    raw = table + (b"," if len(table) > 1 else b"") + b'"__metadata__":' + meta + b"}"
     size = capacity if capacity is not None else (len(raw) + 7) // 8 * 8
     if len(raw) > size:
         raise FormatError(f"header needs {len(raw)} bytes but only {size} are reserved")

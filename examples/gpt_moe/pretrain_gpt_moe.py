@@ -74,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.global_batch_size % args.micro_batch_size:
         p.error("--global-batch-size must be a multiple of --micro-batch-size")
+    try:
+        megatron_pec.config.PecConfig.from_args(args)
+    except megatron_pec.config.PecConfigError as exc:
+        p.error(str(exc))
     return args
 
 

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 import numpy
 import torch
 
+from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.megatron.layout import param_pieces
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
-class UnsupportedSetup(RuntimeError):
+class UnsupportedSetup(CheckpointError):
     """A Megatron configuration megatron-pec cannot checkpoint; the message says what to change."""
 
 
@@ -54,6 +55,9 @@ def distributed_optimizers(optimizer) -> list:
         raise UnsupportedSetup(f"megatron-pec needs Megatron's distributed optimizer (--use-distributed-optimizer); "
                                f"found {', '.join(bad)}")
     for o in inner:
+        if o.ddp_config.use_megatron_fsdp:
+            raise UnsupportedSetup("megatron-pec does not support Megatron FSDP (--use-megatron-fsdp) yet; "
+                                   "use the distributed optimizer with Megatron DDP")
         if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             raise UnsupportedSetup("megatron-pec does not support --use-precision-aware-optimizer yet; "
                                    "drop that flag to use megatron-pec")

@@ -1,0 +1,57 @@
+"""The --pec-* flags: documented, validated with messages that name the flag."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+import megatron_pec
+from megatron_pec.config import PecConfig, PecConfigError
+
+
+def parser():
+    return megatron_pec.add_pec_args(argparse.ArgumentParser(allow_abbrev=False))
+
+
+def test_every_pec_flag_is_documented():
+    actions = [a for a in parser()._actions if any(o.startswith("--pec-") for o in a.option_strings)]
+    assert len(actions) >= 12
+    for action in actions:
+        assert action.help and len(action.help) > 20, action.option_strings
+
+
+def test_defaults_mean_a_full_flash_checkpoint(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    config = PecConfig.from_args(parser().parse_args(["--pec-shm-dir", "/dev/shm/x"]))
+    assert config.snapshot_k is None and config.persist_k is None and config.selection == "sequential"
+    assert config.job_id == "default"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run42")
+    assert PecConfig.from_args(SimpleNamespace(save="/s")).job_id == "run42"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--pec-snapshot-k", "0"], "--pec-snapshot-k"),
+    (["--pec-snapshot-k", "1", "--pec-persist-k", "2"], "--pec-persist-k"),
+    (["--pec-plt-threshold", "1.5"], "--pec-plt-threshold"),
+    (["--pec-budget-mb", "-1"], "--pec-budget-mb"),
+    (["--pec-keep", "-1"], "--pec-keep"),
+    (["--pec-job-id", "a/b"], "--pec-job-id"),
+])
+def test_bad_values_name_the_flag(argv, flag):
+    with pytest.raises(PecConfigError, match=flag):
+        PecConfig.from_args(parser().parse_args(argv))
+
+
+def test_unknown_policy_is_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--pec-selection", "random"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_docs_list_every_flag():
+    from pathlib import Path
+
+    from megatron_pec.config import flags_markdown
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "megatron-lm.md").read_text()
+    assert flags_markdown() in docs, "docs/megatron-lm.md flags table is stale: regenerate it (see the comment)"
