@@ -19,7 +19,7 @@ from megatron_pec import faults, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, ensure_agent
 from megatron_pec.config import PecConfig, PecConfigError
 from megatron_pec.errors import CheckpointError
-from megatron_pec.items import NON_EXPERT, item_name
+from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.manifest import FORMAT
 from megatron_pec.megatron import collect
 from megatron_pec.megatron.tokens import TokenCounter
@@ -58,6 +58,7 @@ class Engine:
         self.tokens = TokenCounter(model_chunks)
         self.experts_held = sorted({s.expert for s in self.slices if s.expert is not None})
         self.expert_layout = self._expert_layout()
+        self.all_experts = self._all_experts()
         self.pec = self._initial_pec_state()
         self.node_dir = node_dir(self.config.shm_dir, self.config.job_id, self.node_rank)
         self.agent = AgentClient(self.node_dir, self.rank)
@@ -85,6 +86,19 @@ class Engine:
         return policy.ExpertLayout(layers=tuple(self.tokens.layers), num_experts=self.tokens.num_experts,
                                    ep_size=parallel_state.get_expert_model_parallel_world_size(),
                                    expert_bytes=max(1, int(t.item())))
+
+    def _all_experts(self) -> list[ExpertId]:
+        """Every expert of the model, across pipeline stages (each stage only sees its own layers);
+        the index space of the loader's cross-rank vectors."""
+        most = 4096
+        mine = torch.full((most,), -1, dtype=torch.int64)
+        mine[: len(self.tokens.layers)] = torch.tensor(self.tokens.layers, dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(every, mine, group=self.cpu_group)
+        layers = sorted({int(x) for t in every for x in t if x >= 0})
+        experts = torch.tensor([self.tokens.num_experts], dtype=torch.int64)
+        torch.distributed.all_reduce(experts, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
+        return [ExpertId(layer, e) for layer in layers for e in range(int(experts))]
 
     def _global_fingerprint(self, local: str) -> str:
         """One configuration id for the whole job: every rank's slice layout, hashed together."""
@@ -258,7 +272,7 @@ class Engine:
             if any(m.get("type") == "flushed" for m in messages):
                 return
 
-    def after_restore(self, target: int, plan) -> None:
+    def after_restore(self) -> None:
         """Flags win over the restored K unless Dynamic-K owns it."""
         if not self.config.dynamic_k:
             fresh = self._initial_pec_state()

@@ -145,10 +145,9 @@ class Loader:
 
     def _agree_versions(self, best: dict[str, int | None]) -> dict[str, int | None]:
         """Per expert, the newest version every rank holding it can restore (MIN over ranks)."""
-        layout = self.e.expert_layout
-        if layout is None:
+        names = [item_name(x) for x in self.e.all_experts]
+        if not names:
             return {}
-        names = [item_name(x) for x in layout.all_experts()]
         t = torch.full((len(names),), NONE, dtype=torch.int64)
         for i, name in enumerate(names):
             if best.get(name) is not None:
@@ -159,11 +158,10 @@ class Loader:
         return {n: (int(v) if 0 <= v < NONE else None) for n, v in zip(names, t.tolist()) if n in best}
 
     def _agree_flags(self, flags: list[bool]) -> list[bool]:
-        layout = self.e.expert_layout
-        if layout is None:
+        names = [item_name(x) for x in self.e.all_experts]
+        if not names:
             return []
         held = [item_name(x) for x in self.e.experts_held]
-        names = [item_name(x) for x in layout.all_experts()]
         t = torch.zeros(len(names), dtype=torch.int64)
         position = {n: i for i, n in enumerate(names)}
         for name, flag in zip(held, flags):
@@ -198,12 +196,12 @@ class Loader:
         older = {i: s.items[i] for i, s in plan.items() if i != NON_EXPERT and s.items[i] < target}
         line = f"megatron-pec: rank {self.rank}: restored iteration {target} from {where}"
         if older:
-            line += f"; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
+            line += "; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
         say(line)
         if report is not None and self.rank == 0:
             for text in report.format_lines():
                 say(f"megatron-pec: {text}")
-        e.after_restore(target, plan)
+        e.after_restore()
         iteration = 0 if config.finetune else target
         return iteration, small["num_floating_point_operations_so_far"]
 
@@ -219,32 +217,34 @@ class Loader:
         return views
 
     def _account(self, target: int, plan: dict[str, Source], dense: Source) -> plt.PltReport | None:
-        """PLT of this restore (identical on every rank), folded into the PEC state."""
+        """PLT of this restore over every expert of the model (identical on every rank), folded
+        into the PEC state. Each rank knows the versions and token counts of the experts it
+        holds; one MAX all-reduce per vector completes them (each expert is held somewhere)."""
         e = self.e
-        layout = e.expert_layout
-        if layout is None:
+        experts = e.all_experts
+        if not experts:
             return None
-        at_target = cumulative_from_json(dense.metadata["tokens"])
-        experts = layout.all_experts()
-        versions = torch.full((len(experts),), -1, dtype=torch.int64)
-        counts = torch.full((len(experts),), -1, dtype=torch.int64)
+        at_target_local = cumulative_from_json(dense.metadata["tokens"])
+        vectors = torch.full((3, len(experts)), -1, dtype=torch.int64)  # version, tokens at it, tokens at T
         for i, x in enumerate(experts):
             source = plan.get(item_name(x))
             if source is not None:
-                versions[i] = source.items[item_name(x)]
-                counts[i] = cumulative_from_json(source.metadata["tokens"])[x]
-        for t in (versions, counts):  # every expert is held by some rank: MAX fills the gaps
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=e.cpu_group)
-        version_of = {x: int(v) for x, v in zip(experts, versions.tolist())}
-        at_version = {x: int(c) for x, c in zip(experts, counts.tolist())}
+                vectors[0, i] = source.items[item_name(x)]
+                vectors[1, i] = cumulative_from_json(source.metadata["tokens"])[x]
+            if x in at_target_local:
+                vectors[2, i] = at_target_local[x]
+        torch.distributed.all_reduce(vectors, op=torch.distributed.ReduceOp.MAX, group=e.cpu_group)
+        version_of = {x: int(v) for x, v in zip(experts, vectors[0].tolist())}
+        at_version = {x: int(c) for x, c in zip(experts, vectors[1].tolist())}
+        at_target = {x: int(c) for x, c in zip(experts, vectors[2].tolist())}
         report = plt.lost_tokens(at_target, at_version, version_of, target)
         state = PecState.loads(dense.metadata["pec"])
         state.lost_tokens, state.plt = plt.accumulate(state.lost_tokens, report)
         state.recoveries += 1
-        for x in experts:  # the snapshot level now holds exactly what was restored
+        for x in at_target_local:  # this stage's snapshot level now holds exactly what was restored
             state.snapshot.saved_at[x], state.snapshot.tokens_at[x] = version_of[x], at_version[x]
-        if e.config.dynamic_k:
-            k = plt.next_k(state.snapshot.k, state.plt, e.config.plt_threshold, layout.num_experts)
+        if e.config.dynamic_k and e.expert_layout is not None:
+            k = plt.next_k(state.snapshot.k, state.plt, e.config.plt_threshold, e.expert_layout.num_experts)
             if k != state.snapshot.k:
                 if self.rank == 0:
                     say(f"megatron-pec: accumulated PLT {state.plt:.2%} exceeds {e.config.plt_threshold:.2%}: "
@@ -252,6 +252,6 @@ class Loader:
                         f"{state.persist.k} -> {min(k, 2 * state.persist.k)}")
                 state.persist.k = min(k, 2 * state.persist.k)
                 state.snapshot.k = k
-        e.tokens.cumulative.update(at_target)
+        e.tokens.cumulative.update(at_target_local)
         e.pec = state
         return report

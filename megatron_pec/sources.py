@@ -8,7 +8,6 @@ to this job and this configuration.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -167,4 +166,3 @@ def expert_source_for(item: str, version: int, memory: list[Source], storage: di
     return None
 
 
-__all__ = ["Source", "SourceError", "memory_sources", "storage_sources", "expert_source_for", "json"]

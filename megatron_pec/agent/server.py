@@ -30,7 +30,7 @@ import time
 
 from megatron_pec import manifest
 from megatron_pec.agent.persist import check_and_persist
-from megatron_pec.slots import INDEX, slot_path
+from megatron_pec.slots import INDEX, read_index, slot_path
 from megatron_pec.storage import PosixStorage
 
 SOCKET = "agent.sock"
@@ -53,6 +53,7 @@ class Agent:
         self.index: dict[str, dict] = self._load_index()
         self.pending: dict[tuple[str, int], dict] = {}  # (save root, iteration) -> {rank: file entry}
         self.failed: set[tuple[str, int]] = set()
+        self.pending_work = False  # a job is queued or running
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
 
@@ -84,7 +85,7 @@ class Agent:
         self.jobs.put(None)
         worker.join(timeout=300)
         server.close()
-        self._cleanup(sock_path)
+        self._cleanup()
         return 0
 
     def _check_idle(self) -> None:
@@ -100,9 +101,7 @@ class Agent:
             log(f"no trainer for {self.idle_timeout:.0f}s; exiting")
             self.stopping.set()
 
-    pending_work = False
-
-    def _cleanup(self, sock_path: str) -> None:
+    def _cleanup(self) -> None:
         for name in (SOCKET, PIDFILE):
             try:
                 os.unlink(os.path.join(self.directory, name))
@@ -218,8 +217,6 @@ class Agent:
         os.replace(tmp, os.path.join(self.directory, INDEX))
 
     def _load_index(self) -> dict:
-        from megatron_pec.slots import read_index
-
         return read_index(self.directory)
 
 
