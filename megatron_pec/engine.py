@@ -8,6 +8,8 @@ agent - so that every save, including the first, only plans and copies.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import json
 import os
 import sys
@@ -65,6 +67,14 @@ class Engine:
         self.files: SlotFiles | None = None
         self.ring = SlotRing.empty()
         self.stats = {"saves": 0, "skipped": 0, "persist_errors": 0}
+        # On GPU a snapshot completes lazily, before the next optimizer step (see finish_snapshot);
+        # MEGATRON_PEC_DEFER_SNAPSHOT=1 exercises the same path on CPU in the tests.
+        self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.deferred = self.copy_stream is not None or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
+        self.pending = None
+        if self.deferred:
+            for opt in collect.distributed_optimizers(optimizer):
+                opt.optimizer.register_step_pre_hook(lambda *_: self.finish_snapshot())
         self._warned_skip = False
         if self.config.save:
             self._start_memory_tier()
@@ -156,6 +166,7 @@ class Engine:
     def save(self, iteration: int, optimizer, scheduler, flops: float, persistent: bool) -> None:
         if not self.config.save:
             raise CheckpointError("megatron-pec: save_checkpoint was called but --save is not set")
+        self.finish_snapshot()
         cumulative = self.tokens.synchronize(self.dp_group)  # collective: before any rank-local decision
         self._collect_releases()
         snapshot_set, persist_set = self._plan(persistent, cumulative)
@@ -172,23 +183,12 @@ class Engine:
         faults.point("snapshot_begin", iteration=iteration)
         self.files.invalidate(slot)
         written = {NON_EXPERT} | {item_name(e) for e in snapshot_set}
-        views = self.files.views[slot]
-        halfway = len(self.slices) // 2
-        for i, s in enumerate(self.slices):
-            if s.item in written:
-                views[s.name].copy_(self.live[s.name], non_blocking=True)
-            if i == halfway:
-                faults.point("snapshot_mid", iteration=iteration)
-        if torch.cuda.is_available():
-            # The device-to-host copies into pinned memory must land before the next optimizer
-            # step changes the state and before the agent reads the slot.
-            torch.cuda.current_stream().synchronize()
+        done = self._copy(slot, written, iteration)
         faults.point("snapshot_end", iteration=iteration)
         self.pec.snapshot.record(snapshot_set, iteration, cumulative)
         if persistent:
             self.pec.persist.record(persist_set, iteration, cumulative)
         small = collect.small_state(optimizer, scheduler, self.args, iteration, flops)
-        self.files.write_header(slot, self._metadata(iteration, written, small, cumulative))
         self.ring.filled(slot, iteration)
         message = {
             "type": "snapshot", "rank": self.rank, "slot": slot, "iteration": iteration, "persist": persistent,
@@ -197,6 +197,43 @@ class Engine:
             "node_rank": self.node_rank, "num_nodes": self.num_nodes, "job_id": self.config.job_id,
             "fingerprint": self.fingerprint, "topology": self.topology, "keep": self.config.keep,
         }
+        self.pending = (slot, iteration, self._metadata(iteration, written, small, cumulative), message, done)
+        if not self.deferred:
+            self.finish_snapshot()
+
+    def _copy(self, slot: int, written: set[str], iteration: int):
+        """Copy the written items' slices into the slot; returns the CUDA event marking the end
+        (None on CPU, where the copy is a synchronous memcpy)."""
+        views = self.files.views[slot]
+        halfway = len(self.slices) // 2
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the optimizer step that produced the state
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for i, s in enumerate(self.slices):
+                if s.item in written:
+                    views[s.name].copy_(self.live[s.name], non_blocking=True)
+                if i == halfway:
+                    faults.point("snapshot_mid", iteration=iteration)
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def finish_snapshot(self) -> None:
+        """Complete the pending snapshot: wait for its copies, write its header, tell the agent.
+
+        On GPU this runs just before the next optimizer step mutates the state (a step
+        pre-hook), so the device-to-host copies overlap the next forward/backward.
+        """
+        if self.pending is None:
+            return
+        slot, iteration, metadata, message, done = self.pending
+        self.pending = None
+        if done is not None:
+            done.synchronize()
+        self.files.write_header(slot, metadata)
         if not self.agent.send(message):
             self.ring.agent_lost()
             self._skip(iteration, "the node agent died")
@@ -260,9 +297,8 @@ class Engine:
               file=sys.stderr, flush=True)
 
     def agent_flush(self, timeout: float = 300.0) -> None:
-        """Wait for the agent to finish what earlier trainers announced, so restore sees it."""
-        import time
-
+        """Wait for the agent to finish what was announced (by earlier trainers too), so restore sees it."""
+        self.finish_snapshot()
         if not self.agent.send({"type": "flush"}):
             return
         deadline = time.monotonic() + timeout
@@ -280,8 +316,7 @@ class Engine:
 
     def flush(self, timeout: float = 300.0) -> None:
         """Wait until the agent has released every slot (all announced persists finished)."""
-        import time
-
+        self.finish_snapshot()
         deadline = time.monotonic() + timeout
         while any(self.ring.held) and self.agent.connected and time.monotonic() < deadline:
             self._collect_releases(block_s=0.5)

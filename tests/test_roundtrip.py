@@ -10,9 +10,13 @@ from conftest import torchrun
 pytestmark = pytest.mark.multiprocess
 
 
-def test_round_trip_memory_then_storage(tmp_path, shm_dir):
+@pytest.mark.parametrize("deferred", ["0", "1"], ids=["sync", "deferred"])
+def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
+    """``deferred`` runs the GPU code path's completion logic (header + agent notification just
+    before the next optimizer step) on CPU."""
     save = tmp_path / "ckpt"
-    proc = torchrun("roundtrip.py", str(save), shm_dir, env={"PEC_TEST_OUT": str(tmp_path)})
+    proc = torchrun("roundtrip.py", str(save), shm_dir,
+                    env={"PEC_TEST_OUT": str(tmp_path), "MEGATRON_PEC_DEFER_SNAPSHOT": deferred})
     for rank in (0, 1):
         r = json.loads((tmp_path / f"roundtrip.rank{rank}.json").read_text())
         assert r["fresh"] == [0, 0]

@@ -370,6 +370,37 @@ class Cluster:
         self.close()
 
 
+def _file_metadata(path: str) -> dict[str, str]:
+    from megatron_pec.stformat import decode_header
+
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        body = prefix + f.read(int.from_bytes(prefix, "little"))
+    return decode_header(body).metadata
+
+
+def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
+    """The PLT a restore of committed ``iteration`` from storage alone costs: every expert at the
+    version its manifest records. Computed from the files' recorded cumulative token counts."""
+    from megatron_pec import manifest, plt
+    from megatron_pec.items import parse_item
+    from megatron_pec.pec_state import cumulative_from_json
+
+    root = str(root)
+    m = manifest.read_manifest(root, iteration)
+    at_target = cumulative_from_json(_file_metadata(os.path.join(root, next(iter(m["ranks"].values()))["file"]))["tokens"])
+    files_at = {iteration: m["ranks"], **{int(v): ranks for v, ranks in m["sources"].items()}}
+    tokens_at: dict[int, dict] = {}
+    at_version, version_of = {}, {}
+    for item, version in m["experts"].items():
+        expert = parse_item(item)
+        if version not in tokens_at:
+            any_file = next(iter(files_at[version].values()))["file"]
+            tokens_at[version] = cumulative_from_json(_file_metadata(os.path.join(root, any_file))["tokens"])
+        at_version[expert], version_of[expert] = tokens_at[version][expert], version
+    return plt.lost_tokens(at_target, at_version, version_of, iteration).fraction
+
+
 def run_megatron_pec(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """``python -m megatron_pec ARGS`` (inspect / verify), output captured."""
     return subprocess.run([sys.executable, "-m", "megatron_pec", *map(str, args)], capture_output=True, text=True,
@@ -377,4 +408,4 @@ def run_megatron_pec(*args: str, timeout: float = 60.0) -> subprocess.CompletedP
 
 
 __all__ = ["Cluster", "ClusterTimeout", "Restore", "parse_restores", "parse_plt", "free_port", "SMALL_MODEL",
-           "run_megatron_pec", "descendants"]
+           "run_megatron_pec", "descendants", "persist_only_plt"]
