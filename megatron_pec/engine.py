@@ -9,10 +9,11 @@ agent - so that every save, including the first, only plans and copies.
 from __future__ import annotations
 
 import contextlib
-import time
+import hashlib
 import json
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -75,7 +76,6 @@ class Engine:
         if self.deferred:
             for opt in collect.distributed_optimizers(optimizer):
                 opt.optimizer.register_step_pre_hook(lambda *_: self.finish_snapshot())
-        self._warned_skip = False
         if self.config.save:
             self._start_memory_tier()
 
@@ -112,8 +112,6 @@ class Engine:
 
     def _global_fingerprint(self, local: str) -> str:
         """One configuration id for the whole job: every rank's slice layout, hashed together."""
-        import hashlib
-
         mine = torch.tensor([int(local[:15], 16)], dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         torch.distributed.all_gather(every, mine, group=self.cpu_group)
@@ -157,10 +155,14 @@ class Engine:
 
     def raise_if_any_rank(self, error: str | None) -> None:
         """Every rank raises (the same way) if any rank failed - no rank is left hanging."""
-        flag = torch.tensor([1 if error else 0], dtype=torch.int64)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
-        if flag.item():
+        if not self._everyone(error is None):
             raise CheckpointError(error or "megatron-pec: another rank failed; see its log for the reason")
+
+    def _everyone(self, ok: bool) -> bool:
+        """True on every rank iff ``ok`` on every rank (one tiny all-reduce)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+        return bool(flag.item())
 
     # ---- save ----------------------------------------------------------------------------------
     def save(self, iteration: int, optimizer, scheduler, flops: float, persistent: bool) -> None:
@@ -170,13 +172,14 @@ class Engine:
         cumulative = self.tokens.synchronize(self.dp_group)  # collective: before any rank-local decision
         self._collect_releases()
         snapshot_set, persist_set = self._plan(persistent, cumulative)
+        slot, why = None, None
         if not self.agent.connected and not self._reconnect():
-            self._skip(iteration, "the node agent is not running")
-            return
-        slot = self._free_slot()
-        if slot is None:
-            self._skip(iteration, "all snapshot slots are still being persisted (raise the save interval or "
-                                  "pass --pec-wait-for-slot)")
+            why = "the node agent is not running"
+        elif (slot := self._free_slot()) is None:
+            why = "all snapshot slots are still being persisted (raise the save interval or pass --pec-wait-for-slot)"
+        # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere.
+        if not self._everyone(why is None):
+            self._skip(iteration, why or "another rank cannot snapshot (see its warning)")
             return
         if self.live is None:
             self.live = collect.live_views(self.slices, optimizer)

@@ -63,7 +63,7 @@ class Loader:
                     say(f"megatron-pec: no checkpoint found under {self.root}; training from scratch")
                 return 0, 0
             plan, error = self._plan(target, memory, stored, manifests)
-            if not self._all_ok(error is None):
+            if not self.e._everyone(error is None):
                 say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
                     f"{error or 'another rank cannot'}; falling back to an older checkpoint")
                 excluded.add(target)
@@ -87,11 +87,6 @@ class Loader:
         torch.distributed.all_gather(gathered, t, group=self.e.cpu_group)
         common = set.intersection(*({int(x) for x in g if x >= 0} for g in gathered))
         return max(common) if common else None
-
-    def _all_ok(self, ok: bool) -> bool:
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.e.cpu_group)
-        return flag.item() == 0
 
     # ---- 8. source -----------------------------------------------------------------------------
     def _plan(self, target: int, memory: list[Source], stored: dict[int, Source], manifests: dict):
