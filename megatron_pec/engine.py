@@ -155,10 +155,10 @@ class Engine:
 
     def raise_if_any_rank(self, error: str | None) -> None:
         """Every rank raises (the same way) if any rank failed - no rank is left hanging."""
-        if not self._everyone(error is None):
+        if not self.everyone(error is None):
             raise CheckpointError(error or "megatron-pec: another rank failed; see its log for the reason")
 
-    def _everyone(self, ok: bool) -> bool:
+    def everyone(self, ok: bool) -> bool:
         """True on every rank iff ``ok`` on every rank (one tiny all-reduce)."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
@@ -178,7 +178,7 @@ class Engine:
         elif (slot := self._free_slot()) is None:
             why = "all snapshot slots are still being persisted (raise the save interval or pass --pec-wait-for-slot)"
         # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere.
-        if not self._everyone(why is None):
+        if not self.everyone(why is None):
             self._skip(iteration, why or "another rank cannot snapshot (see its warning)")
             return
         if self.live is None:

@@ -63,7 +63,7 @@ class Loader:
                     say(f"megatron-pec: no checkpoint found under {self.root}; training from scratch")
                 return 0, 0
             plan, error = self._plan(target, memory, stored, manifests)
-            if not self.e._everyone(error is None):
+            if not self.e.everyone(error is None):
                 say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
                     f"{error or 'another rank cannot'}; falling back to an older checkpoint")
                 excluded.add(target)
