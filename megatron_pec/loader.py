@@ -68,7 +68,26 @@ class Loader:
                     f"{error or 'another rank cannot'}; falling back to an older checkpoint")
                 excluded.add(target)
                 continue
+            self._retire_newer(target)
             return self._restore(target, plan, model, optimizer, scheduler)
+
+    def _retire_newer(self, target: int) -> None:
+        """Rank 0: de-commit what an abandoned run left after ``target`` in the --save directory
+        (see ``manifest.retire_after``). Every later save needs rank 0, so this precedes them all."""
+        config = self.e.config
+        if self.rank != 0 or config.finetune or not config.save or os.path.abspath(config.save) != self.root:
+            return
+        from megatron_pec.manifest import retire_after
+
+        try:
+            retired = retire_after(self.root, target, self.storage)
+        except OSError as exc:
+            say(f"megatron-pec: WARNING cannot retire the iterations after {target} under {self.root} ({exc}); "
+                "until they are saved again their old manifests or node markers remain")
+            return
+        if retired:
+            say(f"megatron-pec: iterations {retired} under {self.root} belong to an abandoned run after the "
+                f"restored iteration {target}; removed their manifests and node markers (training saves them again)")
 
     def _warn_stale_tracker(self, manifests: dict) -> None:
         """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
@@ -172,14 +191,16 @@ class Loader:
         load_optim = not (config.no_load_optim or config.finetune)
         if load_optim:
             restore.restore_optimizer(optimizer, small["optimizer"])
-        e.live = collect.live_views(e.slices, optimizer) if load_optim else self._param_views(optimizer)
+        # load_state_dict replaced Adam's tensors: bind fresh views (without the optimizer, only params).
+        targets = collect.live_views(e.slices, optimizer) if load_optim else self._param_views(optimizer)
+        e.live = targets if load_optim else None  # re-bound at the first save once Adam has state
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for s in e.slices:
-            if s.name in e.live:
+            if s.name in targets:
                 source = plan[s.item]
                 by_source.setdefault(id(source), (source, set()))[1].add(s.name)
         for source, names in by_source.values():
-            restore.copy_slices(e.live, source.tensors(names))
+            restore.copy_slices(targets, source.tensors(names))
         restore.sync_model_params(model, optimizer)
         if scheduler is not None and load_optim and small["scheduler"] is not None:
             restore.restore_scheduler(scheduler, small["scheduler"])

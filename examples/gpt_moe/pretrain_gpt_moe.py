@@ -167,7 +167,8 @@ def optimizer_provider(args, ddp_model):
     )
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        # Megatron requires warmup < decay; a run shorter than the warmup just warms up less.
+        lr_warmup_steps=min(args.lr_warmup_iters, args.train_iters - 1) * args.global_batch_size,
         lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant",

@@ -1,0 +1,38 @@
+"""Megatron's load options through the example trainer: --finetune/--no-load-optim load the weights only
+and start at iteration 0; a --load directory in another format is refused with a clear message."""
+
+import pytest
+
+from conftest import REPO, read_jsonl, torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+PRETRAIN = str(REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py")
+SMALL = ["--hidden-size", "32", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--expert-model-parallel-size", "2", "--log-interval", "100", "--eval-iters", "1"]
+
+
+def test_finetune_loads_weights_only_and_foreign_dirs_are_refused(tmp_path, shm_dir):
+    ckpt = tmp_path / "ckpt"
+    common = SMALL + ["--save", str(ckpt), "--load", str(ckpt), "--pec-shm-dir", shm_dir]
+    torchrun(PRETRAIN, *common, "--train-iters", "12", "--save-interval", "12", "--pec-job-id", "a",
+             "--metrics-file", str(tmp_path / "first.jsonl"))
+    proc = torchrun(PRETRAIN, *common, "--train-iters", "2", "--finetune", "--no-load-optim", "--pec-job-id", "b",
+                    "--metrics-file", str(tmp_path / "tuned.jsonl"))
+    assert "restored iteration 12 from storage" in proc.stdout
+    assert "training from iteration 0 to 2" in proc.stdout
+    first = [r["lm loss"] for r in read_jsonl(tmp_path / "first.jsonl") if "lm loss" in r]
+    tuned = [r for r in read_jsonl(tmp_path / "tuned.jsonl") if "lm loss" in r]
+    assert [r["iteration"] for r in tuned] == [1, 2]
+    # The trained weights came back: the first fine-tuning step starts far below the untrained loss.
+    assert tuned[0]["lm loss"] < first[0] - 0.5
+
+    foreign = tmp_path / "foreign" / "iter_0000005"
+    foreign.mkdir(parents=True)
+    (foreign / "mp_rank_00").mkdir()
+    proc = torchrun(PRETRAIN, *SMALL, "--train-iters", "2", "--load", str(tmp_path / "foreign"),
+                    "--pec-shm-dir", shm_dir, "--pec-job-id", "c", check=False)
+    assert proc.returncode != 0
+    assert "it is not a megatron-pec checkpoint" in proc.stderr + proc.stdout
+    # A user error: the message, not a stack trace from the trainer processes.
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
