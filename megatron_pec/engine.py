@@ -311,8 +311,10 @@ class Engine:
             if any(m.get("type") == "flushed" for m in messages):
                 return
 
-    def after_restore(self) -> None:
-        """Flags win over the restored K unless Dynamic-K owns it."""
+    def after_restore(self, target: int) -> None:
+        """Slots newer than the restore point belong to an abandoned timeline: reuse them first.
+        Flags win over the restored K unless Dynamic-K owns it."""
+        self.ring.forget_after(target)
         if not self.config.dynamic_k:
             fresh = self._initial_pec_state()
             self.pec.snapshot.k, self.pec.persist.k = fresh.snapshot.k, fresh.persist.k

@@ -217,7 +217,7 @@ class Loader:
         if report is not None and self.rank == 0:
             for text in report.format_lines():
                 say(f"megatron-pec: {text}")
-        e.after_restore()
+        e.after_restore(target)
         iteration = 0 if config.finetune else target
         return iteration, small["num_floating_point_operations_so_far"]
 

@@ -26,6 +26,7 @@ from megatron_pec.storage import PosixStorage
 FORMAT = "megatron-pec/1"
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_NODE_MARKER = re.compile(r"^node_\d{4}\.json$")
 
 
 class ManifestError(ValueError):
@@ -126,6 +127,37 @@ def try_commit(root: str, iteration: int, num_nodes: int, keep: int, storage=Pos
         if keep:
             apply_retention(root, keep, storage)
     return True
+
+
+def retire_after(root: str, iteration: int, storage=PosixStorage()) -> list[int]:
+    """De-commit every iteration after ``iteration``, where training resumes and will write them again.
+
+    An abandoned run may have left manifests and node markers there; a stale
+    marker would otherwise be combined with the new run's rank files into a
+    manifest whose checksums no longer match (and a stale manifest would feed
+    the next commit's expert versions). The manifest goes first, then the node
+    markers; the tracker moves back to the newest committed iteration <= ``iteration``.
+    Returns the iterations that lost a manifest or marker. Raises OSError.
+    """
+    retired = []
+    with _lock(root):
+        for i in iterations_on_disk(root, storage):
+            directory = pec_dir(root, i)
+            names = storage.listdir(directory) if i > iteration else []
+            stale = [n for n in names if n == "manifest.json"] + [n for n in names if _NODE_MARKER.match(n)]
+            for name in stale:
+                storage.remove(os.path.join(directory, name))
+            if stale:
+                storage.fsync_dir(directory)
+                retired.append(i)
+        current = read_tracker(root, storage)
+        if current is not None and current.isdigit() and int(current) > iteration:
+            previous = [i for i in committed_iterations(root, storage) if i <= iteration]
+            if previous:
+                storage.write_text_atomic(os.path.join(root, TRACKER), str(previous[0]))
+            else:
+                storage.remove(os.path.join(root, TRACKER))
+    return retired
 
 
 def _expert_versions(root: str, iteration: int, ranks: dict, storage) -> tuple[dict, dict]:

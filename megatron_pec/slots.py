@@ -125,6 +125,12 @@ class SlotRing:
     def released(self, slot: int) -> None:
         self.held[slot] = False
 
+    def forget_after(self, iteration: int) -> None:
+        """Treat slots holding iterations after ``iteration`` as empty (overwritten first)."""
+        self.iteration = [-1 if i > iteration else i for i in self.iteration]
+        kept = [s for s in range(NUM_SLOTS) if self.iteration[s] >= 0]
+        self.latest = max(kept, key=lambda s: self.iteration[s]) if kept else None
+
     def agent_lost(self) -> None:
         """A dead agent reads nothing any more."""
         self.held = [False] * NUM_SLOTS

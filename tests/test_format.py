@@ -66,3 +66,9 @@ def test_slot_ring_never_reuses_held_or_latest_slot():
     assert ring.choose() == 1               # oldest free one; slot 2 is the newest complete snapshot
     ring.released(0)
     assert ring.choose() == 0
+
+
+def test_slot_ring_reuses_slots_of_an_abandoned_timeline_first():
+    ring = SlotRing([5, 6, 7], [False] * 3, latest=2)
+    ring.forget_after(5)  # restored iteration 5: 6 and 7 were never trained in this timeline
+    assert ring.latest == 0 and ring.choose() == 1
