@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
+import threading
 import zlib
 from typing import Iterable
 
@@ -25,27 +27,28 @@ class PosixStorage:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
-        size, crc = 0, 0
+        size, crc = 0, RunningCrc()
         try:
             with open(tmp, "wb", buffering=0) as f:
                 for chunk in chunks:
                     faults.point("persist_write", path=path)
                     for start in range(0, len(chunk), CHUNK):  # bounded syscalls, steady progress
                         piece = chunk[start:start + CHUNK]
+                        crc.add(piece)
                         f.write(piece)
-                        crc = zlib.crc32(piece, crc)
                         size += len(piece)
                 os.fsync(f.fileno())
             faults.point("before_rename", path=path)
             os.replace(tmp, path)
         except BaseException:
+            crc.result()
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise
         self.fsync_dir(directory)
-        return size, crc
+        return size, crc.result()
 
     def write_text_atomic(self, path: str, text: str) -> None:
         self.write_atomic(path, [text.encode()])
@@ -95,6 +98,30 @@ class PosixStorage:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class RunningCrc:
+    """crc32 of a byte stream, computed in a background thread so it overlaps the writes
+    (zlib releases the GIL). Pieces must stay unchanged until ``result()``."""
+
+    def __init__(self):
+        self.crc = 0
+        self.pieces: queue.Queue = queue.Queue(maxsize=16)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (piece := self.pieces.get()) is not None:
+            self.crc = zlib.crc32(piece, self.crc)
+
+    def add(self, piece) -> None:
+        self.pieces.put(piece)
+
+    def result(self) -> int:
+        if self.thread.is_alive():
+            self.pieces.put(None)
+            self.thread.join()
+        return self.crc
 
 
 def crc32_of(buffer, start: int = 0, end: int | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 from megatron_pec.slots import open_slot
 from megatron_pec.stformat import FormatError, encode_header
@@ -21,12 +22,12 @@ class SnapshotMismatch(RuntimeError):
 
 def slot_crc(mapping, header, items: set[str]) -> int:
     """crc32 over the data of ``items`` in header order: what a memory restore verifies."""
-    crc = 0
+    crc, view = 0, memoryview(mapping)
     for entry in header.tensors:
         if entry.item in items:
-            start = header.data_start + entry.begin
-            for offset in range(start, header.data_start + entry.end, CHUNK):
-                crc = zlib.crc32(mapping[offset:min(offset + CHUNK, header.data_start + entry.end)], crc)
+            end = header.data_start + entry.end
+            for offset in range(header.data_start + entry.begin, end, CHUNK):
+                crc = zlib.crc32(view[offset:min(offset + CHUNK, end)], crc)
     return crc
 
 
@@ -44,13 +45,22 @@ def check_and_persist(path: str, iteration: int, persist_items: set[str] | None,
             raise SnapshotMismatch(f"{path} holds {meta.get('state')} iteration {meta.get('iteration')}, "
                                    f"expected complete iteration {iteration}")
         items = json.loads(meta["items"])
-        record = {"iteration": iteration, "crc32": slot_crc(mapping, header, set(items)), "items": items}
-        if target is not None:
-            keep = set(items) if persist_items is None else {i for i in items if i == "dense" or i in persist_items}
-            record["file"] = _write_compact(mapping, header, keep, target, storage)
+        record = {"iteration": iteration, "items": items}
+        # The memory checksum runs beside the write (both release the GIL): one pass's time, not two.
+        with ThreadPoolExecutor(1) as pool:
+            checksum = pool.submit(slot_crc, mapping, header, set(items))
+            if target is not None:
+                keep = set(items) if persist_items is None else {i for i in items if i == "dense" or i in persist_items}
+                record["file"] = _write_compact(mapping, header, keep, target, storage)
+            record["crc32"] = checksum.result()
         return record
     finally:
-        mapping.close()
+        try:
+            mapping.close()
+        except BufferError:
+            # A write that failed mid-file (ENOSPC, EIO) leaves views of the mapping in its traceback;
+            # closing now would replace that error with this one. The mapping closes when they go.
+            pass
 
 
 def _write_compact(mapping, header, keep: set[str], target: str, storage: PosixStorage) -> dict:
