@@ -49,8 +49,12 @@ class Engine:
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
         self.node_rank = _env_int("GROUP_RANK", self.rank // self.local_world_size)
         self.num_nodes = self.world_size // self.local_world_size
-        # Tokens are split over data- and context-parallel ranks; both see different tokens.
-        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        # Ranks that route different tokens: data- and context-parallel ones, and tensor-parallel
+        # ones under sequence parallelism (without it TP ranks route the same tokens).
+        self.token_groups = [parallel_state.get_data_parallel_group(with_context_parallel=True)]
+        if getattr(model_chunks[0].config, "sequence_parallel", False) and \
+                parallel_state.get_tensor_model_parallel_world_size() > 1:
+            self.token_groups.append(parallel_state.get_tensor_model_parallel_group())
         # Agreement collectives run on CPU tensors whatever the training backend is.
         self.cpu_group = torch.distributed.new_group(backend="gloo")
 
@@ -169,7 +173,7 @@ class Engine:
         if not self.config.save:
             raise CheckpointError("megatron-pec: save_checkpoint was called but --save is not set")
         self.finish_snapshot()
-        cumulative = self.tokens.synchronize(self.dp_group)  # collective: before any rank-local decision
+        cumulative = self.tokens.synchronize(self.token_groups)  # collective: before any rank-local decision
         self._collect_releases()
         snapshot_set, persist_set = self._plan(persistent, cumulative)
         slot, why = None, None

@@ -2,9 +2,10 @@
 
 Installed once per model on every rank. The hook adds ``routing_map.sum(0)``
 (tokens routed to each global expert in this micro-batch) to a counter that
-stays on the router's device, so training never waits on it. At save time one
-all-reduce over the data-parallel group turns the local counts into global
-ones, identical on every rank. Evaluation passes (``module.training`` False)
+stays on the router's device, so training never waits on it. At save time an
+all-reduce over the data- and context-parallel group (and the tensor-parallel
+group under sequence parallelism, where each TP rank routes its own part of
+the sequence) turns the local counts into global ones, identical on every rank. Evaluation passes (``module.training`` False)
 update no expert and are not counted.
 """
 
@@ -45,14 +46,16 @@ class TokenCounter:
 
         moe_layer.router.register_forward_hook(count)
 
-    def synchronize(self, group) -> dict[ExpertId, int]:
-        """Fold the counts since the last call, summed over ``group``, into the cumulative totals."""
+    def synchronize(self, groups) -> dict[ExpertId, int]:
+        """Fold the counts since the last call, summed over ``groups`` (the ranks that route
+        different tokens), into the cumulative totals."""
         if not self._counts:
             return self.cumulative
         local = torch.stack(self._counts)
         for c in self._counts:
             c.zero_()
-        torch.distributed.all_reduce(local, group=group)
+        for group in groups:
+            torch.distributed.all_reduce(local, group=group)
         for row, layer in zip(local.cpu().tolist(), self.layers):
             for e, n in enumerate(row):
                 self.cumulative[ExpertId(layer, e)] += n
