@@ -141,7 +141,10 @@ def open_slot(path: str) -> tuple[mmap.mmap, Header]:
     with open(path, "r+b") as f:
         m = mmap.mmap(f.fileno(), 0)
     try:
-        return m, decode_header(memoryview(m)[: min(len(m), 64 << 20)], file_len=len(m))
+        # A copy of just the header, not a memoryview: a view kept alive by a FormatError's
+        # traceback would make m.close() raise BufferError instead (slots of another configuration).
+        size = int.from_bytes(m[:8], "little")
+        return m, decode_header(m[: min(len(m), 8 + min(size, 64 << 20))], file_len=len(m))
     except Exception:
         m.close()
         raise

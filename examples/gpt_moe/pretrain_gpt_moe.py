@@ -347,4 +347,10 @@ def _timed_save(args, iteration, model, optimizer, scheduler, non_persistent: bo
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # After a successful run only (a failed peer would make it wait): without it gloo's threads can
+    # abort the exiting process ("terminate called without an active exception", pytorch#190489),
+    # and torchrun then reports the finished run as failed.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.exit(code)

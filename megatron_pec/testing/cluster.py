@@ -14,7 +14,9 @@ What it offers, all with bounded waits (a hang raises ``ClusterTimeout``):
   file), ``wait_exit``;
 * ``kill_trainers`` (SIGKILL the node's torchrun and its workers; the agent,
   in its own session, survives), ``kill_agent`` (SIGKILL the pid in
-  ``agent.pid``), ``lose_node`` (both, then delete the node's memory);
+  ``agent.pid``), ``lose_node`` (both, then delete the node's memory),
+  ``pause``/``resume`` (SIGSTOP/SIGCONT the trainers, e.g. while a test
+  remounts the checkpoint directory read-only);
 * ``close`` kills whatever is left (trainers, agents of this cluster's node
   directories) and removes the node memory, also when a test failed.
 
@@ -132,6 +134,15 @@ def _kill(pid: int) -> None:
         pass
 
 
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with the pid, an identity that survives pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -154,8 +165,6 @@ class Cluster:
     def __init__(self, workdir: str | os.PathLike, shm_dir: str | os.PathLike, job_id: str, *, nnodes: int = 2,
                  model_args: list[str] = SMALL_MODEL, save: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, script: Path = PRETRAIN):
-        if not job_id.startswith("f"):
-            raise ValueError(f"fault-injection job ids start with 'f' (got {job_id!r})")
         self.workdir, self.shm_dir, self.job_id = Path(workdir), Path(shm_dir), job_id
         self.nnodes, self.model_args, self.script = nnodes, list(model_args), script
         self.save = Path(save) if save is not None else self.workdir / "checkpoints"
@@ -166,8 +175,9 @@ class Cluster:
         self.env.pop("MEGATRON_PEC_FAULT", None)
         self.launches = 0
         self.procs: dict[int, subprocess.Popen] = {}
-        self._seen: set[int] = set()       # every trainer-side pid this cluster has seen (for close)
+        self._seen: dict[int, int | None] = {}  # pid -> start time of every process seen (for close)
         self._log_files: list = []
+        self._paused: dict[int, int | None] = {}  # pid -> start time of the processes pause() stopped
 
     # ---- paths ---------------------------------------------------------------------------------
     def node_dir(self, node: int) -> Path:
@@ -208,7 +218,7 @@ class Cluster:
                    "--master-port", str(port), "--max-restarts", "0", str(self.script), *args]
             self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                 env=node_env, cwd=str(REPO), start_new_session=True)
-            self._seen.add(self.procs[node].pid)
+            self._remember([self.procs[node].pid])
         return self.launches
 
     # ---- observe -------------------------------------------------------------------------------
@@ -242,11 +252,12 @@ class Cluster:
         return parse_restores(self.logs(launch))
 
     def agent_pid(self, node: int) -> int | None:
+        """The pid of node ``node``'s living agent (checked: a stale agent.pid may name a reused pid)."""
         try:
             pid = int((self.node_dir(node) / "agent.pid").read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if _alive(pid) and f"--dir {self.node_dir(node)} " in _cmdline(pid) + " " else None
 
     def wait_for(self, condition, timeout: float, what: str, poll: float = 0.05):
         """Poll ``condition()`` until it returns something truthy; raises ClusterTimeout after ``timeout`` s.
@@ -292,6 +303,35 @@ class Cluster:
                                      f"{self.workdir}:\n{self._tails()}") from None
         return {n: self.procs[n].returncode for n in nodes}
 
+    def wait_stopped(self, timeout: float = 180.0, nodes=None) -> dict[int, int | None]:
+        """After a fault: wait until no node runs training processes any more; returns exit codes.
+
+        A node whose workers all finished but whose torchrun still waits in its exit barrier for a
+        lost peer (torchrun waits up to 300 s there) is stopped as a scheduler would; its code is None.
+        """
+        nodes = list(self.procs) if nodes is None else list(nodes)
+        had_workers: set[int] = set()
+
+        def stopped() -> bool:
+            done = True
+            for n in nodes:
+                if self.procs[n].poll() is not None:
+                    continue
+                if self._trainer_pids([n]):
+                    had_workers.add(n)
+                    done = False
+                elif n not in had_workers:  # still starting its workers
+                    done = False
+            return done
+
+        self.wait_for(stopped, timeout, "no node running training processes")
+        codes = {}
+        for n in nodes:
+            codes[n] = self.procs[n].poll()
+            if codes[n] is None:
+                self.kill_trainers([n])
+        return codes
+
     def _tails(self, lines: int = 15) -> str:
         out = []
         for n in range(self.nnodes):
@@ -303,19 +343,53 @@ class Cluster:
     def _agent_pids(self) -> set[int]:
         return {p for n in range(self.nnodes) if (p := self.agent_pid(n)) is not None}
 
+    def _remember(self, pids) -> None:
+        for pid in pids:
+            self._seen.setdefault(pid, _start_time(pid))
+
     def kill_trainers(self, nodes=None) -> None:
         """SIGKILL each node's torchrun and all its worker processes; node agents survive."""
-        agents = self._agent_pids() | set(self._agents_by_cmdline())
         for node in (list(self.procs) if nodes is None else nodes):
             proc = self.procs[node]
-            tree = [proc.pid] + [p for p in descendants(proc.pid) if p not in agents]
-            self._seen.update(tree)
+            if proc.poll() is not None:
+                continue  # exited (and reaped): its pid may belong to someone else now
+            tree = [proc.pid] + self._trainer_pids([node])
+            self._remember(tree)
             for pid in tree:          # the launcher first, so it cannot react to its workers dying
                 _kill(pid)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 raise ClusterTimeout(f"node {node}'s torchrun survived SIGKILL") from None
+
+    def _trainer_pids(self, nodes=None) -> list[int]:
+        """Living worker processes of the nodes' launchers, agents excluded."""
+        agents = self._agent_pids() | set(self._agents_by_cmdline())
+        return [p for n in (list(self.procs) if nodes is None else nodes) if self.procs[n].poll() is None
+                for p in descendants(self.procs[n].pid) if p not in agents]
+
+    def pause(self, nodes=None) -> None:
+        """SIGSTOP the training processes (not the agents), so a test can change the world between
+        two of their steps without racing them; ``resume`` continues them."""
+        self._paused = {pid: _start_time(pid) for pid in self._trainer_pids(nodes)}
+        for pid in self._paused:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass  # a short-lived child that has just exited
+
+    def resume(self, nodes=None) -> None:
+        # Every process paused (still the same process) and everything under the launchers now:
+        # SIGCONT is harmless to a process that is not stopped.
+        paused = [p for p, start in self._paused.items() if _start_time(p) == start]
+        launchers = [self.procs[n].pid for n in (list(self.procs) if nodes is None else nodes)
+                     if self.procs[n].poll() is None]
+        for pid in set(paused) | {d for p in launchers for d in descendants(p)}:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self._paused = {}
 
     def kill_agent(self, node: int, timeout: float = 30.0) -> int | None:
         """SIGKILL node ``node``'s agent; returns its pid (None if none ran)."""
@@ -345,12 +419,12 @@ class Cluster:
         """Kill every process this cluster started (trainers and agents) and, unless asked, its node memory."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                self._seen.update(descendants(proc.pid))
-        for pid in list(self._seen):
-            if _alive(pid):
-                self._seen.update(descendants(pid))
-        agents = self._agent_pids() | set(self._agents_by_cmdline())
-        for pid in self._seen | agents:
+                self._remember(descendants(proc.pid))
+        same = [pid for pid, start in self._seen.items() if start is not None and _start_time(pid) == start]
+        for pid in same:  # orphaned workers (their launcher was killed) and their children
+            self._remember(descendants(pid))
+        same = [pid for pid, start in self._seen.items() if start is not None and _start_time(pid) == start]
+        for pid in same + [p for p in self._agents_by_cmdline()]:
             _kill(pid)
         for proc in self.procs.values():
             try:
@@ -388,16 +462,20 @@ def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
 
     root = str(root)
     m = manifest.read_manifest(root, iteration)
-    at_target = cumulative_from_json(_file_metadata(os.path.join(root, next(iter(m["ranks"].values()))["file"]))["tokens"])
     files_at = {iteration: m["ranks"], **{int(v): ranks for v, ranks in m["sources"].items()}}
     tokens_at: dict[int, dict] = {}
-    at_version, version_of = {}, {}
-    for item, version in m["experts"].items():
-        expert = parse_item(item)
+
+    def tokens(version: int) -> dict:  # all-reduced counts: with PP=1 any rank's file has every expert
         if version not in tokens_at:
             any_file = next(iter(files_at[version].values()))["file"]
             tokens_at[version] = cumulative_from_json(_file_metadata(os.path.join(root, any_file))["tokens"])
-        at_version[expert], version_of[expert] = tokens_at[version][expert], version
+        return tokens_at[version]
+
+    at_target = tokens(iteration)
+    at_version, version_of = {}, {}
+    for item, version in m["experts"].items():
+        expert = parse_item(item)
+        at_version[expert], version_of[expert] = tokens(version)[expert], version
     return plt.lost_tokens(at_target, at_version, version_of, iteration).fraction
 
 

@@ -1,0 +1,529 @@
+"""The checkpoint methods compared, each driven the way its own framework drives it.
+
+Runs inside the torchrun worker, on every rank (every call is collective unless
+noted). A method exposes:
+
+* ``setup()``                 - one-time start-up (agents, savers, process pools), not timed;
+* ``save(it) -> bool``        - one checkpoint of the current training state; the caller times it
+                                (the blocking time); returns False if the method skipped it;
+* ``wait_persisted(it)``      - block until that checkpoint is durable/committed on storage;
+* ``written_bytes(it)``       - bytes this rank wrote to storage for that checkpoint;
+* ``snapshot_bytes()``        - bytes this rank copied to node memory per save (None: no memory tier);
+* ``restore_memory()``        - restore the newest checkpoint from node memory (None if no such tier);
+* ``restore_storage()``       - restore the newest checkpoint from storage, page cache dropped first;
+* ``close()``.
+
+Every method checkpoints the same training state: the distributed optimizer's
+shards (fp32 main params + Adam moments) plus the small state; torch_dist and the
+legacy path also store the model weights, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+
+import torch
+
+from benchmarks.common import drop_file_cache, files_under
+
+FSYNC = {"pec": True, "torch_dist": True, "legacy": False, "dlrover": False}
+
+
+def barrier():
+    torch.distributed.barrier()
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """megatron-core 0.16.1's DistributedOptimizer.load_state_dict (torch Adam, no apex/TE) gives
+    every param one shared ``step`` tensor, which torch's foreach Adam then increments once per
+    param per step; the dense and expert optimizers' steps drift apart and the next
+    ChainedOptimizer.load_state_dict fails its step assertion. Same fix megatron-pec applies
+    after its own restores (megatron_pec/megatron/restore.py)."""
+    from megatron_pec.megatron.collect import distributed_optimizers
+
+    for opt in distributed_optimizers(optimizer):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+
+def _max(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+class Method:
+    name = "?"
+    family = "?"
+    has_memory = False
+    persists_async = False
+
+    def __init__(self, ctx, root: str):
+        self.ctx, self.root = ctx, root
+        if ctx.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
+        barrier()
+        self.skipped = 0
+
+    def setup(self):
+        pass
+
+    def snapshot_bytes(self):
+        return None
+
+    def restore_memory(self):
+        return None
+
+    def close(self):
+        pass
+
+    def cleanup(self):
+        barrier()
+        if self.ctx.rank == 0:
+            shutil.rmtree(self.root, ignore_errors=True)
+        barrier()
+
+
+# ---- megatron-pec -------------------------------------------------------------------------------
+
+class Pec(Method):
+    family = "pec"
+    has_memory = True
+    persists_async = True
+
+    def __init__(self, ctx, root, snapshot_k, persist_k, tag, selection="sequential"):
+        super().__init__(ctx, root)
+        self.snapshot_k, self.persist_k, self.tag, self.selection = snapshot_k, persist_k, tag, selection
+        label = "all" if snapshot_k is None else str(snapshot_k)
+        self.name = f"megatron-pec K={label}" if persist_k == snapshot_k else \
+            f"megatron-pec K={label}/persist {persist_k}"
+        self.engine = None
+        self._job = f"bench_{ctx.run_id}_{tag}"
+
+    def _args(self, job_suffix=""):
+        a = copy.copy(self.ctx.args)
+        a.save = a.load = self.root
+        a.pec_snapshot_k, a.pec_persist_k = self.snapshot_k, self.persist_k
+        a.pec_selection = self.selection
+        a.pec_job_id = self._job + job_suffix
+        a.pec_shm_dir = self.ctx.shm_dir
+        a.pec_wait_for_slot = True  # every requested checkpoint is taken: no silently skipped saves
+        a.pec_keep = 2
+        a.pec_keep_shm = False
+        a.pec_agent_idle_timeout = 120.0
+        return a
+
+    def setup(self):
+        from megatron_pec.engine import Engine
+
+        c = self.ctx
+        self.engine = Engine(self._args(), c.model, c.optimizer)
+        # The first checkpoint of a run holds every expert (PEC needs a full base); take it here so
+        # the measured saves are steady-state ones.
+        self.save(c.next_iteration())
+        self.wait_persisted(None)
+
+    def save(self, it):
+        c = self.ctx
+        before = self.engine.stats["skipped"]
+        self.engine.save(it, c.optimizer, c.scheduler, 0, persistent=True)
+        self.last = it
+        ok = self.engine.stats["skipped"] == before
+        self.skipped += 0 if ok else 1
+        return ok
+
+    def wait_persisted(self, it):
+        # The agent releases a rank's slot only after persisting it, and commits the iteration
+        # (manifest + tracker) before releasing the last rank's slot: so once every rank's
+        # slots are free, the iteration is committed.
+        self.engine.flush()
+        barrier()
+
+    def written_bytes(self, it):
+        from megatron_pec.manifest import rank_file
+
+        path = rank_file(self.root, it, self.ctx.rank)
+        return os.path.getsize(path) if os.path.exists(path) else 0
+
+    def committed(self, it) -> bool:
+        from megatron_pec.manifest import manifest_path
+
+        return os.path.exists(manifest_path(self.root, it))
+
+    def snapshot_bytes(self):
+        from megatron_pec.slots import read_index
+
+        index = read_index(self.engine.node_dir).get(str(self.ctx.rank), {})
+        if not index:
+            return None
+        newest = max(index.values(), key=lambda r: r["iteration"])
+        items = set(newest["items"])
+        return sum(s.numel * s.dtype.itemsize for s in self.engine.slices if s.item in items)
+
+    def restore_memory(self):
+        from megatron_pec.loader import Loader
+
+        c = self.ctx
+        barrier()
+        t = time.perf_counter()
+        Loader(self.engine, self.root).load(c.model, c.optimizer, c.scheduler)
+        return _max(time.perf_counter() - t)
+
+    def restore_storage(self):
+        """A fresh engine whose node memory is empty (as after node loss) restores from storage."""
+        from megatron_pec.engine import Engine
+        from megatron_pec.loader import Loader
+
+        c = self.ctx
+        node = self.engine.node_dir
+        self.engine.close()
+        self.engine = None
+        _stop_agent(node)
+        barrier()
+        drop_file_cache(files_under(self.root))
+        fresh = Engine(self._args("_cold"), c.model, c.optimizer)
+        barrier()
+        t = time.perf_counter()
+        Loader(fresh, self.root).load(c.model, c.optimizer, c.scheduler)
+        elapsed = _max(time.perf_counter() - t)
+        node = fresh.node_dir
+        fresh.close()
+        _stop_agent(node)
+        return elapsed
+
+    def close(self):
+        if self.engine is not None:
+            node = self.engine.node_dir
+            self.engine.close()
+            self.engine = None
+            _stop_agent(node)
+        _stop_agent(os.path.join(self.ctx.shm_dir, self._job + "_cold", "node0"))
+
+
+def _stop_agent(node_dir: str, grace_s: float = 3.0) -> None:
+    """Stop the node agent this benchmark started, if it did not exit after every trainer detached.
+
+    Works around megatron_pec/agent/server.py ``_work``: a ``flush`` job (sent by every
+    load_checkpoint) does not reset ``pending_work``, so an agent whose last job was a flush counts
+    as busy forever and never exits (neither on detach nor on its idle timeout).
+    """
+    import signal
+
+    from megatron_pec.agent.client import agent_pid
+
+    if torch.distributed.get_rank() != 0:
+        return
+    deadline = time.monotonic() + grace_s
+    while (pid := agent_pid(node_dir)) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)  # the agent's own clean shutdown (removes its slots)
+        deadline = time.monotonic() + 10
+        while agent_pid(node_dir) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+# ---- megatron-core dist_checkpointing (torch_dist) -------------------------------------------
+
+class TorchDist(Method):
+    """Megatron-LM's default: ``torch_dist`` format, DistributedOptimizer ``dp_reshardable``
+    sharded state dict, fully parallel save wrapper; async through AsyncCallsQueue."""
+
+    family = "torch_dist"
+
+    def __init__(self, ctx, root, async_save=False):
+        super().__init__(ctx, root)
+        self.async_save = async_save
+        self.persists_async = async_save
+        self.name = "torch_dist async" if async_save else "torch_dist sync"
+        self.queue = None
+
+    def _metadata(self):
+        from megatron.core import parallel_state
+
+        return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+    def _state_dict(self, it, loading=False):
+        c = self.ctx
+        md = self._metadata()
+        model_sd = c.model[0].module.sharded_state_dict(metadata=md)
+        return {"model": model_sd,
+                "optimizer": c.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=md),
+                "opt_param_scheduler": c.scheduler.state_dict(), "iteration": it,
+                "checkpoint_version": 3.0}
+
+    def setup(self):
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        self.strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
+        if self.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            # The persistent worker calls torch.cuda.device_count() in a fresh process (0 on CPU:
+            # ZeroDivisionError), so the per-save forked worker is used - Megatron's other mode.
+            self.queue = AsyncCallsQueue(persistent=False)
+        # Warm-up save: the first one also starts helper processes and caches plans.
+        it = self.ctx.next_iteration()
+        self.save(it)
+        self.wait_persisted(it)
+
+    def _dir(self, it):
+        return os.path.join(self.root, f"iter_{it:07d}")
+
+    def save(self, it):
+        from megatron.core import dist_checkpointing
+
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+        d = self._dir(it)
+        if self.ctx.rank == 0:
+            os.makedirs(d, exist_ok=True)
+        barrier()
+        if self.async_save:
+            request = dist_checkpointing.save(self._state_dict(it), d, self.strategy, async_sharded_save=True)
+            self.queue.schedule_async_request(request)
+        else:
+            dist_checkpointing.save(self._state_dict(it), d, self.strategy)
+        self.last = it
+        return True
+
+    def poll(self):
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait_persisted(self, it):
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+        barrier()
+
+    def written_bytes(self, it):
+        d, r = self._dir(it), self.ctx.rank
+        total = 0
+        for name in os.listdir(d):
+            mine = name.startswith(f"__{r}_") or (r == 0 and not name.startswith("__"))
+            if mine and os.path.isfile(os.path.join(d, name)):
+                total += os.path.getsize(os.path.join(d, name))
+        return total
+
+    def restore_storage(self):
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+        c = self.ctx
+        d = self._dir(self.last)
+        barrier()
+        drop_file_cache(files_under(d))
+        barrier()
+        t = time.perf_counter()
+        state = self._state_dict(self.last, loading=True)
+        loaded = dist_checkpointing.load(state, d, get_default_load_sharded_strategy(d))
+        with torch.no_grad():  # DistributedOptimizer copies into leaf views
+            c.model[0].module.load_state_dict(loaded["model"])
+            c.optimizer.load_state_dict(loaded["optimizer"])
+            c.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        unshare_adam_steps(c.optimizer)
+        return _max(time.perf_counter() - t)
+
+    def close(self):
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+            self.queue.close()
+            self.queue = None
+
+
+# ---- Megatron legacy (gather to DP rank 0 + torch.save) --------------------------------------
+
+class Legacy(Method):
+    """Megatron-LM's non-distributed format with the distributed optimizer: each expert-parallel
+    rank torch.saves ``model_optim_rng.pt``; ``save_parameter_state`` gathers every
+    DistributedOptimizer shard to its DP rank 0 (``get_parameter_state_dp_zero``) which
+    torch.saves ``distrib_optim.pt``."""
+
+    family = "legacy"
+    name = "legacy (gather to DP 0)"
+
+    def _dir(self, it):
+        from megatron.core import parallel_state
+
+        return os.path.join(self.root, f"iter_{it:07d}",
+                            f"mp_rank_00_{parallel_state.get_expert_model_parallel_rank():03d}")
+
+    def setup(self):
+        it = self.ctx.next_iteration()
+        self.save(it)
+
+    def save(self, it):
+        from megatron.core import parallel_state
+
+        c = self.ctx
+        d = self._dir(it)
+        os.makedirs(d, exist_ok=True)
+        if parallel_state.get_expert_data_parallel_rank() == 0:
+            state = {"model": c.model[0].state_dict_for_save_checkpoint(), "optimizer": c.optimizer.state_dict(),
+                     "opt_param_scheduler": c.scheduler.state_dict(), "iteration": it,
+                     "rng_state": [torch.get_rng_state()], "checkpoint_version": 3.0}
+            torch.save(state, os.path.join(d, "model_optim_rng.pt"))
+        c.optimizer.save_parameter_state(os.path.join(d, "distrib_optim.pt"))
+        barrier()
+        self.last = it
+        return True
+
+    def wait_persisted(self, it):
+        barrier()  # synchronous: done when save returns
+
+    def written_bytes(self, it):
+        d = self._dir(it)
+        return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+
+    def restore_storage(self):
+        c = self.ctx
+        d = self._dir(self.last)
+        barrier()
+        drop_file_cache(files_under(d))
+        barrier()
+        t = time.perf_counter()
+        state = torch.load(os.path.join(d, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
+        with torch.no_grad():
+            c.model[0].load_state_dict(state["model"])
+            c.optimizer.load_state_dict(state["optimizer"])
+            # megatron-core 0.16.1 with torch Adam (no apex/TE): _set_main_param_and_optimizer_states
+            # copies every key of the live per-param state, including "step", which the legacy file
+            # does not hold (KeyError: 'step'). Hide "step" while the shards are scattered in.
+            hidden = _pop_steps(c.optimizer)
+            c.optimizer.load_parameter_state(os.path.join(d, "distrib_optim.pt"))
+            _push_steps(hidden)
+            c.scheduler.load_state_dict(state["opt_param_scheduler"])
+        unshare_adam_steps(c.optimizer)
+        return _max(time.perf_counter() - t)
+
+
+def _pop_steps(optimizer):
+    from megatron_pec.megatron.collect import distributed_optimizers
+
+    hidden = []
+    for opt in distributed_optimizers(optimizer):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                hidden.append((state, state.pop("step")))
+    return hidden
+
+
+def _push_steps(hidden):
+    for state, step in hidden:
+        state["step"] = step
+
+
+# ---- DLRover Flash Checkpoint ------------------------------------------------------------------
+
+class DLRover(Method):
+    """DLRover's generic ``DdpCheckpointer`` (flash checkpoint: copy into shared memory, a saver
+    process persists with torch.save), fed this rank's optimizer shard tensors and small state."""
+
+    family = "dlrover"
+    name = "DLRover flash ckpt"
+    has_memory = True
+    persists_async = True
+
+    def setup(self):
+        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+        c = self.ctx
+        world = c.world
+        self.ckpt = DdpCheckpointer(self.root, local_shard_num=world, global_shard_num=world)
+        it = c.next_iteration()
+        self.save(it)
+        self.wait_persisted(it)
+
+    def _state(self, it):
+        from megatron_pec import smallstate
+        from megatron_pec.megatron import collect
+
+        c = self.ctx
+        live = c.live_views()
+        state = dict(live)
+        state["small"] = smallstate.dumps(collect.small_state(c.optimizer, c.scheduler, c.args, it, 0))
+        return state
+
+    def save(self, it):
+        # What DdpCheckpointer.save_checkpoint(step, state, path, StorageType.DISK) does, calling its
+        # engine directly because only the engine's return value says whether the memory copy
+        # happened (DLRover skips it while its saver still persists the previous step).
+        from dlrover.python.common.constants import CheckpointConstant
+
+        path = os.path.join(self.root, str(it), f"rank_{self.ctx.rank}.pt")
+        key = CheckpointConstant.MODEL_STATES_NAME
+        ok = self.ckpt._engine.save_to_storage(it, {key: self._state(it)}, {key: path})
+        if ok:
+            self.last = it
+        else:
+            self.skipped += 1
+        return bool(ok)
+
+    def wait_persisted(self, it, timeout=300.0):
+        from dlrover.python.common.constants import CheckpointConstant
+
+        tracker = os.path.join(self.root, CheckpointConstant.TRACER_FILE_NAME)
+        deadline = time.monotonic() + timeout
+        want = str(self.last)  # the newest step whose memory copy happened (skipped steps never commit)
+        while time.monotonic() < deadline:
+            try:
+                with open(tracker) as f:
+                    if f.read().strip() == want:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.002)
+        else:
+            raise TimeoutError(f"DLRover did not commit step {want} within {timeout:.0f}s")
+        barrier()
+
+    def written_bytes(self, it):
+        path = os.path.join(self.root, str(it), f"rank_{self.ctx.rank}.pt")
+        return os.path.getsize(path) if os.path.exists(path) else 0
+
+    def snapshot_bytes(self):
+        return sum(t.numel() * t.element_size() for t in self.ctx.live_views().values())
+
+    def _apply(self, state):
+        from megatron_pec.megatron import restore
+
+        c = self.ctx
+        live = c.live_views()
+        with torch.no_grad():
+            for name, tensor in live.items():
+                tensor.copy_(state[name])
+        restore.sync_model_params(c.model, c.optimizer)
+
+    def restore_memory(self):
+        barrier()
+        t = time.perf_counter()
+        state = self.ckpt.load_checkpoint()
+        self._apply(state)
+        return _max(time.perf_counter() - t)
+
+    def restore_storage(self):
+        path = os.path.join(self.root, str(self.last), f"rank_{self.ctx.rank}.pt")
+        barrier()
+        drop_file_cache([path])
+        barrier()
+        t = time.perf_counter()
+        state = self.ckpt._engine._load_from_storage()  # what load_checkpoint does without node memory
+        self._apply(state)
+        return _max(time.perf_counter() - t)
+
+    def close(self):
+        try:
+            self.ckpt._engine.close()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,369 @@
+"""The benchmark worker, run under torchrun (2 ranks, gloo on CPU): builds the real megatron-core
+GPT-MoE of ``examples/gpt_moe``, trains it a few iterations, and measures every checkpoint
+method on it in one run. Launched by ``python -m benchmarks.checkpoint``; writes one JSON file.
+
+    torchrun --nproc-per-node 2 -m benchmarks.worker --mode main --out part.json -- <model flags>
+
+Model flags are the example's Megatron flag names (``--hidden-size``, ``--num-experts``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "gpt_moe"))
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from benchmarks import floors  # noqa: E402
+from benchmarks.common import SHM_ROOT, STORAGE_ROOT, loadavg, median, p90  # noqa: E402
+
+
+def log(msg: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _max(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _gather(x):
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, x)
+    return out
+
+
+class Ctx:
+    """The training job every method checkpoints."""
+
+    def __init__(self, bench, model_argv):
+        import megatron_pec
+        import pretrain_gpt_moe as ex
+        from byte_data import default_data_prefix, ensure_stdlib_dataset
+
+        self.ex, self.bench = ex, bench
+        self.args = ex.parse_args(model_argv)
+        ex.initialize(self.args)
+        megatron_pec.use_args(self.args)
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.run_id = bench.run_id
+        self.shm_dir = os.path.join(SHM_ROOT, self.run_id)
+        self.storage_dir = os.path.join(STORAGE_ROOT, self.run_id)
+        self.args.data_path = default_data_prefix()
+        if self.rank == 0:
+            ensure_stdlib_dataset(self.args.data_path)
+        torch.distributed.barrier()
+        self.iteration = 0
+        self._live = None
+        self.build()
+
+    def build(self):
+        from megatron.core import parallel_state
+
+        from byte_data import batches, build_datasets
+
+        a = self.args
+        self.model, self.optimizer, self.scheduler = self.ex.setup_model_and_optimizer(a)
+        a.consumed_train_samples = a.skipped_train_samples = a.consumed_valid_samples = 0
+        a.iteration, a.num_floating_point_operations_so_far = 0, 0
+        train_ds, _ = build_datasets(a.data_path, a.seq_length, a.seed, a.train_iters * a.global_batch_size,
+                                     a.eval_iters * a.global_batch_size * 2, a.split)
+        self.data = batches(train_ds, 0, a.micro_batch_size, parallel_state.get_data_parallel_rank(),
+                            a.data_parallel_size)
+        self._live = None
+
+    def free(self):
+        self.model = self.optimizer = self.scheduler = self.data = self._live = None
+        gc.collect()
+
+    def next_iteration(self) -> int:
+        self.iteration += 1
+        return self.iteration
+
+    def train(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.ex.train_step(self.args, self.model, self.optimizer, self.scheduler, self.data)
+            self.args.consumed_train_samples += self.args.global_batch_size
+        # Restores may replace the optimizer's state tensors; views are re-bound lazily.
+
+    def live_views(self):
+        """This rank's optimizer shard tensors by slice name (the state every method saves)."""
+        from megatron_pec.megatron import collect
+
+        if self._live is None:
+            self._live = collect.live_views(collect.build_slices(self.model, self.optimizer), self.optimizer)
+        return self._live
+
+    def invalidate(self):
+        self._live = None
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.live_views().values())
+
+    def param_count(self) -> int:
+        local = sum(p.numel() for p in self.model[0].parameters())
+        return local
+
+
+# ---- measuring one method ------------------------------------------------------------------------
+
+def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, baseline_s: float,
+            memcpy_Bps: float) -> dict:
+    rank = ctx.rank
+    out = {"family": method.family, "load_1min_at_start": loadavg()}
+    t_setup = time.perf_counter()
+    method.setup()
+    out["setup_s"] = _max(time.perf_counter() - t_setup)
+    blocking, persist, node_bytes, rank_bytes = [], [], [], []
+    for _ in range(saves):
+        ctx.train(1)
+        it = ctx.next_iteration()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        ok = method.save(it)
+        tb = time.perf_counter() - t0
+        method.wait_persisted(it)
+        tp = time.perf_counter() - t0
+        tb, tp = _max(tb), _max(tp)
+        mine = method.written_bytes(it) if ok else 0
+        everyone = _gather(mine)
+        if ok:
+            blocking.append(tb)
+            persist.append(tp)
+            node_bytes.append(sum(everyone))
+            rank_bytes.append(everyone)
+    snap = method.snapshot_bytes()
+    snap_all = _gather(snap)
+    out.update({
+        "blocking_s_median": median(blocking), "blocking_s_p90": p90(blocking), "blocking_s_all": blocking,
+        "persist_s_median": median(persist), "persist_s_all": persist,
+        "bytes_per_rank": max(rank_bytes[-1]) if rank_bytes else None,
+        "bytes_each_rank": rank_bytes[-1] if rank_bytes else None,
+        "persist_MBps": median([b / t / 1e6 for b, t in zip(node_bytes, persist)]) if persist else None,
+        # the background part alone (after the save call returned): what the persisting process achieves
+        "persist_after_save_MBps": median([b / (t - s) / 1e6 for b, t, s in zip(node_bytes, persist, blocking)
+                                           if t > s]) if persist and method.persists_async else None,
+        "snapshot_bytes_per_rank": max(snap_all) if snap is not None else None,
+        "fsync": method.family in ("pec", "torch_dist"),
+    })
+    if out["snapshot_bytes_per_rank"]:
+        out["memcpy_floor_s"] = out["snapshot_bytes_per_rank"] / memcpy_Bps
+    # training throughput with a checkpoint every `interval` iterations (same iterations, same data)
+    tput = {}
+    skipped_before = method.skipped
+    baseline_s = baseline(ctx, iters)  # right before, so slow drifts of the machine's load cancel out
+    out["baseline_s_per_iteration"] = baseline_s / iters
+    for interval in intervals:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        last = None
+        for k in range(1, iters + 1):
+            ctx.train(1)
+            if hasattr(method, "poll"):
+                method.poll()
+            if k % interval == 0:
+                last = ctx.next_iteration()
+                method.save(last)
+        elapsed = _max(time.perf_counter() - t0)
+        if last is not None:
+            method.wait_persisted(last)
+        tput[str(interval)] = baseline_s / elapsed
+        log(f"  {method.name}: checkpoint every {interval} it: {elapsed / iters * 1000:.0f} ms/it "
+            f"(ratio {baseline_s / elapsed:.3f})")
+    out["throughput_ratio_by_interval"] = tput
+    out["train_throughput_ratio"] = tput.get("1")
+    out["skipped_saves_in_throughput_runs"] = method.skipped - skipped_before
+    # restores (last: they change the training state)
+    out["restore_memory_s"] = method.restore_memory() if method.has_memory else None
+    ctx.invalidate()
+    out["restore_storage_s"] = method.restore_storage()
+    ctx.invalidate()
+    method.close()
+    method.cleanup()
+    return out
+
+
+def baseline(ctx: Ctx, iters: int) -> float:
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    ctx.train(iters)
+    return _max(time.perf_counter() - t0)
+
+
+def build_methods(ctx: Ctx, names: list[str]):
+    from benchmarks import methods as M
+
+    root = lambda tag: os.path.join(ctx.storage_dir, tag)  # noqa: E731
+    table = {
+        "pec_all": lambda: M.Pec(ctx, root("pec_all"), None, None, "all"),
+        "pec_4": lambda: M.Pec(ctx, root("pec_4"), 4, 4, "k4"),
+        "pec_2": lambda: M.Pec(ctx, root("pec_2"), 2, 2, "k2"),
+        "pec_1": lambda: M.Pec(ctx, root("pec_1"), 1, 1, "k1"),
+        "pec_4_1": lambda: M.Pec(ctx, root("pec_4_1"), 4, 1, "k4p1"),
+        "torch_dist_sync": lambda: M.TorchDist(ctx, root("td_sync"), async_save=False),
+        "torch_dist_async": lambda: M.TorchDist(ctx, root("td_async"), async_save=True),
+        "legacy": lambda: M.Legacy(ctx, root("legacy")),
+        "dlrover": lambda: M.DLRover(ctx, root("dlrover")),
+    }
+    for n in names:
+        if n not in table:
+            raise SystemExit(f"unknown method {n!r}; known: {', '.join(table)}")
+    return [(n, table[n]) for n in names]
+
+
+def run_main(ctx: Ctx, b) -> dict:
+    a = ctx.args
+    ctx.train(b.warmup)  # Adam state exists from here on
+    base1 = baseline(ctx, b.iters)
+    state_bytes = _gather(ctx.state_bytes())
+    model = {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_experts": a.num_experts,
+             "moe_router_topk": a.moe_router_topk, "moe_ffn_hidden_size": a.moe_ffn_hidden_size or 4 * a.hidden_size,
+             "seq_length": a.seq_length, "micro_batch_size": a.micro_batch_size,
+             "global_batch_size": a.global_batch_size, "ep": a.expert_model_parallel_size,
+             "dp": a.data_parallel_size, "world_size": ctx.world,
+             "params_per_rank": _gather(ctx.param_count()),
+             "optimizer_state_bytes_per_rank": max(state_bytes), "optimizer_state_bytes_each_rank": state_bytes}
+    log(f"model: {json.dumps(model)}; baseline {base1 / b.iters * 1000:.0f} ms/it")
+    mc = floors.memcpy_floor(os.path.join(ctx.shm_dir, "floor"), ctx.rank, max(state_bytes))
+    mc["slices_memcpy_s"] = floors.slices_memcpy(mc["_map"], list(ctx.live_views().values()))
+    mc["slices_count_per_rank"] = len(ctx.live_views())
+    paths = [os.path.join(ctx.shm_dir, "floor", f"floor_rank{r}") for r in range(ctx.world)]
+    wf = floors.write_floor(os.path.join(ctx.storage_dir, "floor"), ctx.rank, ctx.world, paths)
+    mc["_map"].close()
+    os.unlink(mc.pop("_path"))
+    mc.pop("_map")
+    fl = {**mc, **wf}
+    log(f"floors: memcpy {fl['memcpy_s'] * 1000:.1f} ms for {fl['memcpy_bytes_per_rank'] / 1e6:.0f} MB/rank "
+        f"({fl['slices_memcpy_s'] * 1000:.1f} ms as {fl['slices_count_per_rank']} slices), "
+        f"write+fsync {fl['write_MBps']:.0f} MB/s (one writer), {fl['write_MBps_parallel']:.0f} MB/s (per rank)")
+    memcpy_Bps = fl["memcpy_bytes_per_rank"] / fl["memcpy_s"]
+    results, errors = {}, {}
+    for key, make in build_methods(ctx, b.methods):
+        method = make()
+        log(f"method {method.name} (load {loadavg():.2f})")
+        try:
+            results[method.name] = {"key": key, **measure(ctx, method, b.saves, b.intervals, b.iters, base1,
+                                                           memcpy_Bps)}
+            r = results[method.name]
+            log(f"  blocking {r['blocking_s_median'] * 1000:.1f} ms (p90 {r['blocking_s_p90'] * 1000:.1f}), "
+                f"{(r['bytes_per_rank'] or 0) / 1e6:.1f} MB/rank, persist {r['persist_MBps'] or 0:.0f} MB/s, "
+                f"restore mem {r['restore_memory_s']} s, storage {r['restore_storage_s']:.3f} s")
+        except Exception as exc:  # a method that cannot run here is reported, the others still run
+            traceback.print_exc()
+            errors[method.name] = f"{type(exc).__name__}: {exc}"
+            try:
+                method.close()
+                method.cleanup()
+            except Exception:  # noqa: BLE001
+                pass
+    base2 = baseline(ctx, b.iters)
+    return {"model": model, "floors": fl, "methods": results, "errors": errors,
+            "baseline_s_per_iteration": [base1 / b.iters, base2 / b.iters],
+            "iterations_per_throughput_run": b.iters, "saves_measured": b.saves}
+
+
+def run_scaling(ctx: Ctx, b) -> dict:
+    """Blocking time and bytes per rank versus the number of experts at fixed compute (top-k and
+    expert size fixed), for megatron-pec K=1 and full."""
+    from benchmarks import methods as M
+
+    points = []
+    experts_list = [int(x) for x in b.experts.split(",")]
+    for i, e in enumerate(experts_list):
+        if i:
+            ctx.free()
+        ctx.args.num_experts = e
+        ctx.build()
+        ctx.train(b.warmup)
+        base = baseline(ctx, 2) / 2
+        state = max(_gather(ctx.state_bytes()))
+        point = {"num_experts": e, "optimizer_state_bytes_per_rank": state, "step_s": base}
+        for label, k in (("full", None), ("K=1", 1)):
+            m = M.Pec(ctx, os.path.join(ctx.storage_dir, f"scal_e{e}_{label}"), k, k, f"e{e}{'f' if k is None else 'k1'}")
+            m.setup()
+            blocking, persist, nb = [], [], []
+            for _ in range(b.saves):
+                ctx.train(1)
+                it = ctx.next_iteration()
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                m.save(it)
+                tb = _max(time.perf_counter() - t0)
+                m.wait_persisted(it)
+                tp = _max(time.perf_counter() - t0)
+                blocking.append(tb)
+                persist.append(tp)
+                nb.append(max(_gather(m.written_bytes(it))))
+            snap = max(_gather(m.snapshot_bytes() or 0))
+            m.close()
+            m.cleanup()
+            point[label] = {"blocking_s_median": median(blocking), "blocking_s_p90": p90(blocking),
+                            "persist_s_median": median(persist), "bytes_per_rank": nb[-1],
+                            "snapshot_bytes_per_rank": snap}
+            log(f"scaling E={e} {label}: blocking {median(blocking) * 1000:.1f} ms, {nb[-1] / 1e6:.1f} MB/rank")
+        points.append(point)
+    return {"points": points, "hidden_size": ctx.args.hidden_size, "num_layers": ctx.args.num_layers,
+            "moe_router_topk": ctx.args.moe_router_topk}
+
+
+def parse(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--" in argv:
+        i = argv.index("--")
+        argv, model_argv = argv[:i], argv[i + 1:]
+    else:
+        model_argv = []
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--mode", choices=("main", "scaling"), default="main")
+    p.add_argument("--out", required=True)
+    p.add_argument("--run-id", default=f"bench{os.getpid()}")
+    p.add_argument("--methods", default="pec_all,pec_4,pec_2,pec_1,torch_dist_sync,torch_dist_async,legacy,dlrover")
+    p.add_argument("--saves", type=int, default=5, help="measured saves per method (after one warm-up save)")
+    p.add_argument("--iters", type=int, default=4, help="iterations per throughput run")
+    p.add_argument("--intervals", default="1,4")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--experts", default="4,8,16,32")
+    b = p.parse_args(argv)
+    b.methods = [m for m in b.methods.split(",") if m]
+    b.intervals = [int(x) for x in b.intervals.split(",")]
+    return b, model_argv
+
+
+def main(argv=None) -> int:
+    import shutil
+
+    b, model_argv = parse(argv)
+    ctx = Ctx(b, model_argv)
+    t0 = time.time()
+    try:
+        result = run_main(ctx, b) if b.mode == "main" else run_scaling(ctx, b)
+    finally:
+        torch.distributed.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(ctx.shm_dir, ignore_errors=True)
+            shutil.rmtree(ctx.storage_dir, ignore_errors=True)
+    result["wall_s"] = time.time() - t0
+    result["model_argv"] = model_argv
+    if ctx.rank == 0:
+        with open(b.out, "w") as f:
+            json.dump(result, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,513 @@
+"""The random fault campaign: ``python -m megatron_pec.faults campaign --runs N [--seed S] [--out FILE]``.
+
+Runs in a driver process on one machine, one simulated 2-node job at a time
+(``megatron_pec.testing.cluster``). Each run draws a fault type, a fault point,
+an iteration and a node from the seed, injects it (fault points through
+``MEGATRON_PEC_FAULT``, random instants through SIGKILL from the harness, damage
+by editing files), restarts the job when it died, and checks what the
+architecture's invariants promise:
+
+* the job finishes (a wait that runs out is counted as a hang);
+* restarts restore the newest valid iteration, from node memory or storage as
+  the invariant says, losing at most one snapshot interval after a trainer kill;
+* with every expert saved, every loss logged equals the uninterrupted
+  reference run's loss at that iteration (bit-exact resume); with PEC the PLT
+  is logged and below what a storage-only restore would cost after a node loss;
+* nothing partial or corrupt is accepted: ``verify`` passes at the end, the
+  tracker names a committed iteration, a damaged iteration is never restored.
+
+Prints a table per fault type and writes every run's record as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from megatron_pec import manifest
+from megatron_pec.testing.cluster import Cluster, ClusterTimeout, parse_plt, persist_only_plt, run_megatron_pec
+
+# Every expert saved: a memory snapshot every iteration, a persisted checkpoint every 2.
+FULL = ["--train-iters", "12", "--save-interval", "2", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
+FULL_ITERS, FULL_SNAPSHOT_INTERVAL = 12, 1
+# PEC: 4 of 8 experts per layer to memory every 2 iterations, 1 of them persisted every 4.
+PEC = ["--train-iters", "16", "--save-interval", "4", "--non-persistent-save-interval", "2",
+       "--pec-snapshot-k", "4", "--pec-persist-k", "1", "--pec-keep", "2"]
+PEC_ITERS, PEC_SNAPSHOT_INTERVAL, PEC_SAVE_INTERVAL = 16, 2, 4
+TIMEOUT = 180.0
+
+TRAINER_POINTS = ("snapshot_begin", "snapshot_mid", "snapshot_end", "optimizer_step")
+AGENT_POINTS = ("persist_write", "before_rename", "before_node_marker", "before_manifest", "before_tracker")
+DAMAGE = ("flip_byte", "truncate", "delete_rank_file", "manifest_missing_file")
+TYPES = ("trainer_kill_point", "trainer_kill_random", "agent_kill_point", "agent_kill_random", "node_loss",
+         "storage_error", "storage_full", "corruption")
+
+
+class Failure(AssertionError):
+    """A broken promise; the message says which."""
+
+
+def check(condition, message: str) -> None:
+    if not condition:
+        raise Failure(message)
+
+
+class Campaign:
+    def __init__(self, workdir: Path, shm: Path, seed: int, keep_failed: bool = True):
+        self.workdir, self.shm, self.rng = workdir, shm, random.Random(seed)
+        self.keep_failed = keep_failed
+        self.can_mount = os.geteuid() == 0 and shutil.which("mount") is not None
+        self.reference: dict[int, float] = {}
+        self.reference_ckpt: Path | None = None
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """The uninterrupted reference run (losses, and a checkpoint directory to damage)."""
+        c = Cluster(self.workdir / "reference", self.shm, "fcref")
+        try:
+            c.launch(FULL)
+            codes = c.wait_exit(TIMEOUT)
+            if codes != {0: 0, 1: 0}:
+                raise RuntimeError(f"the reference run failed: {codes}\n{c.logs()[-4000:]}")
+            self.reference = {r["iteration"]: r["lm loss"] for r in c.metrics() if "lm loss" in r}
+            self.reference_ckpt = c.save
+        finally:
+            c.close()
+
+    def draw(self) -> dict:
+        types = [t for t in TYPES if t != "storage_full" or self.can_mount]
+        kind = self.rng.choice(types)
+        node = self.rng.randrange(2)
+        spec = {"type": kind, "node": node}
+        if kind == "trainer_kill_point":
+            spec["config"] = self.rng.choice(["full", "pec"])
+            spec["point"] = self.rng.choice(TRAINER_POINTS)
+            iters, interval = (FULL_ITERS, 1) if spec["config"] == "full" else (PEC_ITERS, PEC_SNAPSHOT_INTERVAL)
+            if spec["point"] == "optimizer_step":
+                spec["iteration"] = self.rng.randrange(2, iters)
+                spec["nth"] = spec["iteration"]
+            else:
+                spec["nth"] = self.rng.randrange(1, (iters - 1) // interval + 1)
+                spec["iteration"] = spec["nth"] * interval
+        elif kind == "trainer_kill_random":
+            spec["config"] = self.rng.choice(["full", "pec"])
+            iters = FULL_ITERS if spec["config"] == "full" else PEC_ITERS
+            spec["iteration"] = self.rng.randrange(1, iters - 1)
+            spec["delay_s"] = round(self.rng.uniform(0.0, 0.25), 3)
+        elif kind == "agent_kill_point":
+            spec["point"] = self.rng.choice(AGENT_POINTS)
+            # n-th time the point is reached in one agent process (chunks, for persist_write)
+            spec["nth"] = self.rng.randrange(1, {"persist_write": 9, "before_rename": 4,
+                                                 "before_node_marker": 4}.get(spec["point"], 3))
+        elif kind == "agent_kill_random":
+            spec["iteration"] = self.rng.randrange(1, FULL_ITERS - 1)
+            spec["delay_s"] = round(self.rng.uniform(0.0, 0.25), 3)
+        elif kind == "node_loss":
+            spec["iteration"] = self.rng.randrange(PEC_SAVE_INTERVAL + 1, PEC_ITERS - 1)
+        elif kind == "storage_error":
+            spec["action"] = self.rng.choice(["enospc", "eio"])
+            spec["point"] = self.rng.choice(["persist_write", "before_rename"])
+            spec["nth"] = self.rng.randrange(1, 7 if spec["point"] == "persist_write" else 4)
+        elif kind == "storage_full":
+            spec["size_mib"] = self.rng.randrange(6, 40)
+        elif kind == "corruption":
+            newest = range(FULL_ITERS, FULL_ITERS - 2 * self.rng.randrange(1, 3), -2)
+            spec["damage"] = [(i, self.rng.choice(DAMAGE)) for i in newest]
+            spec["stale_tracker"] = self.rng.random() < 0.3
+        return spec
+
+    # ---- one run ---------------------------------------------------------------------------------
+    def run(self, index: int, spec: dict) -> dict:
+        result = dict(spec, run=index, fired=False, recovered=False, hang=False, resumed_from=None,
+                      restored_iteration=None, reached_iteration=None, iterations_lost=None, plt=None,
+                      failure=None)
+        workdir = self.workdir / f"run{index:04d}"
+        c = Cluster(workdir, self.shm, f"fc{index:04d}", save=workdir / "checkpoints")
+        start = time.monotonic()
+        try:
+            getattr(self, "_" + spec["type"])(c, spec, result)
+            result["recovered"] = True
+        except ClusterTimeout as exc:
+            result["hang"], result["failure"] = True, f"hang: {str(exc).splitlines()[0]}"
+        except Failure as exc:
+            result["failure"] = str(exc)
+        except Exception as exc:  # the harness itself broke: count it, keep going
+            result["failure"] = f"harness error: {type(exc).__name__}: {exc}"
+            result["traceback"] = traceback.format_exc()
+        finally:
+            c.close()
+            for mount in result.pop("_mounts", []):
+                subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+        result["wall_s"] = round(time.monotonic() - start, 1)
+        if result["recovered"] or not self.keep_failed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            result["logs"] = str(workdir)
+        return result
+
+    # ---- fault types -----------------------------------------------------------------------------
+    def _train_args(self, config: str) -> list[str]:
+        return list(FULL if config == "full" else PEC)
+
+    def _restart_and_finish(self, c: Cluster, spec: dict, result: dict, config: str) -> None:
+        """After a launch that died: relaunch, finish, and check the restore (invariants 5, 7)."""
+        reached = c.iteration()
+        before = set(manifest.committed_iterations(str(c.save)))
+        c.launch(self._train_args(config))
+        codes = c.wait_exit(TIMEOUT)
+        check(codes == {0: 0, 1: 0}, f"the restart failed: exit codes {codes}: {c.logs()[-1500:]}")
+        restores = c.restores()
+        iters = FULL_ITERS if config == "full" else PEC_ITERS
+        # (the fault may have hit after the last iteration: then the restart only restores and validates)
+        finished = max([c.iteration()] + [r.iteration for r in restores.values()]) == iters
+        check(finished and any("validation loss" in r for r in c.metrics()), "the restart did not finish training")
+        if not restores:
+            check("no checkpoint found" in c.logs(), "neither a restore nor 'training from scratch' was logged")
+            check(not before, f"iterations {sorted(before)} were committed, yet the restart trained from scratch")
+            result.update(restored_iteration=0, reached_iteration=reached, iterations_lost=reached,
+                          resumed_from="scratch")
+            return
+        check(set(restores) == {0, 1}, f"restore lines from ranks {sorted(restores)} only")
+        target = {r.iteration for r in restores.values()}
+        check(len(target) == 1, f"ranks restored different iterations: {restores}")
+        target = target.pop()
+        sources = {r: x.source for r, x in restores.items()}
+        result.update(restored_iteration=target, reached_iteration=reached, iterations_lost=reached - target,
+                      resumed_from="+".join(sorted(set(sources.values()))), sources=sources)
+        result["plt"] = parse_plt(c.logs())
+        if config == "pec":
+            check(result["plt"] is not None and 0 <= result["plt"] < 1, f"PLT not logged: {result['plt']}")
+        for x in restores.values():
+            check(all(v < target for v in x.older.values()), f"expert versions after the target: {x}")
+
+    def _common_end_checks(self, c: Cluster, result: dict, config: str) -> None:
+        """Nothing partial is latest, everything committed is sound; bit-exact losses with every expert."""
+        committed = manifest.committed_iterations(str(c.save))
+        if committed or config != "storage":
+            verify = run_megatron_pec("verify", c.save)
+            check(verify.returncode == 0, f"verify failed after recovery: {verify.stdout.strip()[-800:]}")
+        tracker = manifest.read_tracker(str(c.save))
+        check(tracker is None or (tracker.isdigit() and int(tracker) in committed),
+              f"tracker names {tracker}, committed: {committed}")
+        if config in ("full", "storage"):
+            for launch in range(1, c.launches + 1):
+                for r in c.metrics(launch):
+                    if "lm loss" in r:
+                        check(r["lm loss"] == self.reference[r["iteration"]],
+                              f"launch {launch} iteration {r['iteration']}: loss {r['lm loss']!r} != reference "
+                              f"{self.reference[r['iteration']]!r}")
+
+    def _trainer_kill_point(self, c: Cluster, spec: dict, result: dict) -> None:
+        node, config = spec["node"], spec["config"]
+        c.launch(self._train_args(config), faults={node: f"{spec['point']}=kill@{spec['nth']}:{node}"})
+        codes = c.wait_stopped(TIMEOUT)
+        result["fired"] = f"fault injection: kill at {spec['point']}" in c.log(node)
+        check(result["fired"] and codes[node] != 0, f"the fault did not fire (exit codes {codes})")
+        self._restart_and_finish(c, spec, result, config)
+        check(result["resumed_from"] in ("memory", "scratch"), f"restored from {result.get('sources')}, not memory")
+        interval = FULL_SNAPSHOT_INTERVAL if config == "full" else PEC_SNAPSHOT_INTERVAL
+        check(result["iterations_lost"] <= interval, f"lost {result['iterations_lost']} iterations "
+                                                      f"(snapshot interval {interval})")
+        self._common_end_checks(c, result, config)
+
+    def _trainer_kill_random(self, c: Cluster, spec: dict, result: dict) -> None:
+        node, config = spec["node"], spec["config"]
+        c.launch(self._train_args(config))
+        c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
+        time.sleep(spec["delay_s"])  # the random instant itself
+        c.kill_trainers([node])
+        result["fired"] = True
+        c.wait_stopped(TIMEOUT)  # the other node notices by itself
+        self._restart_and_finish(c, spec, result, config)
+        check(result["resumed_from"] in ("memory", "scratch"), f"restored from {result.get('sources')}, not memory")
+        interval = FULL_SNAPSHOT_INTERVAL if config == "full" else PEC_SNAPSHOT_INTERVAL
+        check(result["iterations_lost"] <= interval, f"lost {result['iterations_lost']} iterations "
+                                                      f"(snapshot interval {interval})")
+        self._common_end_checks(c, result, config)
+
+    def _agent_kill_point(self, c: Cluster, spec: dict, result: dict) -> None:
+        node, point = spec["node"], spec["point"]
+        scope = f":{node}" if point in ("persist_write", "before_rename", "before_node_marker") else ""
+        c.launch(FULL, faults=f"{point}=kill@{spec['nth']}{scope}")
+        codes = c.wait_exit(TIMEOUT)
+        self._agent_outcome(c, result, codes, f"fault injection: kill at {point}")
+
+    def _agent_kill_random(self, c: Cluster, spec: dict, result: dict) -> None:
+        c.launch(FULL)
+        c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
+        time.sleep(spec["delay_s"])
+        result["fired"] = c.kill_agent(spec["node"]) is not None
+        codes = c.wait_exit(TIMEOUT)
+        self._agent_outcome(c, result, codes, None)
+
+    def _agent_outcome(self, c: Cluster, result: dict, codes: dict, fired_line: str | None) -> None:
+        """Invariant 6: training went on to the end untouched, with a warning and a new agent."""
+        agent_logs = "\n".join((c.node_dir(n) / "agent.log").read_text() for n in range(2)
+                               if (c.node_dir(n) / "agent.log").exists())
+        if fired_line is not None:
+            result["fired"] = fired_line in agent_logs
+        check(codes == {0: 0, 1: 0}, f"training stopped: exit codes {codes}: {c.logs()[-1500:]}")
+        check(c.iteration() == FULL_ITERS, "training did not reach the last iteration")
+        result.update(resumed_from="continued", iterations_lost=0, restored_iteration=None)
+        if result["fired"]:
+            logs = c.logs()
+            check("lost the node agent" in logs or "the node agent died" in logs or "not running" in logs,
+                  "no warning about the lost agent")
+            result["new_agent"] = "connected to a new node agent" in logs
+        self._common_end_checks(c, result, "full")
+
+    def _node_loss(self, c: Cluster, spec: dict, result: dict) -> None:
+        node = spec["node"]
+        c.launch(PEC)
+        c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
+        c.lose_node(node)
+        result["fired"] = True
+        c.wait_stopped(TIMEOUT)  # the survivor notices by itself
+        # The survivor's agent may still commit an iteration both nodes had saved: at least this one.
+        committed_at_loss = max(manifest.committed_iterations(str(c.save)), default=0)
+        self._restart_and_finish(c, spec, result, "pec")
+        sources, target = result.get("sources", {}), result["restored_iteration"]
+        check(committed_at_loss <= target <= result["reached_iteration"] and target % PEC_SAVE_INTERVAL == 0,
+              f"restored {target}: not the newest persisted iteration (>= {committed_at_loss}, <= "
+              f"{result['reached_iteration']})")
+        if target:
+            check(sources.get(node) == "storage", f"lost node {node} restored from {sources.get(node)}")
+            survivor = 1 - node
+            result["survivor_from"] = sources.get(survivor)
+            result["plt_storage_only"] = round(persist_only_plt(c.save, target), 6)
+            if sources.get(survivor) == "memory":  # memory versions are never older than the persisted ones
+                check(result["plt"] <= result["plt_storage_only"],
+                      f"PLT {result['plt']} above storage-only {result['plt_storage_only']}")
+        self._common_end_checks(c, result, "pec")
+
+    def _storage_error(self, c: Cluster, spec: dict, result: dict) -> None:
+        node = spec["node"]
+        c.launch(FULL, faults={node: f"{spec['point']}={spec['action']}@{spec['nth']}:{node}"})
+        codes = c.wait_exit(TIMEOUT)
+        result["fired"] = f"fault injection: {spec['action']} at {spec['point']}" in (
+            c.node_dir(node) / "agent.log").read_text()
+        self._storage_outcome(c, result, codes, "injected " + spec["action"].upper())
+
+    def _storage_full(self, c: Cluster, spec: dict, result: dict) -> None:
+        c.save.mkdir(parents=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={spec['size_mib']}m", "tmpfs", str(c.save)], check=True)
+        result["_mounts"] = [c.save]
+        c.launch(FULL)
+        codes = c.wait_exit(TIMEOUT)
+        result["fired"] = "No space left on device" in c.logs()
+        self._storage_outcome(c, result, codes, "No space left on device" if result["fired"] else None)
+
+    def _storage_outcome(self, c: Cluster, result: dict, codes: dict, error: str | None) -> None:
+        """Invariant 8: training continues, the error is reported, nothing that failed is committed."""
+        check(codes == {0: 0, 1: 0}, f"training stopped: exit codes {codes}: {c.logs()[-1500:]}")
+        check(c.iteration() == FULL_ITERS, "training did not reach the last iteration")
+        logs = c.logs()
+        failed = {int(i) for i in re.findall(r"snapshot of iteration (\d+) was not persisted", logs)}
+        if error is not None:
+            check(error in logs and failed, f"the error ({error}) was not reported to the trainer")
+        committed = set(manifest.committed_iterations(str(c.save)))
+        for i in failed & committed:
+            # Only a failure after the manifest (writing the tracker, a hint) leaves the iteration committed.
+            said = re.findall(rf"snapshot of iteration {i} was not persisted: (.*)", logs)
+            check(said and all(manifest.TRACKER in line for line in said),
+                  f"iteration {i} failed ({said}) yet is committed")
+        result.update(resumed_from="continued", iterations_lost=0, failed_iterations=sorted(failed))
+        self._common_end_checks(c, result, "storage")
+
+    def _corruption(self, c: Cluster, spec: dict, result: dict) -> None:
+        """Invariant 4: damage the newest one or two iterations (and maybe the tracker); the restart
+        must fall back past them with a message, never accept them, and resume bit-exactly."""
+        shutil.copytree(self.reference_ckpt, c.save)
+        root = str(c.save)
+        for iteration, kind in spec["damage"]:
+            self._damage(c.save, iteration, kind, spec["node"], result)
+        if spec["stale_tracker"]:
+            (c.save / manifest.TRACKER).write_text(str(FULL_ITERS + 2))
+        result["fired"] = True
+        verify = run_megatron_pec("verify", c.save)
+        check(verify.returncode != 0, "verify accepted the damaged checkpoint")
+        expected = FULL_ITERS - 2 * len(spec["damage"])
+        check(run_megatron_pec("verify", c.save, "--iteration", expected).returncode == 0,
+              f"iteration {expected} is damaged too")
+        c.launch(FULL)
+        codes = c.wait_exit(TIMEOUT)
+        check(codes == {0: 0, 1: 0}, f"the restart failed: exit codes {codes}: {c.logs()[-1500:]}")
+        restores = c.restores()
+        targets = {x.iteration for x in restores.values()}
+        check(set(restores) == {0, 1} and targets == {expected}, f"restored {sorted(targets)}, expected {expected}")
+        check(c.logs().count("falling back to an older checkpoint") >= len(spec["damage"]), "no fall-back message")
+        if spec["stale_tracker"]:
+            check("which has no valid manifest" in c.logs(), "the stale tracker was not reported")
+        check(c.iteration() == FULL_ITERS, "training did not finish after the fall-back")
+        result.update(restored_iteration=expected, reached_iteration=FULL_ITERS,
+                      iterations_lost=FULL_ITERS - expected, resumed_from="storage")
+        check(manifest.committed_iterations(root)[0] == FULL_ITERS, "the redone iterations were not committed")
+        self._common_end_checks(c, result, "full")
+
+    def _damage(self, root: Path, iteration: int, kind: str, rank: int, result: dict) -> None:
+        ranks = manifest.read_manifest(str(root), iteration)["ranks"]
+        victim = root / ranks[str(rank)]["file"]
+        if kind == "flip_byte":
+            with open(victim, "r+b") as f:
+                offset = self.rng.randrange(os.path.getsize(victim))
+                f.seek(offset)
+                byte = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([byte ^ (1 << self.rng.randrange(8))]))
+            result.setdefault("offsets", []).append(offset)
+        elif kind == "truncate":
+            os.truncate(victim, self.rng.randrange(os.path.getsize(victim)))
+        elif kind == "delete_rank_file":
+            os.unlink(victim)
+        elif kind == "manifest_missing_file":
+            path = Path(manifest.manifest_path(str(root), iteration))
+            m = json.loads(path.read_text())
+            m["ranks"][str(rank)]["file"] = f"iter_{iteration:07d}/pec/rank_09999.safetensors"
+            path.write_text(json.dumps(m))
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def summarize(runs: list[dict]) -> dict[str, dict]:
+    table = {}
+    for kind in TYPES:
+        rows = [r for r in runs if r["type"] == kind]
+        if not rows:
+            continue
+        lost = [r["iterations_lost"] for r in rows if r["iterations_lost"] is not None]
+        plts = [r["plt"] for r in rows if r.get("plt") is not None]
+        sources: dict[str, int] = {}
+        for r in rows:
+            if r["resumed_from"]:
+                sources[r["resumed_from"]] = sources.get(r["resumed_from"], 0) + 1
+        table[kind] = {
+            "runs": len(rows), "fired": sum(bool(r["fired"]) for r in rows),
+            "recovered": sum(r["recovered"] for r in rows), "resumed_from": sources,
+            "lost_median": statistics.median(lost) if lost else None, "lost_max": max(lost) if lost else None,
+            "plt_median": statistics.median(plts) if plts else None, "plt_max": max(plts) if plts else None,
+            "failures": sum(not r["recovered"] for r in rows), "hangs": sum(r["hang"] for r in rows),
+        }
+    return table
+
+
+def format_table(table: dict[str, dict]) -> str:
+    head = ("fault type", "runs", "fired", "recovered", "resumed from", "iters lost med/max", "PLT med/max",
+            "failures", "hangs")
+    rows = []
+    for kind, t in table.items():
+        src = ", ".join(f"{k} {v}" for k, v in sorted(t["resumed_from"].items()))
+        lost = "-" if t["lost_median"] is None else f"{t['lost_median']:g} / {t['lost_max']}"
+        plt = "-" if t["plt_median"] is None else f"{100 * t['plt_median']:.2f}% / {100 * t['plt_max']:.2f}%"
+        rows.append((kind, t["runs"], t["fired"], t["recovered"], src, lost, plt, t["failures"], t["hangs"]))
+    total = [sum(t[k] for t in table.values()) for k in ("runs", "fired", "recovered", "failures", "hangs")]
+    rows.append(("total", total[0], total[1], total[2], "", "", "", total[3], total[4]))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_pec.faults campaign",
+                                description="Random fault injection against a simulated 2-node CPU job.")
+    p.add_argument("--runs", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="fault_campaign.json", help="JSON results (default %(default)s)")
+    p.add_argument("--markdown", default=None, help="also write the table as a Markdown report here")
+    p.add_argument("--workdir", default="/tmp/megatron_pec_campaign",
+                   help="per-run directories, wiped at start (failed runs are kept for inspection)")
+    p.add_argument("--shm-dir", default="/dev/shm/fault_helper/campaign",
+                   help="node memory root (each run uses <dir>/<job id>/)")
+    p.add_argument("--types", default=",".join(TYPES), help="comma-separated subset of: " + ", ".join(TYPES))
+    a = p.parse_args(argv)
+    types = [t for t in a.types.split(",") if t]
+    unknown = set(types) - set(TYPES)
+    if unknown:
+        p.error(f"unknown fault types {sorted(unknown)}")
+    workdir, shm = Path(a.workdir), Path(a.shm_dir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    shm.mkdir(parents=True, exist_ok=True)
+    campaign = Campaign(workdir, shm, a.seed)
+    started = time.time()
+    command = "python -m megatron_pec.faults campaign " + " ".join(shlex.quote(x) for x in (argv or sys.argv[2:]))
+    print(f"megatron-pec fault campaign: {a.runs} runs, seed {a.seed}; reference run ...", flush=True)
+    runs: list[dict] = []
+    try:
+        campaign.prepare()
+        draws = 0
+        while len(runs) < a.runs:
+            spec = campaign.draw()
+            draws += 1
+            if spec["type"] not in types:
+                continue
+            r = campaign.run(len(runs) + 1, spec)
+            runs.append(r)
+            detail = {k: v for k, v in spec.items() if k not in ("type",)}
+            status = "ok" if r["recovered"] else f"FAILED: {r['failure']}"
+            print(f"[{len(runs):4d}/{a.runs}] {spec['type']:<20} {json.dumps(detail)} -> {r['resumed_from']}, "
+                  f"lost {r['iterations_lost']}, PLT {r['plt']}, {r['wall_s']}s: {status}", flush=True)
+            _write(a.out, command, a.seed, started, runs)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    table = summarize(runs)
+    print(format_table(table))
+    _write(a.out, command, a.seed, started, runs)
+    print(f"results: {a.out}")
+    if a.markdown:
+        with open(a.out) as f:
+            Path(a.markdown).write_text(markdown(json.load(f)))
+        print(f"report: {a.markdown}")
+    return 0 if all(r["recovered"] for r in runs) else 1
+
+
+def markdown(data: dict) -> str:
+    """The campaign results as a short Markdown report (the table plus what each column means)."""
+    runs = data["runs"]
+    failed = [r for r in runs if not r["recovered"]]
+    lines = [
+        "# Fault-injection campaign", "",
+        f"Command (from the repository root, `.venv` active, `OMP_NUM_THREADS=1`): `{data['command']}`", "",
+        f"Run {data['started']} on {data['machine']}, {data['duration_s'] // 60} min for {len(runs)} runs "
+        f"(seed {data['seed']}). Raw records: `fault_campaign.json` (one per run: the fault drawn, what the "
+        "restart restored from where, iterations lost, PLT, and the failure if any).", "",
+        data["table"], "",
+        "* **fired**: the injected fault really happened (the fault point was reached, the process was killed, "
+        "the file damaged). **recovered**: the job finished and every check of its fault type passed. "
+        "**resumed from**: where the restart restored from (`memory`, `storage`, both for a node loss, or "
+        "`continued` when training never stopped). **iters lost**: iterations completed before the fault and "
+        "done again after the restart (the iteration in flight at the kill is not counted). **PLT**: portion "
+        "of lost expert-token work logged by the restart (PEC runs only; 0 with every expert saved).",
+        "* Every run: a simulated 2-node job (2 `torchrun` launches, one rank each, EP=2, DP=2, gloo on CPU), "
+        "`full` = every expert saved, memory snapshot every iteration, persisted every 2 (12 iterations); "
+        "`pec` = snapshot-K 4 of 8 experts per layer every 2 iterations, persist-K 1 every 4 (16 iterations).",
+        "* Checks per run: bounded waits (a wait that runs out is a hang); the restart restores the newest "
+        "valid iteration on every rank from the expected source; a trainer kill loses at most one snapshot "
+        "interval; with every expert saved each loss logged after a resume equals the uninterrupted "
+        "reference run's loss at that iteration (exact float equality); after a node loss the PLT is at most "
+        "what a storage-only restore would cost; `python -m megatron_pec verify` passes at the end, the "
+        "tracker names a committed iteration, an iteration whose persist failed is never committed, and a "
+        "damaged iteration is never restored.",
+    ]
+    if failed:
+        lines += ["", "## Failures", ""] + [f"* run {r['run']} ({r['type']}): {r['failure']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: str, command: str, seed: int, started: float, runs: list[dict]) -> None:
+    data = {"command": command, "seed": seed, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+            "duration_s": round(time.time() - started), "machine": f"{os.cpu_count()} CPU cores, CPU-only (gloo)",
+            "summary": summarize(runs), "table": format_table(summarize(runs)) if runs else "", "runs": runs}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,491 @@
+"""Fault injection with real processes: torchrun "nodes", real SIGKILLs, real file damage.
+
+Every fault type of the architecture's invariants 1-10 runs here at least once
+(the default run, CI). Each test drives a simulated 2-node job (one rank per
+node, EP=2, DP=2, one node agent and one node-memory directory per node) with
+``megatron_pec.testing.cluster`` and asserts what the invariant promises:
+
+* the restart resumes from the newest valid state, from memory or storage as the
+  invariant says, and says so on every rank;
+* the resumed state equals the state at that iteration: with every expert saved,
+  each loss logged after a resume equals the uninterrupted reference run's loss
+  for that iteration *exactly* (floats compared with ==); with PEC (K < all
+  experts) the versions and the PLT logged are checked instead;
+* nothing partial is ever latest (manifests, tracker, ``python -m megatron_pec verify``);
+* a clear message names what happened, and nothing hangs (every wait is bounded).
+
+Checks are combined per launch where they do not interfere (each torchrun launch
+costs ~10 s on 2 cores). The random campaign is ``python -m megatron_pec.faults
+campaign``; its pytest entry is marked ``campaign``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_pec import manifest
+from megatron_pec.slots import read_index
+from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, parse_plt, persist_only_plt, run_megatron_pec
+
+pytestmark = pytest.mark.multiprocess
+
+ITERS = 12
+# Every expert saved; a memory snapshot every iteration, a persisted checkpoint every 2; nothing deleted.
+FULL = ["--train-iters", str(ITERS), "--save-interval", "2", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
+# PEC: 4 of 8 experts per layer to memory every 2 iterations, 1 of them persisted every 4.
+PEC = ["--train-iters", "16", "--save-interval", "4", "--non-persistent-save-interval", "2",
+             "--pec-snapshot-k", "4", "--pec-persist-k", "1", "--pec-keep", "2"]
+LAUNCH_TIMEOUT = 150  # seconds for one launch (~10-20 s expected); a hang fails the test
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shm_root():
+    root = Path("/dev/shm/fault_helper") / f"pytest-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def clusters(shm_root):
+    """Factory for clusters that are always torn down (processes killed, node memory removed)."""
+    made: list[Cluster] = []
+
+    def make(workdir, job_id: str, **kw) -> Cluster:
+        c = Cluster(workdir, kw.pop("shm_dir", shm_root), job_id, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+class Reference:
+    """The uninterrupted run every other run is compared with."""
+
+    def __init__(self, cluster: Cluster, archive: Path):
+        self.cluster, self.archive = cluster, archive
+        self.memory = cluster.workdir / "memory_archive"  # node<k>/ as the reference job left them
+        records = [r for r in cluster.metrics(1) if "lm loss" in r]
+        self.losses = {r["iteration"]: r["lm loss"] for r in records}
+        self.save_path = cluster.save   # moved to ``archive``; free for tests that need this exact path
+
+    def assert_same_losses(self, cluster: Cluster, launches=None) -> int:
+        """Every loss any launch logged equals the reference's at that iteration; returns how many."""
+        checked = 0
+        for launch in launches or range(1, cluster.launches + 1):
+            for r in cluster.metrics(launch):
+                if "lm loss" in r:
+                    assert r["lm loss"] == self.losses[r["iteration"]], (
+                        f"launch {launch} iteration {r['iteration']}: loss {r['lm loss']!r} != reference "
+                        f"{self.losses[r['iteration']]!r}: the resumed state differs from the saved one")
+                    checked += 1
+        return checked
+
+
+@pytest.fixture(scope="module")
+def reference(clusters, tmp_path_factory) -> Reference:
+    c = clusters(tmp_path_factory.mktemp("reference"), "fref")
+    c.launch(FULL + ["--pec-keep-shm"])
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    assert sorted(manifest.committed_iterations(str(c.save))) == list(range(2, ITERS + 1, 2))
+    archive = c.workdir / "checkpoints_archive"
+    shutil.move(str(c.save), archive)
+    c.close(keep_memory=True)
+    for node in (0, 1):  # its slots (iterations 10-12): stale node memory for later tests
+        shutil.copytree(c.node_dir(node), c.workdir / "memory_archive" / f"node{node}")
+    ref = Reference(c, archive)
+    assert sorted(ref.losses) == list(range(1, ITERS + 1))
+    return ref
+
+
+def committed(root) -> list[int]:
+    return sorted(manifest.committed_iterations(str(root)))
+
+
+def tracker(root) -> str | None:
+    return manifest.read_tracker(str(root))
+
+
+def assert_sound(root) -> None:
+    """Invariant 1: every committed iteration verifies and the tracker names a committed iteration."""
+    result = run_megatron_pec("verify", root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = tracker(root)
+    assert names is None or int(names) in committed(root), f"tracker names {names}, committed: {committed(root)}"
+
+
+def agent_logs(c: Cluster) -> str:
+    return "\n".join((c.node_dir(n) / "agent.log").read_text() for n in range(c.nnodes)
+                     if (c.node_dir(n) / "agent.log").exists())
+
+
+def no_worker_traceback(text: str) -> bool:
+    """No training process printed a traceback (torch prefixes their uncaught exceptions with [rankN]:)."""
+    return re.search(r"^\[rank\d+\]: Traceback", text, re.M) is None
+
+
+def with_flag(args: list[str], flag: str, value: str) -> list[str]:
+    i = args.index(flag)
+    return args[:i + 1] + [value] + args[i + 2:]
+
+
+# ---- invariant 5: trainer SIGKILL, agent alive -> resume from node memory --------------------------
+def test_trainer_sigkill_around_snapshot_and_in_optimizer_step(clusters, reference, tmp_path):
+    """Kills before, during and after the snapshot copy and inside the optimizer step, one after another
+    in one job; each restart restores from node memory, loses at most one snapshot interval (1 iteration)
+    and continues with exactly the reference losses."""
+    c = clusters(tmp_path, "fchain")
+
+    # 1. rank 0 dies before copying iteration 4, rank 1 halfway through its copy of iteration 4.
+    c.launch(FULL, faults={0: "snapshot_begin=kill@4:0", 1: "snapshot_mid=kill@4:1"})
+    codes = c.wait_exit(LAUNCH_TIMEOUT)
+    assert codes[0] != 0 and codes[1] != 0
+    assert "fault injection: kill at snapshot_begin {'iteration': 4}" in c.log(0)
+    assert "fault injection: kill at snapshot_mid {'iteration': 4}" in c.log(1)
+    reached = {1: c.iteration()}
+
+    # 2. resumes at 3; rank 0 dies after copying iteration 6 but before marking it complete, while
+    #    rank 1 completes (and persists) its snapshot 6: the ranks must agree on 5.
+    c.launch(FULL, faults={0: "snapshot_end=kill@3:0"})
+    c.wait_exit(LAUNCH_TIMEOUT)
+    assert "fault injection: kill at snapshot_end {'iteration': 6}" in c.log(0)
+    reached[2] = c.iteration()
+
+    # 3. resumes at 5; rank 1 dies inside the optimizer step of iteration 8 (dense part stepped).
+    c.launch(FULL, faults={1: "optimizer_step=kill@3:1"})
+    c.wait_exit(LAUNCH_TIMEOUT)
+    assert "fault injection: kill at optimizer_step" in c.log(1)
+    reached[3] = c.iteration()
+
+    # 4. resumes at 7 and finishes.
+    c.launch(FULL)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+
+    for launch, expected in ((2, 3), (3, 5), (4, 7)):
+        restores = c.restores(launch)
+        assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (expected, "memory"),
+                                                                               1: (expected, "memory")}, restores
+        lost = reached[launch - 1] - expected
+        assert 0 <= lost <= 1, f"launch {launch - 1} reached {reached[launch - 1]}, restored {expected}"
+    assert c.iteration() == ITERS
+    assert reference.assert_same_losses(c) == 3 + 2 + 2 + 5
+    assert_sound(c.save)
+    assert committed(c.save)[-1] == ITERS and tracker(c.save) == str(ITERS)
+
+
+# ---- invariant 6: agent SIGKILL -> training continues, a new agent starts, nothing torn visible -----
+def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, reference, tmp_path):
+    c = clusters(tmp_path, "fagent")
+    # Iteration 2: node 0's agent dies after its rank file, before its node marker; node 1's agent dies
+    # mid-way through writing its rank file. Iteration 4: the committing agent dies with both node
+    # markers written, before the manifest. Iteration 6: the committing agent dies between manifest
+    # and tracker. Each point fires once per job (restarted agents inherit the environment).
+    c.launch(FULL, faults={0: "before_node_marker=kill@1:0,before_manifest=kill,before_tracker=kill",
+                           1: "persist_write=kill@3:1,before_manifest=kill,before_tracker=kill"})
+    c.wait_file(manifest.manifest_path(str(c.save), 8), timeout=LAUNCH_TIMEOUT)
+    # Idle: between persists (the agent only checks a memory snapshot per iteration).
+    c.pause()  # so that saves remain to notice the loss, however slow the agents were
+    before = c.log(0).count("connected to a new node agent")
+    killed = c.kill_agent(0)
+    assert killed is not None
+    c.resume()
+    c.wait_for(lambda: c.log(0).count("connected to a new node agent") > before, 60, "node 0 on a new agent")
+    replacement = c.agent_pid(0)
+    assert replacement is not None and replacement != killed
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+
+    faults = agent_logs(c)
+    for point in ("before_node_marker", "persist_write", "before_manifest", "before_tracker"):
+        assert f"fault injection: kill at {point}" in faults, faults
+    # Training never stopped and its numerics were untouched.
+    assert c.iteration() == ITERS
+    assert reference.assert_same_losses(c) == ITERS
+    # Each node warned and moved to a new agent, with a new pid in agent.pid.
+    for node, kills in ((0, 2), (1, 1)):
+        log = c.log(node)
+        assert "lost the node agent" in log
+        pids = [int(p) for p in re.findall(r"connected to a new node agent \(pid (\d+)\)", log)]
+        assert len(pids) >= kills and len(set(pids)) == len(pids), log
+    assert f"connected to a new node agent (pid {replacement})" in c.log(0)
+    # No torn file visible: iteration 2 has node 0's rank file but no marker and no rank 1 file, and
+    # is not committed; 4 may have been committed by the other agent, but only whole.
+    iter2 = manifest.pec_dir(str(c.save), 2)
+    assert not os.path.exists(os.path.join(iter2, "rank_00001.safetensors"))
+    assert not os.path.exists(manifest.node_marker(str(c.save), 2, 0))
+    assert 2 not in committed(c.save)
+    assert {6, 8, 10, 12} <= set(committed(c.save))
+    assert_sound(c.save)
+    assert tracker(c.save) == str(ITERS)
+
+
+def _restorable_slots(node_dir: Path, rank: int) -> dict[int, dict]:
+    """slot -> metadata of the complete snapshots a restore of ``rank`` may use (per the agent's index)."""
+    from megatron_pec.slots import open_slot, slot_path
+
+    out = {}
+    for slot, record in read_index(str(node_dir)).get(str(rank), {}).items():
+        mapping, header = open_slot(slot_path(str(node_dir), rank, int(slot)))
+        mapping.close()
+        if header.metadata.get("state") == "complete" and header.metadata.get("iteration") == str(record["iteration"]):
+            out[int(slot)] = header.metadata
+    return out
+
+
+@pytest.mark.campaign  # ~45 s: three launches
+def test_snapshots_of_an_abandoned_run_are_never_restored(clusters, tmp_path):
+    """Invariant 3 across two trainer kills with PEC: after a restore to T, a snapshot newer than T that
+    one rank completed before the kill belongs to a run that no longer exists; it must never supply
+    state (e.g. an expert version) to a later restore."""
+    c = clusters(tmp_path, "ftimeline")
+    # 1. rank 0 dies after copying iteration 6, before completing it; rank 1 completes its snapshot 6.
+    c.launch(PEC, faults={0: "snapshot_end=kill@3:0"})
+    c.wait_exit(LAUNCH_TIMEOUT)
+    # 2. both restore 4; rank 1's snapshot 6 is now abandoned. Rank 0 dies before its snapshot 10,
+    #    which rank 1 completes: the next restore will be to 8.
+    c.launch(PEC, faults={0: "snapshot_begin=kill@3:0"})
+    c.wait_exit(LAUNCH_TIMEOUT)
+    assert {r: (x.iteration, x.source) for r, x in c.restores(2).items()} == {0: (4, "memory"), 1: (4, "memory")}
+    abandoned = {int(m["iteration"]) for m in _restorable_slots(c.node_dir(1), 1).values()
+                 if int(m["iteration"]) > 4 and json.loads(m["pec"])["recoveries"] == 0}
+    current = {int(m["iteration"]) for m in _restorable_slots(c.node_dir(1), 1).values()
+               if json.loads(m["pec"])["recoveries"] == 1}
+    # 3. both restore 8; rank 1's experts must come from this run's snapshots or from storage.
+    c.launch(PEC)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(3)
+    assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (8, "memory"), 1: (8, "memory")}
+    stored = set(manifest.read_manifest(str(c.save), 8)["experts"].values())
+    from_abandoned = {v for v in restores[1].older.values() if v in abandoned and v not in current | stored}
+    assert not from_abandoned, (f"rank 1 restored experts from snapshot(s) {sorted(from_abandoned)} of the run "
+                                f"abandoned at the restore to 4: {restores[1].older}")
+    assert not abandoned, f"snapshots {sorted(abandoned)} of an abandoned run were still restorable"
+    assert_sound(c.save)
+
+
+# ---- invariant 7: node loss -> its ranks from storage, the others from memory; PLT accounted --------
+
+
+def test_node_loss_survivor_restores_from_memory_lost_node_from_storage(clusters, tmp_path):
+    c = clusters(tmp_path, "fnode")
+    c.launch(PEC)
+    c.wait_file(manifest.manifest_path(str(c.save), 8), timeout=LAUNCH_TIMEOUT)
+    c.wait_iteration(10)
+    c.lose_node(1)
+    assert not c.node_dir(1).exists()
+    # The survivor notices by itself (its collectives fail) and exits: no hang.
+    assert c.wait_exit(60, nodes=[0])[0] != 0
+    lost_at = c.iteration()
+    target = committed(c.save)[-1]
+    assert "restored" not in c.logs(1)
+
+    c.launch(PEC)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(2)
+    assert restores[0].source == "memory" and restores[1].source == "storage", restores
+    assert restores[0].iteration == restores[1].iteration == target
+    assert lost_at - target <= 4 + 2  # at most one persist interval (plus the iteration in flight)
+
+    # PEC: node 1's stale experts are at their persisted versions; node 0's come from memory and are
+    # never older than those, and the PLT logged is below what a storage-only restore would cost.
+    versions = manifest.read_manifest(str(c.save), target)["experts"]
+    for item, version in restores[1].older.items():
+        assert version == versions[item], (item, version, versions[item])
+    newer = 0
+    for item, version in versions.items():
+        if item.endswith(tuple(f".E{e}" for e in range(4))):   # node 0 holds experts 0-3 of each layer
+            restored = restores[0].older.get(item, target)
+            assert restored >= version
+            newer += restored > version
+    assert newer > 0
+    plt, storage_plt = parse_plt(c.log(0, 2)), persist_only_plt(c.save, target)
+    assert plt is not None, c.log(0, 2)
+    assert 0 < plt < storage_plt, (plt, storage_plt)
+    assert c.iteration() == 16
+    assert_sound(c.save)
+
+
+# ---- invariant 8: storage errors -> training continues, error reported, nothing partial latest ------
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+def remount(path, mode: str, timeout: float = 30.0) -> None:
+    """Remount the bind mount ``ro``/``rw``; "busy" while the agent still has a file open for
+    writing, so retry until it has closed it (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = subprocess.run(["mount", "-o", f"remount,{mode},bind", str(path)], capture_output=True, text=True)
+        if result.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"cannot remount {path} {mode}: {result.stderr}")
+        time.sleep(0.1)
+
+
+def test_storage_enospc_eio_and_read_only_directory(clusters, reference, tmp_path):
+    """ENOSPC (injected, mid-file) on node 0 and EIO (injected, before the rename) on node 1 at iteration
+    2; later the checkpoint directory turns read-only for a while (a read-only bind mount)."""
+    if not _can_mount():
+        pytest.skip("needs root and mount(8) for a read-only bind mount of the checkpoint directory")
+    store, ckpt = tmp_path / "store", tmp_path / "checkpoints"
+    store.mkdir()
+    ckpt.mkdir()
+    subprocess.run(["mount", "--bind", str(store), str(ckpt)], check=True)
+    try:
+        c = clusters(tmp_path / "job", "fstorage", save=ckpt)
+        c.launch(FULL, faults={0: "persist_write=enospc@2:0", 1: "before_rename=eio@1:1"})
+        # The trainers are paused while the mount changes, so later saves surely see each state.
+        c.wait_file(manifest.manifest_path(str(ckpt), 4), timeout=LAUNCH_TIMEOUT)
+        c.pause()
+        remount(ckpt, "ro")
+        c.resume()
+        c.wait_log(r"was not persisted: .*Read-only file system", timeout=60)
+        c.pause()
+        remount(ckpt, "rw")
+        c.resume()
+        assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    finally:
+        if "c" in locals():
+            c.close()  # nothing may hold the mount any more
+        subprocess.run(["umount", str(ckpt)], check=False)
+
+    log = c.logs()
+    failed = {int(i) for i in re.findall(r"snapshot of iteration (\d+) was not persisted", log)}
+    assert re.search(r"iteration 2 was not persisted: OSError: \[Errno 28\] injected ENOSPC", c.log(0)), c.log(0)
+    assert re.search(r"iteration 2 was not persisted: OSError: \[Errno 5\] injected EIO", c.log(1)), c.log(1)
+    assert "training continues" in log
+    # Nothing that failed on any node is committed; the rest is; the run never stopped or changed.
+    assert 2 in failed and len(failed) >= 2
+    assert not failed & set(committed(store)), (failed, committed(store))
+    assert set(committed(store)) == set(range(2, ITERS + 1, 2)) - failed
+    assert ITERS in committed(store) and tracker(store) == str(ITERS)
+    assert reference.assert_same_losses(c) == ITERS
+    assert_sound(store)
+    leftovers = [p for p in store.rglob("*") if p.is_file() and ".safetensors" in p.name and ".tmp" in p.name]
+    assert not leftovers, leftovers  # failed writes clean up their temporary files
+
+
+# ---- invariants 4 and 9: corruption -> fall back with a clear message; other jobs' slots ignored -----
+def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, shm_root):
+    """Five kinds of damage on five iterations of the reference checkpoint; the restart must walk back to
+    iteration 4, say why at each step, continue bit-exactly, and leave a sound directory behind. Node 0's
+    memory holds the reference job's slots of iterations 10-12 (same configuration, same --load path,
+    another job id): they must be ignored."""
+    root = reference.save_path
+    shutil.copytree(reference.archive, root)
+    try:
+        c = clusters(root.parent / "corrupt", "fcorrupt", save=root)
+        files = {i: manifest.read_manifest(str(root), i)["ranks"] for i in (6, 8, 10, 12)}
+        path = lambda i, r: root / files[i][str(r)]["file"]  # noqa: E731
+        with open(path(12, 0), "r+b") as f:                  # a flipped byte in the tensor data
+            f.seek(-100, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with open(path(10, 1), "r+b") as f:                  # a truncated rank file
+            f.truncate(os.path.getsize(path(10, 1)) // 2)
+        os.unlink(path(8, 0))                                # a deleted rank file
+        m6 = json.loads(Path(manifest.manifest_path(str(root), 6)).read_text())
+        m6["ranks"]["1"]["file"] = "iter_0000006/pec/rank_00007.safetensors"   # a manifest naming a missing file
+        Path(manifest.manifest_path(str(root), 6)).write_text(json.dumps(m6))
+        (root / manifest.TRACKER).write_text("14")          # a stale tracker
+        shutil.copytree(reference.memory / "node0", c.node_dir(0))   # another job's slots, same config
+
+        result = run_megatron_pec("verify", root)
+        assert result.returncode != 0
+        for i in (6, 8, 10, 12):
+            assert f"iteration {i} (file of {i})" in result.stdout, result.stdout
+        assert run_megatron_pec("verify", root, "--iteration", "4").returncode == 0
+
+        c.launch(FULL)
+        assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+        log = c.logs()
+        restores = c.restores()
+        assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (4, "storage"), 1: (4, "storage")}
+        assert "belongs to job 'fref'" in c.log(0)                     # invariant 9: not loaded
+        assert "fails its checksum" in log and "the file is corrupt" in log
+        assert "the manifest says" in log and "(truncated?)" in log
+        assert "rank_00000.safetensors is missing" in log and "rank_00007.safetensors is missing" in log
+        assert "names iteration 14, which has no valid manifest" in log
+        assert log.count("falling back to an older checkpoint") >= 4
+        assert no_worker_traceback(log)
+        assert reference.assert_same_losses(c) == ITERS - 4
+        # The abandoned iterations were written again from the restored state and committed whole.
+        assert committed(c.save) == list(range(2, ITERS + 1, 2))
+        assert_sound(c.save)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_slots_of_same_job_with_other_configuration_are_never_loaded(clusters, reference, tmp_path):
+    """The reference job's node memory (iterations 10-12, hidden size 64) met by the same job id with
+    hidden size 32: nothing from memory may be restored."""
+    # Same job id, same --load path as the slots record: only the configuration differs.
+    c = clusters(tmp_path, "fref", model_args=with_flag(SMALL_MODEL, "--hidden-size", "32"),
+                 shm_dir=reference.cluster.shm_dir / "other_config", save=reference.save_path)
+    for node in (0, 1):
+        shutil.copytree(reference.memory / f"node{node}", c.node_dir(node))
+        assert read_index(str(c.node_dir(node))), "the reference run left no slot index"
+    try:
+        c.launch(["--train-iters", "2", "--save-interval", "2", "--pec-keep", "0"])
+        assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    finally:
+        shutil.rmtree(reference.save_path, ignore_errors=True)
+    assert not c.restores(), c.restores()
+    assert "no checkpoint found" in c.logs() and "training from iteration 0" in c.logs()
+
+
+# ---- invariant 10: tmpfs too small -> clear error at start-up naming the size needed -----------------
+def test_tmpfs_too_small_fails_at_startup_with_the_size_needed(clusters, tmp_path):
+    if not _can_mount():
+        pytest.skip("needs root and mount(8) to mount a 4 MiB tmpfs")
+    tiny = tmp_path / "tiny_shm"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tiny)], check=True)
+    try:
+        c = clusters(tmp_path / "job", "ftiny", shm_dir=tiny)
+        c.launch(FULL)
+        codes = c.wait_exit(60)
+        c.close()
+    finally:
+        subprocess.run(["umount", str(tiny)], check=False)
+    assert codes[0] != 0 and codes[1] != 0
+    for node in (0, 1):
+        log = c.log(node)
+        m = re.search(r"megatron-pec: node memory \S+/node%d has (\d+) MiB free, but 3 snapshot slots of (\d+) "
+                      r"MiB for each of 1 local rank\(s\) need (\d+) MiB\. Enlarge the tmpfs" % node, log)
+        assert m, log
+        assert int(m.group(1)) <= 4 and int(m.group(3)) > 4
+        assert no_worker_traceback(log) and "SIGBUS" not in log and "Bus error" not in log
+    assert not c.metrics(), "training must not start"
+
+
+# ---- the random campaign (slow; deselected by default: ./run_tests.sh -m campaign) ---------------------
+@pytest.mark.campaign
+def test_random_fault_campaign(shm_root, tmp_path):
+    """Three random runs of every fault type (``python -m megatron_pec.faults campaign`` runs more)."""
+    from megatron_pec.testing.campaign import TYPES, Campaign, format_table, summarize
+
+    campaign = Campaign(tmp_path, shm_root / "campaign", seed=int(os.environ.get("MEGATRON_PEC_CAMPAIGN_SEED", 7)))
+    campaign.prepare()
+    runs, per_type = [], {t: 0 for t in TYPES if t != "storage_full" or campaign.can_mount}
+    while min(per_type.values()) < 3:
+        spec = campaign.draw()
+        if spec["type"] in per_type and per_type[spec["type"]] < 3:
+            per_type[spec["type"]] += 1
+            runs.append(campaign.run(len(runs) + 1, spec))
+    print(format_table(summarize(runs)))
+    failed = [r for r in runs if not r["recovered"]]
+    assert not failed, json.dumps(failed, indent=1)
