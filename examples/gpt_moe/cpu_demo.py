@@ -16,7 +16,6 @@ end it prints what the checkpoint directory holds.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
