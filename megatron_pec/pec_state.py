@@ -57,19 +57,12 @@ class PecState:
 
     def plan(self, selection: str, layout: policy.ExpertLayout, cumulative: dict[ExpertId, int],
              persist: bool, budget_bytes: int | None) -> tuple[frozenset, frozenset]:
-        """Experts to snapshot, and the subset to persist (empty when this save is memory-only).
-
-        The persist set is chosen among all experts by its own level's state and then added to
-        the snapshot: choosing it only inside this save's snapshot set starves experts whenever the
-        persist interval is a multiple of the snapshot set's period (sequential, K=E/2, every 2nd
-        snapshot persisted: half the experts would never be persisted again).
-        """
-        snapshot_set = policy.select_experts(selection, self.snapshot.input(layout, cumulative, budget_bytes))
+        """Experts to snapshot, and the subset to persist (empty when this save is memory-only)."""
+        snap_in = self.snapshot.input(layout, cumulative, budget_bytes)
         if not persist:
-            return snapshot_set, frozenset()
+            return policy.select_experts(selection, snap_in), frozenset()
         persist_budget = None if budget_bytes is None else budget_bytes * self.persist.k // max(1, self.snapshot.k)
-        persist_set = policy.select_experts(selection, self.persist.input(layout, cumulative, persist_budget))
-        return snapshot_set | persist_set, persist_set
+        return policy.select_two_level(selection, snap_in, self.persist.input(layout, cumulative, persist_budget))
 
     def dumps(self) -> str:
         return json.dumps({"snapshot": self.snapshot.to_json(), "persist": self.persist.to_json(),

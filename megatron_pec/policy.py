@@ -26,7 +26,7 @@ needs initial weights from anywhere else.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from .items import ExpertId
@@ -149,17 +149,17 @@ def select_two_level(policy: str, snapshot: SelectionInput,
 
     ``snapshot`` and ``persist`` carry each level's own K, unsaved tokens, last
     saved versions and checkpoint index. The persist set is chosen with the
-    persist-level inputs among the snapshot set (only what is in memory can be
-    persisted). Experts never persisted are added to the snapshot set, so the
-    first persisted checkpoint holds every expert even if earlier snapshots
-    were never persisted. For a snapshot-only checkpoint use ``select_experts``.
+    persist-level inputs among all experts (or ``persist.candidates``) and is
+    added to the snapshot set, which may so exceed its K by up to the persist K.
+    Choosing it only inside this checkpoint's snapshot set starves experts
+    whenever the persist interval is a multiple of the snapshot set's period
+    (sequential, K = E/2, every second snapshot persisted: half the experts would
+    never be persisted again). For a snapshot-only checkpoint use ``select_experts``.
     """
     if persist.layout != snapshot.layout:
         raise ValueError("snapshot and persist inputs must share the same ExpertLayout")
-    persist_pool = persist.candidates if persist.candidates is not None else frozenset(persist.layout.all_experts())
-    never_persisted = frozenset(e for e in persist_pool if e not in persist.last_saved)
-    snap = select_experts(policy, snapshot) | never_persisted
-    return snap, select_experts(policy, replace(persist, candidates=persist_pool & snap))
+    persisted = select_experts(policy, persist)
+    return select_experts(policy, snapshot) | persisted, persisted
 
 
 def _round_robin_offsets(inp: SelectionInput) -> Callable[[ExpertId], tuple[int, int]]:

@@ -331,23 +331,42 @@ def test_persist_subset_of_snapshot(policy, seed):
     snap_last, pers_last = all_saved(lay, 10), all_saved(lay, 0)
     snap_tok = {e: rng.randrange(50) for e in lay.all_experts()}
     pers_tok = {e: v + rng.randrange(50) for e, v in snap_tok.items()}
-    snap, pers = select_two_level(policy, inp(lay, 4, tokens=snap_tok, last=snap_last, index=5),
-                                  inp(lay, 2, tokens=pers_tok, last=pers_last, index=2))
+    snap_in = inp(lay, 4, tokens=snap_tok, last=snap_last, index=5)
+    snap, pers = select_two_level(policy, snap_in, inp(lay, 2, tokens=pers_tok, last=pers_last, index=2))
     assert pers <= snap
+    assert select_experts(policy, snap_in) <= snap  # the snapshot level's own choice, plus the persisted ones
     if policy == "popularity":
-        assert len(snap) <= 12 and len(pers) <= 6
+        assert len(snap) <= 12 + 6 and len(pers) <= 6
     else:
-        assert per_layer(snap) == {1: 4, 2: 4, 3: 4}
+        assert all(4 <= n <= 6 for n in per_layer(snap).values())
         assert per_layer(pers) == {1: 2, 2: 2, 3: 2}
 
 
-def test_persist_uses_persist_level_tokens():
+def test_persist_set_is_chosen_among_all_experts_and_joins_the_snapshot():
     lay = layout(num_layers=1, num_experts=8, ep=1)
     snap_tok = {ExpertId(1, e): 100 - e for e in range(8)}  # snapshot picks 0..3
-    pers_tok = {ExpertId(1, e): e for e in range(8)}  # among those, 3 and 2 are the most unpersisted
+    pers_tok = {ExpertId(1, e): e for e in range(8)}  # most unpersisted: 7 and 6
     snap, pers = select_two_level("load-aware", inp(lay, 4, tokens=snap_tok), inp(lay, 2, tokens=pers_tok))
-    assert snap == {ExpertId(1, e) for e in range(4)}
-    assert pers == {ExpertId(1, 3), ExpertId(1, 2)}
+    assert pers == {ExpertId(1, 7), ExpertId(1, 6)}
+    assert snap == {ExpertId(1, e) for e in (0, 1, 2, 3, 6, 7)}
+
+
+def test_no_expert_starves_when_every_second_snapshot_is_persisted():
+    # Sequential snapshot K=4 of 8 alternates between two halves; persisting every second
+    # snapshot must still bring every expert to storage (it used to persist only one half).
+    lay = layout(num_layers=2, num_experts=8, ep=2)
+    snap_last, pers_last, persisted = {}, {}, set()
+    for c in range(18):  # persists at 3, 5, ..., 17 after the first (which holds every expert): 8 of them
+        snap_in = inp(lay, 4, last=dict(snap_last), index=c)
+        if c % 2:
+            snap, pers = select_two_level("sequential", snap_in, inp(lay, 1, last=dict(pers_last), index=c // 2))
+            pers_last |= {e: c for e in pers}
+            if c > 1:
+                persisted |= pers
+        else:
+            snap = select_experts("sequential", snap_in)
+        snap_last |= {e: c for e in snap}
+    assert persisted == set(lay.all_experts())
 
 
 @pytest.mark.parametrize("policy", POLICIES)
