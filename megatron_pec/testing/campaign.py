@@ -164,6 +164,7 @@ class Campaign:
         """After a launch that died: relaunch, finish, and check the restore (invariants 5, 7)."""
         reached = c.iteration()
         before = set(manifest.committed_iterations(str(c.save)))
+        result["newest_committed_before"] = max(before, default=0)
         c.launch(self._train_args(config))
         codes = c.wait_exit(TIMEOUT)
         check(codes == {0: 0, 1: 0}, f"the restart failed: exit codes {codes}: {c.logs()[-1500:]}")
@@ -208,6 +209,17 @@ class Campaign:
                               f"launch {launch} iteration {r['iteration']}: loss {r['lm loss']!r} != reference "
                               f"{self.reference[r['iteration']]!r}")
 
+    def _check_trainer_kill(self, result: dict, config: str) -> None:
+        """Invariant 5: from node memory, at most one snapshot interval lost."""
+        interval = FULL_SNAPSHOT_INTERVAL if config == "full" else PEC_SNAPSHOT_INTERVAL
+        check(result["iterations_lost"] <= interval, f"lost {result['iterations_lost']} iterations "
+                                                      f"(snapshot interval {interval})")
+        if result["resumed_from"] not in ("memory", "scratch"):
+            # Killed after training ended: the other node had exited cleanly and its agent cleared
+            # its memory, as on every clean exit; the final persisted iteration is the newest state.
+            check(result["iterations_lost"] == 0 and result["restored_iteration"] == result["newest_committed_before"],
+                  f"restored from {result.get('sources')}, not memory")
+
     def _trainer_kill_point(self, c: Cluster, spec: dict, result: dict) -> None:
         node, config = spec["node"], spec["config"]
         c.launch(self._train_args(config), faults={node: f"{spec['point']}=kill@{spec['nth']}:{node}"})
@@ -215,10 +227,7 @@ class Campaign:
         result["fired"] = f"fault injection: kill at {spec['point']}" in c.log(node)
         check(result["fired"] and codes[node] != 0, f"the fault did not fire (exit codes {codes})")
         self._restart_and_finish(c, spec, result, config)
-        check(result["resumed_from"] in ("memory", "scratch"), f"restored from {result.get('sources')}, not memory")
-        interval = FULL_SNAPSHOT_INTERVAL if config == "full" else PEC_SNAPSHOT_INTERVAL
-        check(result["iterations_lost"] <= interval, f"lost {result['iterations_lost']} iterations "
-                                                      f"(snapshot interval {interval})")
+        self._check_trainer_kill(result, config)
         self._common_end_checks(c, result, config)
 
     def _trainer_kill_random(self, c: Cluster, spec: dict, result: dict) -> None:
@@ -230,10 +239,7 @@ class Campaign:
         result["fired"] = True
         c.wait_stopped(TIMEOUT)  # the other node notices by itself
         self._restart_and_finish(c, spec, result, config)
-        check(result["resumed_from"] in ("memory", "scratch"), f"restored from {result.get('sources')}, not memory")
-        interval = FULL_SNAPSHOT_INTERVAL if config == "full" else PEC_SNAPSHOT_INTERVAL
-        check(result["iterations_lost"] <= interval, f"lost {result['iterations_lost']} iterations "
-                                                      f"(snapshot interval {interval})")
+        self._check_trainer_kill(result, config)
         self._common_end_checks(c, result, config)
 
     def _agent_kill_point(self, c: Cluster, spec: dict, result: dict) -> None:
