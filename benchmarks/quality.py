@@ -17,6 +17,7 @@ intervals 1 and 8, each selection policy, and Dynamic-K. Output: JSON, markdown 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -78,14 +79,12 @@ class Runner:
     def run(self, cfg: dict, seed: int) -> dict:
         a = self.a
         tag = re.sub(r"[^a-z0-9]+", "_", cfg["name"].lower()).strip("_") + f"_s{seed}"
-        job = f"bench_q{self.stamp}_{tag}"[:90]
+        # short: the agent's unix socket lives under <shm dir>/<job>/node0/ (AF_UNIX paths are <= 107 bytes)
+        job = "bench_q" + hashlib.sha1(f"{self.stamp}/{tag}".encode()).hexdigest()[:10]
         ckpt = os.path.join(STORAGE_ROOT, f"quality_{self.stamp}", tag)
-        shm = os.path.join(SHM_ROOT, f"quality_{self.stamp}")
+        shm = os.path.join(SHM_ROOT, "q")
         metrics = os.path.join(self.logs, f"{tag}.jsonl")
         log_path = os.path.join(self.logs, f"{tag}.log")
-        for p in (metrics, log_path):
-            if os.path.exists(p):
-                os.unlink(p)
         shutil.rmtree(ckpt, ignore_errors=True)
         argv = [*MODEL, "--train-iters", str(a.iters), "--seed", str(seed), "--eval-interval", str(a.eval_interval),
                 "--eval-iters", str(a.eval_iters), "--metrics-file", metrics]
@@ -99,6 +98,15 @@ class Runner:
             if cfg.get("dynamic_k"):
                 argv += ["--pec-dynamic-k"]
         t0 = time.time()
+        if a.resume and self._finished(metrics):
+            # an interrupted invocation already ran this configuration to the end: read its log back
+            faults = [{"iteration": k, "requested": x, "node_memory_lost": lose, "expected_resume": None}
+                      for k, (x, lose) in zip(self._kills(log_path), cfg.get("faults", []))]
+            print(f"[quality]   reusing {log_path}", flush=True)
+            return self._collect(cfg, seed, log_path, metrics, faults, None)
+        for p in (metrics, log_path):
+            if os.path.exists(p):
+                os.unlink(p)
         resume, restores, fault_log = 0, [], []
         for x, lose_memory in cfg.get("faults", []):
             saves = self._saves_until(x, resume, cfg["interval"], a.save_interval)
@@ -121,6 +129,17 @@ class Runner:
         self._kill_agent(os.path.join(shm, job, "node0"))
         shutil.rmtree(os.path.join(shm, job), ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
+        return self._collect(cfg, seed, log_path, metrics, fault_log, round(time.time() - t0, 1))
+
+    @staticmethod
+    def _finished(metrics: str) -> bool:
+        if not os.path.exists(metrics):
+            return False
+        with open(metrics) as f:
+            return any("validation loss" in json.loads(line) for line in f if line.strip())
+
+    def _collect(self, cfg, seed, log_path, metrics, fault_log, wall_s) -> dict:
+        a = self.a
         with open(log_path) as f:
             text = f.read()
         restores = [{"iteration": int(i), "source": s} for i, s in RESTORE_RE.findall(text)]
@@ -138,7 +157,7 @@ class Runner:
                 "selection": cfg.get("selection", "sequential"), "dynamic_k": bool(cfg.get("dynamic_k")),
                 "faults": fault_log, "restores": restores, "final_validation_loss": final, "plt": plt,
                 "validation_curve": vals, "train_loss": [train[i] for i in sorted(train)],
-                "wall_s": round(time.time() - t0, 1)}
+                "wall_s": wall_s}
 
     @staticmethod
     def _kills(log_path: str) -> list[int]:
@@ -260,18 +279,20 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="';'-separated substrings: run only matching configurations")
     p.add_argument("--port", type=int, default=29650)
     p.add_argument("--json", default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="reuse configurations an interrupted invocation finished (their logs and metrics)")
     a = p.parse_args(argv)
-    stamp = str(os.getpid())
+    stamp = "resumable" if a.resume else str(os.getpid())
     command = "python -m benchmarks.quality " + " ".join(argv if argv is not None else sys.argv[1:])
     seeds = [int(s) for s in a.seeds.split(",")]
     runner = Runner(a, stamp)
-    loads = [wait_for_quiet()["load_1min_before"]]
+    loads = [wait_for_quiet(max_wait_s=30)["load_1min_before"]]
     runs = []
     t0 = time.time()
     for seed in seeds:
         print(f"[quality] fault-free, seed {seed}", flush=True)
         runs.append(runner.run({"name": "fault-free", "checkpoint": False, "interval": None, "faults": []}, seed))
-        print(f"[quality]   final val loss {runs[-1]['final_validation_loss']:.4f} ({runs[-1]['wall_s']:.0f}s)",
+        print(f"[quality]   final val loss {runs[-1]['final_validation_loss']:.4f} ({runs[-1]['wall_s'] or 0:.0f}s)",
               flush=True)
     cfgs = configs([int(x) for x in a.several.split(",")], [int(x) for x in a.single.split(",")])
     if a.only:
@@ -283,7 +304,7 @@ def main(argv=None) -> int:
         r = runner.run(cfg, seeds[0])
         runs.append(r)
         print(f"[quality]   final val loss {r['final_validation_loss']:.4f}, PLT {r['plt']:.2%}, restores "
-              f"{[(x['iteration'], x['source']) for x in r['restores'][::2]]} ({r['wall_s']:.0f}s)", flush=True)
+              f"{[(x['iteration'], x['source']) for x in r['restores'][::2]]} ({r['wall_s'] or 0:.0f}s)", flush=True)
     values = [r["final_validation_loss"] for r in runs if not r["faults"] and r["name"] == "fault-free"]
     result = {"command": command, "machine": machine(), "load_1min_before": loads, "iters": a.iters,
               "seeds": seeds, "model": MODEL, "noise": {"values": values, "spread": max(values) - min(values)},
