@@ -162,16 +162,16 @@ class Agent:
                 return
             conn, msg = job
             if msg["type"] == "flush":  # everything queued before it is done
-                self._send(conn, {"type": "flushed"})
-                continue
-            reply = {"type": "released", "slot": msg["slot"], "iteration": msg["iteration"]}
-            try:
-                self._persist(msg)
-            except Exception as exc:  # reported to the trainer; the agent keeps serving
-                reply["error"] = f"{type(exc).__name__}: {exc}"
-                log(f"rank {msg['rank']} iteration {msg['iteration']}: {reply['error']}")
+                reply = {"type": "flushed"}
+            else:
+                reply = {"type": "released", "slot": msg["slot"], "iteration": msg["iteration"]}
+                try:
+                    self._persist(msg)
+                except Exception as exc:  # reported to the trainer; the agent keeps serving
+                    reply["error"] = f"{type(exc).__name__}: {exc}"
+                    log(f"rank {msg['rank']} iteration {msg['iteration']}: {reply['error']}")
             self._send(conn, reply)
-            with self.lock:
+            with self.lock:  # also after a flush: a stale "busy" kept the agent alive forever
                 self.pending_work = not self.jobs.empty()
 
     def _persist(self, msg: dict) -> None:
