@@ -101,7 +101,7 @@ class Runner:
         if a.resume and self._finished(metrics):
             # an interrupted invocation already ran this configuration to the end: read its log back
             faults = [{"iteration": k, "requested": x, "node_memory_lost": lose, "expected_resume": None}
-                      for k, (x, lose) in zip(self._kills(log_path), cfg.get("faults", []))]
+                      for k, (x, lose) in zip(self._kills(log_path)[::2], cfg.get("faults", []))]  # 2 ranks
             print(f"[quality]   reusing {log_path}", flush=True)
             return self._collect(cfg, seed, log_path, metrics, faults, None)
         for p in (metrics, log_path):
