@@ -107,7 +107,7 @@ class Runner:
         for p in (metrics, log_path):
             if os.path.exists(p):
                 os.unlink(p)
-        resume, restores, fault_log = 0, [], []
+        resume, fault_log = 0, []
         for x, lose_memory in cfg.get("faults", []):
             saves = self._saves_until(x, resume, cfg["interval"], a.save_interval)
             before = self._kills(log_path)

@@ -121,7 +121,6 @@ class Ctx:
 
 def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, baseline_s: float,
             memcpy_Bps: float) -> dict:
-    rank = ctx.rank
     out = {"family": method.family, "load_1min_at_start": loadavg()}
     t_setup = time.perf_counter()
     method.setup()
