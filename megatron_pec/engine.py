@@ -196,17 +196,28 @@ class Engine:
         if persistent:
             self.pec.persist.record(persist_set, iteration, cumulative)
         small = collect.small_state(optimizer, scheduler, self.args, iteration, flops)
-        self.ring.filled(slot, iteration)
+        base = self.ring.filled(slot, iteration)
         message = {
             "type": "snapshot", "rank": self.rank, "slot": slot, "iteration": iteration, "persist": persistent,
             "persist_items": sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None,
             "save": os.path.abspath(self.config.save), "local_world_size": self.local_world_size,
             "node_rank": self.node_rank, "num_nodes": self.num_nodes, "job_id": self.config.job_id,
             "fingerprint": self.fingerprint, "topology": self.topology, "keep": self.config.keep,
+            "carry": self._carry(base, written),
         }
         self.pending = (slot, iteration, self._metadata(iteration, written, small, cumulative), message, done)
         if not self.deferred:
             self.finish_snapshot()
+
+    def _carry(self, base: int | None, written: set[str]) -> dict | None:
+        """What the agent copies into the new slot from the previous snapshot, so node memory keeps
+        every expert's latest version, not only the last K: each expert this save did not write,
+        at the version PEC recorded for it (a base holding any other version is not used)."""
+        if base is None:
+            return None
+        expected = {item_name(x): self.pec.snapshot.saved_at[x] for x in self.experts_held
+                    if item_name(x) not in written and x in self.pec.snapshot.saved_at}
+        return {"slot": base, "iteration": self.ring.iteration[base], "items": expected} if expected else None
 
     def _copy(self, slot: int, written: set[str], iteration: int):
         """Copy the written items' slices into the slot; returns the CUDA event marking the end

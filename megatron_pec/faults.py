@@ -8,7 +8,8 @@ When the variable is unset, ``point()`` is a single dictionary lookup on an
 empty dict.
 
 Points: trainer ``snapshot_begin``, ``snapshot_mid``, ``snapshot_end``,
-``optimizer_step``; agent ``persist_write`` (mid file), ``before_rename``,
+``optimizer_step``; agent ``agent_carried`` (experts carried into a slot, not yet
+recorded), ``persist_write`` (mid file), ``before_rename``,
 ``before_node_marker``, ``before_manifest``, ``before_tracker``.
 
 ``MEGATRON_PEC_FAULT_ONCE=DIR`` makes every armed point fire at most once across

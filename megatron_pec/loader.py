@@ -246,7 +246,7 @@ class Loader:
             source = plan.get(item_name(x))
             if source is not None:
                 vectors[0, i] = source.items[item_name(x)]
-                vectors[1, i] = cumulative_from_json(source.metadata["tokens"])[x]
+                vectors[1, i] = source.tokens_at_version(item_name(x))
             if x in at_target_local:
                 vectors[2, i] = at_target_local[x]
         torch.distributed.all_reduce(vectors, op=torch.distributed.ReduceOp.MAX, group=e.cpu_group)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_pec.stformat import Header, TensorEntry, decode_header, encode_header, tensor_table, tensor_view
 
@@ -109,18 +109,25 @@ class SlotRing:
     iteration: list[int]  # iteration held by each slot, -1 if none
     held: list[bool]      # the agent is still reading it
     latest: int | None = None
+    base: list[int | None] = field(default_factory=lambda: [None] * NUM_SLOTS)  # carry-forward source
 
     @classmethod
     def empty(cls) -> "SlotRing":
         return cls([-1] * NUM_SLOTS, [False] * NUM_SLOTS)
 
     def choose(self) -> int | None:
-        """The free slot with the oldest contents, never the newest complete snapshot."""
-        free = [s for s in range(NUM_SLOTS) if not self.held[s] and s != self.latest]
+        """The free slot with the oldest contents: never the newest complete snapshot, nor one the
+        agent still copies unwritten experts from (the base of a slot it has not released)."""
+        busy = {self.base[s] for s in range(NUM_SLOTS) if self.held[s]}
+        free = [s for s in range(NUM_SLOTS) if not self.held[s] and s != self.latest and s not in busy]
         return min(free, key=lambda s: self.iteration[s]) if free else None
 
-    def filled(self, slot: int, iteration: int) -> None:
-        self.iteration[slot], self.held[slot], self.latest = iteration, True, slot
+    def filled(self, slot: int, iteration: int) -> int | None:
+        """Record a new snapshot; returns its base: the previous newest snapshot, from which the
+        agent carries forward the experts this one did not write."""
+        base = self.latest if self.latest is not None and self.iteration[self.latest] >= 0 else None
+        self.iteration[slot], self.held[slot], self.latest, self.base[slot] = iteration, True, slot, base
+        return base
 
     def released(self, slot: int) -> None:
         self.held[slot] = False

@@ -8,6 +8,7 @@ to this job and this configuration.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class Source:
     where: str                # path, for messages
     expected_crc: int
     manifest_entry: dict | None = None
+    carried_tokens: dict[str, int] = field(default_factory=dict)  # memory: experts carried forward
     _buffer: object = field(default=None, repr=False)
     _header: Header | None = field(default=None, repr=False)
 
@@ -68,6 +70,12 @@ class Source:
     def metadata(self) -> dict[str, str]:
         return self._header.metadata
 
+    def tokens_at_version(self, item: str) -> int:
+        """Cumulative tokens ``item`` had processed at the version this source holds."""
+        if item in self.carried_tokens:
+            return self.carried_tokens[item]
+        return json.loads(self.metadata["tokens"])[item]
+
     def tensors(self, names: set[str]) -> dict:
         by_name = {e.name: e for e in self._header.tensors}
         missing = names - by_name.keys()
@@ -97,7 +105,8 @@ def memory_sources(node_dir: str, rank: int, job_id: str, fingerprint: str, load
             continue
         if os.path.abspath(meta.get("save", "")) != os.path.abspath(load_root):
             continue  # snapshots of another --save directory
-        sources.append(Source("memory", record["iteration"], record["items"], path, record["crc32"]))
+        sources.append(Source("memory", record["iteration"], record["items"], path, record["crc32"],
+                              carried_tokens=record.get("tokens", {})))
     return sources
 
 

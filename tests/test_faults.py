@@ -185,6 +185,31 @@ def test_trainer_sigkill_around_snapshot_and_in_optimizer_step(clusters, referen
     assert committed(c.save)[-1] == ITERS and tracker(c.save) == str(ITERS)
 
 
+def test_pec_trainer_kill_before_the_first_commit_restores_every_expert_from_memory(clusters, tmp_path):
+    """K=1 of 8 experts per snapshot and nothing persisted yet: the experts the first snapshot wrote
+    (iteration 1) live on only because the agent carries them forward into every later slot, beyond
+    the three-slot ring. The restart restores all of them from node memory, at their latest versions."""
+    c = clusters(tmp_path, "fearly")
+    early = ["--train-iters", "10", "--save-interval", "100", "--non-persistent-save-interval", "1",
+             "--pec-snapshot-k", "1", "--pec-persist-k", "1"]
+    c.launch(early, faults="snapshot_end=kill@6")
+    codes = c.wait_exit(LAUNCH_TIMEOUT)
+    assert codes[0] != 0 and codes[1] != 0
+    assert committed(c.save) == []
+
+    c.launch(early)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(2)
+    assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (5, "memory"), 1: (5, "memory")}
+    versions = {**restores[0].older, **restores[1].older}
+    # Iterations 2-5 each wrote one expert per layer; every other expert is still at iteration 1.
+    assert len(versions) >= 2 * (8 - 4) and 1 in versions.values() and max(versions.values()) < 5, versions
+    plt = parse_plt(c.log(0, 2))
+    assert plt is not None and plt > 0
+    assert c.iteration() == 10
+    assert_sound(c.save)
+
+
 # ---- invariant 6: agent SIGKILL -> training continues, a new agent starts, nothing torn visible -----
 def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, reference, tmp_path):
     c = clusters(tmp_path, "fagent")

@@ -20,6 +20,9 @@ def test_pec_restore_versions_plt_and_dynamic_k(tmp_path, shm_dir):
         # K=2 of 8 per layer: some experts are necessarily restored from older versions.
         assert r["memory_1"]["stale"] and r["storage"]["stale"]
         assert r["memory_1"]["plt"] > 0.001
+        # Node memory holds every expert at its latest snapshot version (carried forward by the agent),
+        # not only the experts of the last three snapshots.
+        assert r["memory_1"]["latest_versions"] and r["memory_2"]["latest_versions"]
         # Dynamic-K: doubled after the first recovery, kept in checkpoints, doubled again.
         assert (r["memory_1"]["k"], r["memory_1"]["persist_k"]) == (4, 2)
         assert (r["memory_2"]["k"], r["memory_2"]["persist_k"]) == (8, 4)

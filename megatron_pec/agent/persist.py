@@ -11,6 +11,8 @@ import json
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+from megatron_pec import faults
+from megatron_pec.agent.carry import carry_forward
 from megatron_pec.slots import open_slot
 from megatron_pec.stformat import FormatError, encode_header
 from megatron_pec.storage import CHUNK, PosixStorage
@@ -32,11 +34,13 @@ def slot_crc(mapping, header, items: set[str]) -> int:
 
 
 def check_and_persist(path: str, iteration: int, persist_items: set[str] | None, target: str | None,
-                      storage: PosixStorage) -> dict:
-    """Validate the slot at ``path`` for ``iteration``; persist it to ``target`` if given.
+                      storage: PosixStorage, carry: tuple[str, dict, dict] | None = None) -> dict:
+    """Validate the slot at ``path`` for ``iteration``; persist it to ``target`` if given;
+    with ``carry`` = (base slot path, its record, wanted items), carry experts forward first.
 
-    Returns the slot record ``{iteration, crc32, items}`` plus, when persisted,
-    ``file: {size, crc32, items}``. Raises SnapshotMismatch, FormatError or OSError.
+    Returns the slot record ``{iteration, crc32, items, tokens}`` (tokens: counts of the
+    carried items) plus, when persisted, ``file: {size, crc32, items}``.
+    Raises SnapshotMismatch, FormatError or OSError.
     """
     mapping, header = open_slot(path)
     try:
@@ -44,13 +48,19 @@ def check_and_persist(path: str, iteration: int, persist_items: set[str] | None,
         if meta.get("state") != "complete" or meta.get("iteration") != str(iteration):
             raise SnapshotMismatch(f"{path} holds {meta.get('state')} iteration {meta.get('iteration')}, "
                                    f"expected complete iteration {iteration}")
-        items = json.loads(meta["items"])
-        record = {"iteration": iteration, "items": items}
+        written = json.loads(meta["items"])
+        items, tokens = dict(written), {}
+        if carry is not None:
+            carried, tokens = carry_forward(mapping, header, *carry)
+            items.update(carried)
+        faults.point("agent_carried", iteration=iteration)
+        record = {"iteration": iteration, "items": items, "tokens": tokens}
         # The memory checksum runs beside the write (both release the GIL): one pass's time, not two.
         with ThreadPoolExecutor(1) as pool:
             checksum = pool.submit(slot_crc, mapping, header, set(items))
             if target is not None:
-                keep = set(items) if persist_items is None else {i for i in items if i == "dense" or i in persist_items}
+                keep = set(written) if persist_items is None else \
+                    {i for i in written if i == "dense" or i in persist_items}
                 record["file"] = _write_compact(mapping, header, keep, target, storage)
             record["crc32"] = checksum.result()
         return record

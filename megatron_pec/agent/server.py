@@ -183,7 +183,7 @@ class Agent:
         persist_items = set(msg["persist_items"]) if msg.get("persist_items") is not None else None
         try:
             record = check_and_persist(slot_path(self.directory, rank, slot), iteration, persist_items,
-                                       target, self.storage)
+                                       target, self.storage, self._carry_source(rank, msg.get("carry")))
         except Exception:
             if target is not None:
                 self.failed.add((root, iteration))
@@ -194,6 +194,17 @@ class Agent:
         self._write_index()
         if target is not None:
             self._node_progress(root, iteration, rank, entry, msg)
+
+    def _carry_source(self, rank: int, carry: dict | None) -> tuple[str, dict, dict] | None:
+        """The base slot to carry experts from, if the agent recorded it as the trainer expects."""
+        if not carry:
+            return None
+        record = self.index.get(str(rank), {}).get(str(carry["slot"]))
+        if record is None or record["iteration"] != carry["iteration"]:
+            log(f"rank {rank}: previous snapshot (iteration {carry['iteration']}) is not in node memory; "
+                "the experts this snapshot did not write restore from storage")
+            return None
+        return slot_path(self.directory, rank, carry["slot"]), record, carry["items"]
 
     def _node_progress(self, root: str, iteration: int, rank: int, entry: dict, msg: dict) -> None:
         job = (root, iteration)

@@ -41,14 +41,16 @@ from megatron_pec.testing.cluster import Cluster, ClusterTimeout, parse_plt, per
 # Every expert saved: a memory snapshot every iteration, a persisted checkpoint every 2.
 FULL = ["--train-iters", "12", "--save-interval", "2", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
 FULL_ITERS, FULL_SNAPSHOT_INTERVAL = 12, 1
-# PEC: 4 of 8 experts per layer to memory every 2 iterations, 1 of them persisted every 4.
+# PEC: 1 of 8 experts per layer to memory every 2 iterations and persisted every 4: most experts
+# restore from versions the agent carried forward beyond the three-slot ring.
 PEC = ["--train-iters", "16", "--save-interval", "4", "--non-persistent-save-interval", "2",
-       "--pec-snapshot-k", "4", "--pec-persist-k", "1", "--pec-keep", "2"]
+       "--pec-snapshot-k", "1", "--pec-persist-k", "1", "--pec-keep", "2"]
 PEC_ITERS, PEC_SNAPSHOT_INTERVAL, PEC_SAVE_INTERVAL = 16, 2, 4
 TIMEOUT = 180.0
 
 TRAINER_POINTS = ("snapshot_begin", "snapshot_mid", "snapshot_end", "optimizer_step")
-AGENT_POINTS = ("persist_write", "before_rename", "before_node_marker", "before_manifest", "before_tracker")
+AGENT_POINTS = ("agent_carried", "persist_write", "before_rename", "before_node_marker", "before_manifest",
+                "before_tracker")
 DAMAGE = ("flip_byte", "truncate", "delete_rank_file", "manifest_missing_file")
 TYPES = ("trainer_kill_point", "trainer_kill_random", "agent_kill_point", "agent_kill_random", "node_loss",
          "storage_error", "storage_full", "corruption")
@@ -108,7 +110,7 @@ class Campaign:
         elif kind == "agent_kill_point":
             spec["point"] = self.rng.choice(AGENT_POINTS)
             # n-th time the point is reached in one agent process (chunks, for persist_write)
-            spec["nth"] = self.rng.randrange(1, {"persist_write": 9, "before_rename": 4,
+            spec["nth"] = self.rng.randrange(1, {"agent_carried": 11, "persist_write": 9, "before_rename": 4,
                                                  "before_node_marker": 4}.get(spec["point"], 3))
         elif kind == "agent_kill_random":
             spec["iteration"] = self.rng.randrange(1, FULL_ITERS - 1)
@@ -244,7 +246,7 @@ class Campaign:
 
     def _agent_kill_point(self, c: Cluster, spec: dict, result: dict) -> None:
         node, point = spec["node"], spec["point"]
-        scope = f":{node}" if point in ("persist_write", "before_rename", "before_node_marker") else ""
+        scope = f":{node}" if point in ("agent_carried", "persist_write", "before_rename", "before_node_marker") else ""
         c.launch(FULL, faults=f"{point}=kill@{spec['nth']}{scope}")
         codes = c.wait_exit(TIMEOUT)
         self._agent_outcome(c, result, codes, f"fault injection: kill at {point}")

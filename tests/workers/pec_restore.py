@@ -17,7 +17,7 @@ from megatron_pec import api, manifest
 from megatron_pec.items import item_name
 from megatron_pec.megatron import collect
 
-history, tokens = {}, {}
+history, tokens, snapshot_versions = {}, {}, {}
 
 
 def train(args, model, optimizer, scheduler, data, first, last, save=True):
@@ -28,6 +28,7 @@ def train(args, model, optimizer, scheduler, data, first, last, save=True):
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 4 != 0)
             history[i] = {k: v.clone() for k, v in collect.live_views(api._engine.slices, optimizer).items()}
             tokens[i] = dict(api._engine.tokens.cumulative)
+            snapshot_versions[i] = {item_name(e): v for e, v in api._engine.pec.snapshot.saved_at.items()}
 
 
 def check_restore(optimizer, target, previous_lost):
@@ -45,7 +46,8 @@ def check_restore(optimizer, target, previous_lost):
     total = sum(tokens[target][e] for e in experts)
     return {"target": target, "mismatched": mismatched, "plt": engine.pec.plt,
             "expected_plt": (previous_lost + lost) / total, "lost": lost, "k": engine.pec.snapshot.k,
-            "persist_k": engine.pec.persist.k, "stale": sorted(i for i, v in versions.items() if v < target)}
+            "persist_k": engine.pec.persist.k, "stale": sorted(i for i, v in versions.items() if v < target),
+            "latest_versions": versions == snapshot_versions[target]}
 
 
 def main():

@@ -1,0 +1,56 @@
+"""Agent phase 5, carry forward: copy into a new slot the experts its snapshot did not write.
+
+A PEC snapshot writes only K experts per layer. Left alone, node memory would
+hold just the experts of the last three snapshots, and a restart would read all
+the others from older persisted versions (more lost tokens), or from nowhere
+before the first commit. So once a snapshot is complete, the agent copies each
+expert it did not write from the previous snapshot's slot (its "base", where
+that expert was written or itself carried), and every complete slot holds every
+expert at its latest version. This runs off the training path; the trainer
+leaves the base slot alone until the agent releases the new one.
+"""
+
+from __future__ import annotations
+
+import json
+
+from megatron_pec.slots import open_slot
+
+
+def carry_forward(mapping, header, base_path: str, base_record: dict,
+                  wanted: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Copy the ``wanted`` items (name -> version the trainer expects) from the base slot.
+
+    An item is copied only if the base holds exactly that version. Returns the
+    items copied (name -> version) and their cumulative token counts at that
+    version (what a restore needs to account the lost tokens).
+    """
+    take = {i: v for i, v in wanted.items() if base_record["items"].get(i) == v}
+    if not take:
+        return {}, {}
+    base_map, base_header = open_slot(base_path)
+    try:
+        meta = base_header.metadata
+        if meta.get("state") != "complete" or meta.get("iteration") != str(base_record["iteration"]):
+            return {}, {}  # the base was rewritten since the agent recorded it: carry nothing
+        source = {e.name: e for e in base_header.tensors}
+        copies = []
+        for e in header.tensors:
+            if e.item in take:
+                b = source.get(e.name)
+                if b is None or b.end - b.begin != e.end - e.begin:
+                    return {}, {}  # another layout: never mix bytes of different tensors
+                copies.append((header.data_start + e.begin, base_header.data_start + b.begin, e.end - e.begin))
+        dst, src = memoryview(mapping), memoryview(base_map)
+        try:
+            for to, frm, n in copies:
+                dst[to:to + n] = src[frm:frm + n]
+        finally:
+            dst.release()
+            src.release()
+        at_base = json.loads(meta["tokens"])
+        carried_tokens = base_record.get("tokens", {})
+        tokens = {i: carried_tokens[i] if i in carried_tokens else at_base.get(i, 0) for i in take}
+        return take, tokens
+    finally:
+        base_map.close()
