@@ -44,6 +44,8 @@ def configs(several: list[int], single: list[int]) -> list[dict]:
     one = [(x, False) for x in single]
     c = [
         {"name": "PEC K=1 I=1, 1 fault", "k": 1, "interval": 1, "faults": one},
+        {"name": "PEC K=2 I=1, 1 fault", "k": 2, "interval": 1, "faults": one},
+        {"name": "PEC K=4 I=1, 1 fault", "k": 4, "interval": 1, "faults": one},
         {"name": "full checkpoint, 3 faults", "k": None, "interval": 1, "faults": many},
         {"name": "PEC K=1 I=1, 3 faults", "k": 1, "interval": 1, "faults": many},
         {"name": "PEC K=1 I=8, 3 faults", "k": 1, "interval": 8, "faults": many},

@@ -49,12 +49,11 @@ class Engine:
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
         self.node_rank = _env_int("GROUP_RANK", self.rank // self.local_world_size)
         self.num_nodes = self.world_size // self.local_world_size
-        # Ranks that route different tokens: data- and context-parallel ones, and tensor-parallel
-        # ones under sequence parallelism (without it TP ranks route the same tokens).
-        self.token_groups = [parallel_state.get_data_parallel_group(with_context_parallel=True)]
-        if getattr(model_chunks[0].config, "sequence_parallel", False) and \
-                parallel_state.get_tensor_model_parallel_world_size() > 1:
-            self.token_groups.append(parallel_state.get_tensor_model_parallel_group())
+        # Token counts are summed over all ranks. Data-, context- and expert-parallel ranks route
+        # different tokens, pipeline stages different layers; tensor-parallel ranks route the same
+        # tokens unless sequence parallelism splits the sequence among them: count those once.
+        sequence_parallel = getattr(model_chunks[0].config, "sequence_parallel", False)
+        self.token_replicas = 1 if sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
         # Agreement collectives run on CPU tensors whatever the training backend is.
         self.cpu_group = torch.distributed.new_group(backend="gloo")
 
@@ -66,6 +65,7 @@ class Engine:
         self.experts_held = sorted({s.expert for s in self.slices if s.expert is not None})
         self.expert_layout = self._expert_layout()
         self.all_experts = self._all_experts()
+        self.token_offsets = [self.all_experts.index(ExpertId(layer, 0)) for layer in self.tokens.layers]
         self.pec = self._initial_pec_state()
         self.node_dir = node_dir(self.config.shm_dir, self.config.job_id, self.node_rank)
         self.agent = AgentClient(self.node_dir, self.rank)
@@ -168,23 +168,38 @@ class Engine:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
         return bool(flag.item())
 
+    def _agree_and_count(self, ok: bool) -> tuple[bool, dict[ExpertId, int]]:
+        """The one collective of a save: a single small all-reduce over all ranks that sums the
+        token counts since the last save and the number of ranks that cannot snapshot (so all
+        ranks snapshot, or none). Returns (every rank can snapshot, cumulative token counts)."""
+        n = len(self.all_experts)
+        vector = torch.zeros(n + 1, dtype=torch.int64)
+        width = self.tokens.num_experts
+        for row, offset in zip(self.tokens.take(), self.token_offsets):
+            vector[offset:offset + width] = torch.tensor(row, dtype=torch.int64)
+        vector[n] = 0 if ok else 1
+        torch.distributed.all_reduce(vector, group=self.cpu_group)
+        counts = vector[:n] // self.token_replicas
+        rows = [counts[offset:offset + width].tolist() for offset in self.token_offsets]
+        return int(vector[n]) == 0, self.tokens.fold(rows)
+
     # ---- save ----------------------------------------------------------------------------------
     def save(self, iteration: int, optimizer, scheduler, flops: float, persistent: bool) -> None:
         if not self.config.save:
             raise CheckpointError("megatron-pec: save_checkpoint was called but --save is not set")
         self.finish_snapshot()
-        cumulative = self.tokens.synchronize(self.token_groups)  # collective: before any rank-local decision
         self._collect_releases()
-        snapshot_set, persist_set = self._plan(persistent, cumulative)
         slot, why = None, None
         if not self.agent.connected and not self._reconnect():
             why = "the node agent is not running"
         elif (slot := self._free_slot()) is None:
             why = "all snapshot slots are still being persisted (raise the save interval or pass --pec-wait-for-slot)"
         # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere.
-        if not self.everyone(why is None):
+        everyone_can, cumulative = self._agree_and_count(why is None)
+        if not everyone_can:
             self._skip(iteration, why or "another rank cannot snapshot (see its warning)")
             return
+        snapshot_set, persist_set = self._plan(persistent, cumulative)
         if self.live is None:
             self.live = collect.live_views(self.slices, optimizer)
         faults.point("snapshot_begin", iteration=iteration)

@@ -30,10 +30,10 @@ def _encode(obj):
                 "b64": base64.b64encode(numpy.ascontiguousarray(obj).tobytes()).decode()}
     if isinstance(obj, numpy.generic):
         return _encode(obj.item())
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v) for v in obj]}
-    if isinstance(obj, list):
-        return [_encode(v) for v in obj]
+    if isinstance(obj, (tuple, list)):
+        # Fast path for the 625 ints of Python's RNG state, encoded at every save.
+        values = list(obj) if all(type(v) is int for v in obj) else [_encode(v) for v in obj]
+        return {"__tuple__": values} if isinstance(obj, tuple) else values
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
             return {"__dict__": {k: _encode(v) for k, v in obj.items()}}

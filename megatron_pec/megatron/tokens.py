@@ -2,11 +2,11 @@
 
 Installed once per model on every rank. The hook adds ``routing_map.sum(0)``
 (tokens routed to each global expert in this micro-batch) to a counter that
-stays on the router's device, so training never waits on it. At save time an
-all-reduce over the data- and context-parallel group (and the tensor-parallel
-group under sequence parallelism, where each TP rank routes its own part of
-the sequence) turns the local counts into global ones, identical on every rank. Evaluation passes (``module.training`` False)
-update no expert and are not counted.
+stays on the router's device, so training never waits on it. At save time the
+engine sums every rank's counts in the one small all-reduce a save makes anyway
+(``Engine._agree_and_count``), which makes them global and identical on every
+rank. Evaluation passes (``module.training`` False) update no expert and are
+not counted.
 """
 
 from __future__ import annotations
@@ -46,17 +46,18 @@ class TokenCounter:
 
         moe_layer.router.register_forward_hook(count)
 
-    def synchronize(self, groups) -> dict[ExpertId, int]:
-        """Fold the counts since the last call, summed over ``groups`` (the ranks that route
-        different tokens), into the cumulative totals."""
+    def take(self) -> list[list[int]]:
+        """This rank's counts since the last call, one row per layer of ``layers``; resets them."""
         if not self._counts:
-            return self.cumulative
+            return []
         local = torch.stack(self._counts)
         for c in self._counts:
             c.zero_()
-        for group in groups:
-            torch.distributed.all_reduce(local, group=group)
-        for row, layer in zip(local.cpu().tolist(), self.layers):
+        return local.cpu().tolist()
+
+    def fold(self, rows: list[list[int]]) -> dict[ExpertId, int]:
+        """Add global counts (one row per layer of ``layers``) to the cumulative totals."""
+        for row, layer in zip(rows, self.layers):
             for e, n in enumerate(row):
                 self.cumulative[ExpertId(layer, e)] += n
         return self.cumulative
