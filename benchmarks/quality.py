@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     base = runs[0]["final_validation_loss"]
     result["pec_below_3_75_within_noise"] = {
         r["name"]: abs(r["final_validation_loss"] - base) <= result["noise"]["spread"]
-        for r in runs if r["faults"] and r["plt"] < 0.0375}
+        for r in runs if r["faults"] and r["plt"] < 0.0375 and r["name"].startswith("PEC")}
     os.makedirs(RESULTS, exist_ok=True)
     for path in filter(None, (os.path.join(RESULTS, "quality.json"), a.json)):
         with open(path, "w") as f:

@@ -7,6 +7,7 @@ Same signatures, return values and ``args`` side effects as
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 
 from megatron_pec.errors import CheckpointError
@@ -65,12 +66,27 @@ def _recording_crash(previous):
     return excepthook
 
 
+def _keeping_memory_on_error(entry_point):
+    """A CheckpointError ends the process through SystemExit, which bypasses sys.excepthook:
+    record it as a crash too, so that exit keeps the node memory for the corrected restart."""
+    @functools.wraps(entry_point)
+    def wrapper(*args, **kwargs):
+        global _crashed
+        try:
+            return entry_point(*args, **kwargs)
+        except CheckpointError:
+            _crashed = True
+            raise
+    return wrapper
+
+
 def _close_at_exit(engine) -> None:
     # A trainer that dies of an exception (e.g. a peer node vanished mid-collective) must not
     # detach "cleanly": the agent would then exit and delete the node memory the restart needs.
     engine.close(detach=not _crashed)
 
 
+@_keeping_memory_on_error
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
@@ -89,6 +105,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                 persistent=not non_persistent_ckpt)
 
 
+@_keeping_memory_on_error
 def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, load_arg="load", strict=True,
                     checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None, pp_group=None,
                     dp_cp_group=None, model=None):

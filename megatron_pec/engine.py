@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from megatron_pec import faults, policy, smallstate
-from megatron_pec.agent.client import AgentClient, AgentUnavailable, ensure_agent
+from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
 from megatron_pec.config import PecConfig, PecConfigError
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
@@ -134,6 +134,7 @@ class Engine:
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.slices])
         error = None
         try:
+            check_socket_path(self.node_dir)
             self.files = SlotFiles(self.node_dir, self.rank, entries, self.local_world_size)
             if torch.cuda.is_available():
                 self._pin_slots()
@@ -359,6 +360,7 @@ class Engine:
     def close(self, detach: bool = True) -> None:
         """detach=False (the trainer is crashing): leave at once without a clean detach, so the
         agent keeps the node memory for the restart."""
+        self.tokens.remove()
         if self.agent.connected:
             if detach:
                 self.flush()

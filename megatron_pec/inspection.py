@@ -2,15 +2,18 @@
 
 ``inspect`` summarises iterations (committed or not), bytes per rank, expert
 versions, PLT and K; ``verify`` re-reads every file a committed manifest
-references and checks size and crc32.
+references and checks size and crc32 (and the header and per-item crc32s that
+partial restores rely on).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 
 from megatron_pec import manifest
+from megatron_pec.agent.persist import item_checksums
 from megatron_pec.stformat import FormatError, decode_header
 from megatron_pec.storage import PosixStorage, crc32_of
 
@@ -104,4 +107,12 @@ def _check_file(root: str, entry: dict, context: str, storage) -> list[str]:
     crc = crc32_of(data)
     if crc != entry["crc32"]:
         return [f"{context}: {path} crc32 {crc:08x} != recorded {entry['crc32']:08x} (corrupt)"]
+    if "item_crc32" in entry:  # the checksums a partial restore relies on must agree with the bytes
+        try:
+            header = decode_header(memoryview(data)[: min(len(data), 64 << 20)], file_len=len(data))
+        except FormatError as exc:
+            return [f"{context}: {path}: {exc}"]
+        if zlib.crc32(memoryview(data)[:header.data_start]) != entry["header_crc32"] or \
+                item_checksums(data, header, set(entry["item_crc32"])) != entry["item_crc32"]:
+            return [f"{context}: {path} header or per-expert checksums differ from the recorded ones (corrupt)"]
     return []

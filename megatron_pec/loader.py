@@ -135,12 +135,16 @@ class Loader:
                 version = manifest_t["experts"].get(item) if manifest_t else None
                 plan[item] = expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t) \
                     if version is not None else None
+        reads: dict[int, tuple[Source, set[str]]] = {}  # each source opened once, for just its items
         for item, source in plan.items():
             if error is None and source is None:
                 error = f"no saved version of {item} at or before iteration {target}"
+            if source is not None:
+                reads.setdefault(id(source), (source, set()))[1].add(item)
+        for source, items in reads.values():
             if error is None:
                 try:
-                    source.open(self.storage)
+                    source.open(self.storage, items)
                 except SourceError as exc:
                     error = str(exc)
         return plan, error

@@ -27,6 +27,7 @@ FORMAT = "megatron-pec/1"
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _NODE_MARKER = re.compile(r"^node_\d{4}\.json$")
+_PARTIAL = re.compile(r"\.tmp\d+$")  # a write_atomic that never finished (its agent was killed)
 
 
 class ManifestError(ValueError):
@@ -137,13 +138,19 @@ def retire_after(root: str, iteration: int, storage=PosixStorage()) -> list[int]
     manifest whose checksums no longer match (and a stale manifest would feed
     the next commit's expert versions). The manifest goes first, then the node
     markers; the tracker moves back to the newest committed iteration <= ``iteration``.
+    Half-written files of killed agents are removed everywhere (the caller knows no agent
+    is writing: every node's agent has finished its announced work).
     Returns the iterations that lost a manifest or marker. Raises OSError.
     """
     retired = []
     with _lock(root):
         for i in iterations_on_disk(root, storage):
             directory = pec_dir(root, i)
-            names = storage.listdir(directory) if i > iteration else []
+            names = storage.listdir(directory)
+            for name in filter(_PARTIAL.search, names):
+                storage.remove(os.path.join(directory, name))
+            if i <= iteration:
+                continue
             stale = [n for n in names if n == "manifest.json"] + [n for n in names if _NODE_MARKER.match(n)]
             for name in stale:
                 storage.remove(os.path.join(directory, name))

@@ -1,9 +1,10 @@
 """Phase 8, source: where each rank can read a version of its state - node memory or storage.
 
 Runs on every rank, for its own rank only; no communication. A source is
-trusted only after its checksum matches (memory: the crc the agent recorded
-in ``slots.json``; storage: the crc in the manifest), and only if it belongs
-to this job and this configuration.
+trusted only after its checksums match (memory: the per-item crcs the agent
+recorded in ``slots.json``; storage: the manifest's per-item crcs for the items
+read from an older version's file, else the whole-file crc), and only if it
+belongs to this job and this configuration.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
 from dataclasses import dataclass, field
 
 from megatron_pec import manifest
-from megatron_pec.agent.persist import slot_crc
+from megatron_pec.agent.persist import item_checksums
 from megatron_pec.slots import open_slot, read_index, slot_path
-from megatron_pec.stformat import FormatError, Header, decode_header, tensor_view
+from megatron_pec.stformat import FormatError, Header, decode_header, tensor_at
 from megatron_pec.storage import PosixStorage, crc32_of
 
 
@@ -30,41 +32,90 @@ class Source:
     iteration: int
     items: dict[str, int]     # item -> iteration of the version it holds
     where: str                # path, for messages
-    expected_crc: int
+    item_crcs: dict[str, int] | None   # crc32 per item; None: a storage file with only a whole-file crc
     manifest_entry: dict | None = None
     carried_tokens: dict[str, int] = field(default_factory=dict)  # memory: experts carried forward
     _buffer: object = field(default=None, repr=False)
     _header: Header | None = field(default=None, repr=False)
+    _verified: set[str] = field(default_factory=set, repr=False)
+    _pieces: dict[str, tuple[object, int]] = field(default_factory=dict, repr=False)  # name -> (buffer, offset)
 
-    def open(self, storage: PosixStorage) -> Header:
-        """Read (storage) or map (memory) the source and verify its checksum; cached."""
-        if self._header is not None:
+    def open(self, storage: PosixStorage, items: set[str] | None = None) -> Header:
+        """Make ``items`` (None: everything the source holds) readable, each verified against its
+        checksum. A memory slot is mapped; of a storage file only the header and those items are
+        read when the manifest has per-item checksums. Repeated calls read only what is new."""
+        wanted = set(self.items) if items is None else set(items)
+        if wanted <= self._verified and self._header is not None:
             return self._header
         try:
             if self.kind == "memory":
-                mapping, header = open_slot(self.where)
-                if header.metadata.get("iteration") != str(self.iteration):
-                    mapping.close()
-                    raise SourceError(f"{self.where} was overwritten (holds iteration "
-                                      f"{header.metadata.get('iteration')})")
-                actual = slot_crc(mapping, header, set(self.items))
-                buffer = mapping
+                self._map_slot()
+                self._check(item_checksums(self._buffer, self._header, wanted - self._verified))
+            elif items is None or self.item_crcs is None or "header_crc32" not in self.manifest_entry:
+                self._read_whole_file(storage)
             else:
-                buffer = storage.read_into(self.where)
-                size = self.manifest_entry["size"]
-                if len(buffer) != size:
-                    raise SourceError(f"{self.where} is {len(buffer)} bytes, the manifest says {size} (truncated?)")
-                actual = crc32_of(buffer)
-                header = decode_header(memoryview(buffer)[: min(len(buffer), 64 << 20)], file_len=len(buffer))
+                self._read_items(storage, wanted - self._verified)
         except FileNotFoundError:
             raise SourceError(f"{self.where} is missing") from None
         except (OSError, FormatError) as exc:
             raise SourceError(f"{self.where} is unreadable: {exc}") from None
-        if actual != self.expected_crc:
+        return self._header
+
+    def _map_slot(self) -> None:
+        if self._header is not None:
+            return
+        mapping, header = open_slot(self.where)
+        if header.metadata.get("iteration") != str(self.iteration):
+            mapping.close()
+            raise SourceError(f"{self.where} was overwritten (holds iteration {header.metadata.get('iteration')})")
+        self._buffer, self._header = mapping, header
+
+    def _check(self, actual: dict[str, int]) -> None:
+        for item in sorted(actual):
+            if actual[item] != self.item_crcs.get(item):
+                raise SourceError(f"{self.where} fails its checksum for {item} (crc32 {actual[item]:08x}, recorded "
+                                  f"{self.item_crcs.get(item, 0):08x}): the file is corrupt")
+        self._verified |= actual.keys()
+
+    def _read_whole_file(self, storage: PosixStorage) -> None:
+        buffer = storage.read_into(self.where)
+        size = self.manifest_entry["size"]
+        if len(buffer) != size:
+            raise SourceError(f"{self.where} is {len(buffer)} bytes, the manifest says {size} (truncated?)")
+        actual = crc32_of(buffer)
+        if actual != self.manifest_entry["crc32"]:
             raise SourceError(f"{self.where} fails its checksum (crc32 {actual:08x}, recorded "
-                              f"{self.expected_crc:08x}): the file is corrupt")
-        self._buffer, self._header = buffer, header
-        return header
+                              f"{self.manifest_entry['crc32']:08x}): the file is corrupt")
+        self._buffer = buffer
+        self._header = decode_header(memoryview(buffer)[: min(len(buffer), 64 << 20)], file_len=len(buffer))
+        self._pieces.clear()
+        self._verified = set(self.items)
+
+    def _read_items(self, storage: PosixStorage, items: set[str]) -> None:
+        """An older version's file, of which a restore needs a few experts: read the header and
+        those experts' byte ranges only, each checked against its own crc."""
+        size = self.manifest_entry["size"]
+        if self._header is None:
+            actual_size = storage.size(self.where)
+            if actual_size != size:
+                raise SourceError(f"{self.where} is {actual_size} bytes, the manifest says {size} (truncated?)")
+            head = storage.read_range(self.where, 0, 8)
+            head += storage.read_range(self.where, 8, min(int.from_bytes(head, "little"), size - 8))
+            if zlib.crc32(head) != self.manifest_entry["header_crc32"]:
+                raise SourceError(f"{self.where} fails its header checksum: the file is corrupt")
+            self._header = decode_header(head, file_len=size)
+        header = self._header
+        for run in _runs([e for e in header.tensors if e.item in items]):
+            begin, end = run[0].begin, run[-1].end
+            buffer = storage.read_range(self.where, header.data_start + begin, end - begin)
+            for e in run:
+                self._pieces[e.name] = (buffer, e.begin - begin)
+        crcs = dict.fromkeys(items, 0)
+        for e in header.tensors:  # header order, as the agent computed them
+            if e.item in items:
+                buffer, offset = self._pieces[e.name]
+                crcs[e.item] = zlib.crc32(memoryview(buffer)[offset:offset + e.end - e.begin], crcs[e.item])
+        self._check(crcs)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -82,7 +133,25 @@ class Source:
         if missing:
             raise SourceError(f"{self.where} lacks {len(missing)} tensors this run needs "
                               f"(e.g. {sorted(missing)[0]}): saved by a different model configuration")
-        return {n: tensor_view(self._buffer, self._header, by_name[n]) for n in names}
+        unverified = {by_name[n].item for n in names} - self._verified
+        if unverified:
+            raise SourceError(f"{self.where}: {sorted(unverified)} requested before being read and verified")
+        out = {}
+        for n in names:
+            buffer, offset = self._pieces.get(n) or (self._buffer, self._header.data_start + by_name[n].begin)
+            out[n] = tensor_at(buffer, by_name[n], offset)
+        return out
+
+
+def _runs(entries):
+    """Entries (in header order) grouped into runs of adjacent byte ranges: one read per run."""
+    runs = []
+    for e in entries:
+        if runs and runs[-1][-1].end == e.begin:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
 
 
 def memory_sources(node_dir: str, rank: int, job_id: str, fingerprint: str, load_root: str) -> list[Source]:
@@ -105,14 +174,16 @@ def memory_sources(node_dir: str, rank: int, job_id: str, fingerprint: str, load
             continue
         if os.path.abspath(meta.get("save", "")) != os.path.abspath(load_root):
             continue  # snapshots of another --save directory
-        sources.append(Source("memory", record["iteration"], record["items"], path, record["crc32"],
+        if "crcs" not in record:
+            continue  # recorded by an agent of an older megatron-pec
+        sources.append(Source("memory", record["iteration"], record["items"], path, record["crcs"],
                               carried_tokens=record.get("tokens", {})))
     return sources
 
 
 def storage_source(root: str, iteration: int, rank: int, entry: dict) -> Source:
     return Source("storage", iteration, {i: iteration for i in entry["items"]},
-                  os.path.join(root, entry["file"]), entry["crc32"], manifest_entry=entry)
+                  os.path.join(root, entry["file"]), entry.get("item_crc32"), manifest_entry=entry)
 
 
 def storage_sources(root: str, rank: int, fingerprint: str, topology: dict,

@@ -144,9 +144,13 @@ def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> He
 
 def tensor_view(buffer, header: Header, entry: TensorEntry):
     """A 1-D tensor viewing ``entry``'s bytes inside ``buffer`` (no copy)."""
+    return tensor_at(buffer, entry, header.data_start + entry.begin)
+
+
+def tensor_at(buffer, entry: TensorEntry, offset: int):
+    """A 1-D tensor viewing ``entry``'s bytes at ``offset`` in ``buffer`` (no copy)."""
     import torch
 
     if entry.numel == 0:
         return torch.empty(0, dtype=torch_dtype(entry.dtype))
-    return torch.frombuffer(buffer, dtype=torch_dtype(entry.dtype), count=entry.numel,
-                            offset=header.data_start + entry.begin)
+    return torch.frombuffer(buffer, dtype=torch_dtype(entry.dtype), count=entry.numel, offset=offset)

@@ -70,6 +70,22 @@ class PosixStorage:
                 got += n
         return buf
 
+    def read_range(self, path: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes of ``path`` from ``offset``, in a writable buffer."""
+        buf = bytearray(length)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            view, got = memoryview(buf), 0
+            while got < length:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(errno.EIO, f"{path} ends before byte {offset + length}")
+                got += n
+        return buf
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 

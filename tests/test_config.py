@@ -55,3 +55,15 @@ def test_docs_list_every_flag():
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "megatron-lm.md").read_text()
     assert flags_markdown() in docs, "docs/megatron-lm.md flags table is stale: regenerate it (see the comment)"
+
+
+def test_a_checkpoint_error_exit_keeps_node_memory(monkeypatch):
+    """CheckpointError exits through SystemExit, which skips sys.excepthook; the exit must still
+    count as a crash, so the atexit hook leaves without a clean detach (that would delete memory)."""
+    from megatron_pec import api
+    from megatron_pec.errors import CheckpointError
+
+    monkeypatch.setattr(api, "_crashed", False)
+    with pytest.raises(CheckpointError, match="needs the optimizer"):
+        api.load_checkpoint([], None, None)
+    assert api._crashed

@@ -33,6 +33,8 @@ def carry_forward(mapping, header, base_path: str, base_record: dict,
         meta = base_header.metadata
         if meta.get("state") != "complete" or meta.get("iteration") != str(base_record["iteration"]):
             return {}, {}  # the base was rewritten since the agent recorded it: carry nothing
+        if any(meta.get(k) != header.metadata.get(k) for k in ("job_id", "fingerprint", "save")):
+            return {}, {}  # a slot left by another run (other job, configuration or --save)
         source = {e.name: e for e in base_header.tensors}
         copies = []
         for e in header.tensors:

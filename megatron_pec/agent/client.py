@@ -42,6 +42,18 @@ def agent_pid(directory: str) -> int | None:
     return pid if _alive(pid) else None
 
 
+MAX_SOCKET_PATH = 107  # bytes in a Unix socket address (sun_path) on Linux, without the final NUL
+
+
+def check_socket_path(directory: str) -> None:
+    """Raise AgentUnavailable, before anything starts, if the agent's socket address is too long."""
+    path = os.path.join(os.path.abspath(directory), SOCKET)
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise AgentUnavailable(
+            f"the node agent's socket {path} is {len(path.encode())} bytes long, but Unix sockets allow "
+            f"{MAX_SOCKET_PATH}: use a shorter --pec-shm-dir or --pec-job-id")
+
+
 def ensure_agent(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool,
                  timeout: float = 60.0) -> int:
     """Return the pid of this node's agent, starting one if none is alive."""

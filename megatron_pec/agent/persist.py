@@ -22,15 +22,17 @@ class SnapshotMismatch(RuntimeError):
     """The slot's header does not describe the snapshot the trainer announced."""
 
 
-def slot_crc(mapping, header, items: set[str]) -> int:
-    """crc32 over the data of ``items`` in header order: what a memory restore verifies."""
-    crc, view = 0, memoryview(mapping)
+def item_checksums(buffer, header, items: set[str]) -> dict[str, int]:
+    """crc32 of each item's data (its tensors in header order): what a restore verifies, for
+    just the items it reads. The same bytes in a slot or a compact rank file give the same value."""
+    crcs, view = {}, memoryview(buffer)
     for entry in header.tensors:
         if entry.item in items:
-            end = header.data_start + entry.end
+            crc, end = crcs.get(entry.item, 0), header.data_start + entry.end
             for offset in range(header.data_start + entry.begin, end, CHUNK):
                 crc = zlib.crc32(view[offset:min(offset + CHUNK, end)], crc)
-    return crc
+            crcs[entry.item] = crc
+    return {i: crcs.get(i, 0) for i in items}
 
 
 def check_and_persist(path: str, iteration: int, persist_items: set[str] | None, target: str | None,
@@ -38,8 +40,9 @@ def check_and_persist(path: str, iteration: int, persist_items: set[str] | None,
     """Validate the slot at ``path`` for ``iteration``; persist it to ``target`` if given;
     with ``carry`` = (base slot path, its record, wanted items), carry experts forward first.
 
-    Returns the slot record ``{iteration, crc32, items, tokens}`` (tokens: counts of the
-    carried items) plus, when persisted, ``file: {size, crc32, items}``.
+    Returns the slot record ``{iteration, items, crcs, tokens}`` (crcs: per item; tokens: counts
+    of the carried items) plus, when persisted, ``file: {size, crc32, items, header_crc32,
+    item_crc32}`` (whole-file, header and per-item checksums).
     Raises SnapshotMismatch, FormatError or OSError.
     """
     mapping, header = open_slot(path)
@@ -57,12 +60,14 @@ def check_and_persist(path: str, iteration: int, persist_items: set[str] | None,
         record = {"iteration": iteration, "items": items, "tokens": tokens}
         # The memory checksum runs beside the write (both release the GIL): one pass's time, not two.
         with ThreadPoolExecutor(1) as pool:
-            checksum = pool.submit(slot_crc, mapping, header, set(items))
+            checksums = pool.submit(item_checksums, mapping, header, set(items))
             if target is not None:
                 keep = set(written) if persist_items is None else \
                     {i for i in written if i == "dense" or i in persist_items}
                 record["file"] = _write_compact(mapping, header, keep, target, storage)
-            record["crc32"] = checksum.result()
+            record["crcs"] = checksums.result()
+        if target is not None:
+            record["file"]["item_crc32"] = {i: record["crcs"][i] for i in record["file"]["items"]}
         return record
     finally:
         try:
@@ -90,7 +95,7 @@ def _write_compact(mapping, header, keep: set[str], target: str, storage: PosixS
             yield view[header.data_start + e.begin: header.data_start + e.end]
 
     size, crc = storage.write_atomic(target, chunks())
-    return {"size": size, "crc32": crc, "items": sorted(keep)}
+    return {"size": size, "crc32": crc, "items": sorted(keep), "header_crc32": zlib.crc32(head)}
 
 
-__all__ = ["check_and_persist", "slot_crc", "SnapshotMismatch", "FormatError"]
+__all__ = ["check_and_persist", "item_checksums", "SnapshotMismatch", "FormatError"]

@@ -23,6 +23,7 @@ class TokenCounter:
         self.layers: list[int] = []
         self.num_experts = 0
         self._counts: list[torch.Tensor] = []
+        self._hooks = []
         self.cumulative: dict[ExpertId, int] = {}
         for chunk in model_chunks:
             for module in chunk.modules():
@@ -44,7 +45,13 @@ class TokenCounter:
                 routing_map = output[1]
                 self._counts[index] += routing_map.sum(0).to(torch.int64)
 
-        moe_layer.router.register_forward_hook(count)
+        self._hooks.append(moe_layer.router.register_forward_hook(count))
+
+    def remove(self) -> None:
+        """Stop counting (the engine is closed; a new one installs its own hooks)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def take(self) -> list[list[int]]:
         """This rank's counts since the last call, one row per layer of ``layers``; resets them."""
