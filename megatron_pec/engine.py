@@ -173,16 +173,16 @@ class Engine:
         """The one collective of a save: a single small all-reduce over all ranks that sums the
         token counts since the last save and the number of ranks that cannot snapshot (so all
         ranks snapshot, or none). Returns (every rank can snapshot, cumulative token counts)."""
-        n = len(self.all_experts)
-        vector = torch.zeros(n + 1, dtype=torch.int64)
-        width = self.tokens.num_experts
+        n, width = len(self.all_experts), self.tokens.num_experts
+        values = [0] * (n + 1)
         for row, offset in zip(self.tokens.take(), self.token_offsets):
-            vector[offset:offset + width] = torch.tensor(row, dtype=torch.int64)
-        vector[n] = 0 if ok else 1
+            values[offset:offset + width] = row
+        values[n] = 0 if ok else 1
+        vector = torch.tensor(values, dtype=torch.int64)
         torch.distributed.all_reduce(vector, group=self.cpu_group)
-        counts = vector[:n] // self.token_replicas
-        rows = [counts[offset:offset + width].tolist() for offset in self.token_offsets]
-        return int(vector[n]) == 0, self.tokens.fold(rows)
+        totals = vector.tolist()
+        rows = [[c // self.token_replicas for c in totals[offset:offset + width]] for offset in self.token_offsets]
+        return totals[n] == 0, self.tokens.fold(rows)
 
     # ---- save ----------------------------------------------------------------------------------
     def save(self, iteration: int, optimizer, scheduler, flops: float, persistent: bool) -> None:
