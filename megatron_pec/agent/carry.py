@@ -14,34 +14,36 @@ from __future__ import annotations
 
 import json
 
+from megatron_pec.agent.persist import item_checksums
 from megatron_pec.slots import open_slot
 
 
-def carry_forward(mapping, header, base_path: str, base_record: dict,
-                  wanted: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
-    """Copy the ``wanted`` items (name -> version the trainer expects) from the base slot.
+def carry_forward(path: str, record: dict, base_path: str, base_record: dict, wanted: dict[str, int]) -> None:
+    """Copy the ``wanted`` items (name -> version the trainer expects) from the base slot into
+    the slot at ``path`` and add them to its ``record`` (items, crcs, and their cumulative token
+    counts at that version, which a restore needs to account the lost tokens).
 
-    An item is copied only if the base holds exactly that version. Returns the
-    items copied (name -> version) and their cumulative token counts at that
-    version (what a restore needs to account the lost tokens).
+    An item is copied only if the base holds exactly that version, for the same job,
+    configuration and --save. Raises OSError or FormatError.
     """
     take = {i: v for i, v in wanted.items() if base_record["items"].get(i) == v}
     if not take:
-        return {}, {}
+        return
+    mapping, header = open_slot(path)
     base_map, base_header = open_slot(base_path)
     try:
         meta = base_header.metadata
         if meta.get("state") != "complete" or meta.get("iteration") != str(base_record["iteration"]):
-            return {}, {}  # the base was rewritten since the agent recorded it: carry nothing
+            return  # the base was rewritten since the agent recorded it: carry nothing
         if any(meta.get(k) != header.metadata.get(k) for k in ("job_id", "fingerprint", "save")):
-            return {}, {}  # a slot left by another run (other job, configuration or --save)
+            return  # a slot left by another run (other job, configuration or --save)
         source = {e.name: e for e in base_header.tensors}
         copies = []
         for e in header.tensors:
             if e.item in take:
                 b = source.get(e.name)
                 if b is None or b.end - b.begin != e.end - e.begin:
-                    return {}, {}  # another layout: never mix bytes of different tensors
+                    return  # another layout: never mix bytes of different tensors
                 copies.append((header.data_start + e.begin, base_header.data_start + b.begin, e.end - e.begin))
         dst, src = memoryview(mapping), memoryview(base_map)
         try:
@@ -50,9 +52,10 @@ def carry_forward(mapping, header, base_path: str, base_record: dict,
         finally:
             dst.release()
             src.release()
-        at_base = json.loads(meta["tokens"])
-        carried_tokens = base_record.get("tokens", {})
-        tokens = {i: carried_tokens[i] if i in carried_tokens else at_base.get(i, 0) for i in take}
-        return take, tokens
+        at_base, carried_tokens = json.loads(meta["tokens"]), base_record.get("tokens", {})
+        record["items"].update(take)
+        record["crcs"].update(item_checksums(mapping, header, set(take)))
+        record["tokens"].update({i: carried_tokens[i] if i in carried_tokens else at_base.get(i, 0) for i in take})
     finally:
         base_map.close()
+        mapping.close()

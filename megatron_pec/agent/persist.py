@@ -11,8 +11,6 @@ import json
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_pec import faults
-from megatron_pec.agent.carry import carry_forward
 from megatron_pec.slots import open_slot
 from megatron_pec.stformat import FormatError, encode_header
 from megatron_pec.storage import CHUNK, PosixStorage
@@ -36,14 +34,13 @@ def item_checksums(buffer, header, items: set[str]) -> dict[str, int]:
 
 
 def check_and_persist(path: str, iteration: int, persist_items: set[str] | None, target: str | None,
-                      storage: PosixStorage, carry: tuple[str, dict, dict] | None = None) -> dict:
-    """Validate the slot at ``path`` for ``iteration``; persist it to ``target`` if given;
-    with ``carry`` = (base slot path, its record, wanted items), carry experts forward first.
+                      storage: PosixStorage) -> dict:
+    """Validate the slot at ``path`` for ``iteration``; persist it to ``target`` if given.
 
-    Returns the slot record ``{iteration, items, crcs, tokens}`` (crcs: per item; tokens: counts
-    of the carried items) plus, when persisted, ``file: {size, crc32, items, header_crc32,
-    item_crc32}`` (whole-file, header and per-item checksums).
-    Raises SnapshotMismatch, FormatError or OSError.
+    Returns the slot record ``{iteration, items, crcs, tokens}`` (the items the snapshot wrote,
+    their crc32s; tokens stays empty until experts are carried in) plus, when persisted,
+    ``file: {size, crc32, items, header_crc32, item_crc32}`` (whole-file, header and per-item
+    checksums). Raises SnapshotMismatch, FormatError or OSError.
     """
     mapping, header = open_slot(path)
     try:
@@ -52,15 +49,10 @@ def check_and_persist(path: str, iteration: int, persist_items: set[str] | None,
             raise SnapshotMismatch(f"{path} holds {meta.get('state')} iteration {meta.get('iteration')}, "
                                    f"expected complete iteration {iteration}")
         written = json.loads(meta["items"])
-        items, tokens = dict(written), {}
-        if carry is not None:
-            carried, tokens = carry_forward(mapping, header, *carry)
-            items.update(carried)
-        faults.point("agent_carried", iteration=iteration)
-        record = {"iteration": iteration, "items": items, "tokens": tokens}
+        record = {"iteration": iteration, "items": written, "tokens": {}}
         # The memory checksum runs beside the write (both release the GIL): one pass's time, not two.
         with ThreadPoolExecutor(1) as pool:
-            checksums = pool.submit(item_checksums, mapping, header, set(items))
+            checksums = pool.submit(item_checksums, mapping, header, set(written))
             if target is not None:
                 keep = set(written) if persist_items is None else \
                     {i for i in written if i == "dense" or i in persist_items}

@@ -4,11 +4,13 @@ Started detached by a trainer (or by hand with ``python -m megatron_pec agent``)
 it outlives trainer crashes so their snapshots stay in node memory. It never
 imports torch or Megatron. Phases:
 
-5. persist  for each announced snapshot, in arrival order: check the slot,
-            record its crc in ``slots.json``, and for persistent saves write the
-            rank file (tmp, fsync, rename); then release the slot to its trainer.
+5. persist  for each announced snapshot, in arrival order: check the slot and,
+            for persistent saves, write the rank file (tmp, fsync, rename).
 6. commit   when all local ranks of an iteration are persisted, write this node's
             marker; whichever node completes last writes manifest and tracker.
+7. carry    copy the experts the snapshot did not write forward from the previous
+            slot (``carry.py``), record the slot and its per-item crcs in
+            ``slots.json``, and release it to its trainer.
 
 Protocol (newline-delimited JSON over ``<node dir>/agent.sock``): trainer sends
 ``hello``, ``snapshot``, ``flush``, ``detach``, ``stop``; the agent answers
@@ -28,9 +30,11 @@ import sys
 import threading
 import time
 
-from megatron_pec import manifest
+from megatron_pec import faults, manifest
+from megatron_pec.agent.carry import carry_forward
 from megatron_pec.agent.persist import check_and_persist
 from megatron_pec.slots import INDEX, read_index, slot_path
+from megatron_pec.stformat import FormatError
 from megatron_pec.storage import PosixStorage
 
 SOCKET = "agent.sock"
@@ -181,30 +185,38 @@ class Agent:
         root = msg.get("save")
         target = manifest.rank_file(root, iteration, rank) if msg.get("persist") else None
         persist_items = set(msg["persist_items"]) if msg.get("persist_items") is not None else None
+        path = slot_path(self.directory, rank, slot)
         try:
-            record = check_and_persist(slot_path(self.directory, rank, slot), iteration, persist_items,
-                                       target, self.storage, self._carry_source(rank, msg.get("carry")))
+            record = check_and_persist(path, iteration, persist_items, target, self.storage)
         except Exception:
             if target is not None:
                 self.failed.add((root, iteration))
             self._write_index()
             raise
         entry = record.pop("file", None)
-        self.index[key][str(slot)] = record
-        self._write_index()
-        if target is not None:
-            self._node_progress(root, iteration, rank, entry, msg)
+        try:
+            if target is not None:  # commit first: the carry below only serves node memory
+                self._node_progress(root, iteration, rank, entry, msg)
+        finally:
+            self._carry(rank, path, record, msg.get("carry"))
+            faults.point("agent_carried", iteration=iteration)
+            self.index[key][str(slot)] = record
+            self._write_index()
 
-    def _carry_source(self, rank: int, carry: dict | None) -> tuple[str, dict, dict] | None:
-        """The base slot to carry experts from, if the agent recorded it as the trainer expects."""
+    def _carry(self, rank: int, path: str, record: dict, carry: dict | None) -> None:
+        """Carry the experts this snapshot did not write forward from its base slot, if the agent
+        recorded that base as the trainer expects; on any failure they restore from storage."""
         if not carry:
-            return None
-        record = self.index.get(str(rank), {}).get(str(carry["slot"]))
-        if record is None or record["iteration"] != carry["iteration"]:
+            return
+        base = self.index.get(str(rank), {}).get(str(carry["slot"]))
+        if base is None or base["iteration"] != carry["iteration"]:
             log(f"rank {rank}: previous snapshot (iteration {carry['iteration']}) is not in node memory; "
                 "the experts this snapshot did not write restore from storage")
-            return None
-        return slot_path(self.directory, rank, carry["slot"]), record, carry["items"]
+            return
+        try:
+            carry_forward(path, record, slot_path(self.directory, rank, carry["slot"]), base, carry["items"])
+        except (OSError, FormatError, ValueError) as exc:
+            log(f"rank {rank}: cannot carry experts forward into iteration {record['iteration']}: {exc}")
 
     def _node_progress(self, root: str, iteration: int, rank: int, entry: dict, msg: dict) -> None:
         job = (root, iteration)
