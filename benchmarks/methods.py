@@ -138,10 +138,16 @@ class Pec(Method):
         return ok
 
     def wait_persisted(self, it):
-        # The agent releases a rank's slot only after persisting it, and commits the iteration
-        # (manifest + tracker) before releasing the last rank's slot: so once every rank's
-        # slots are free, the iteration is committed.
-        self.engine.flush()
+        # Committed = the manifest exists (written after every rank file is durable). The agent
+        # releases the slot later, after carrying experts forward for node memory: not waited for.
+        from megatron_pec.manifest import manifest_path
+
+        if it is None:
+            self.engine.flush()
+        else:
+            deadline = time.monotonic() + 300
+            while not os.path.exists(manifest_path(self.root, it)) and time.monotonic() < deadline:
+                time.sleep(0.001)
         barrier()
 
     def written_bytes(self, it):
