@@ -10,7 +10,8 @@ imports torch or Megatron. Phases:
             marker; whichever node completes last writes manifest and tracker.
 7. carry    copy the experts the snapshot did not write forward from the previous
             slot (``carry.py``), record the slot and its per-item crcs in
-            ``slots.json``, and release it to its trainer.
+            ``slots.json``, and release it to its trainer. Carries wait while other
+            snapshots queue up for phases 5-6, so they never delay a commit.
 
 Protocol (newline-delimited JSON over ``<node dir>/agent.sock``): trainer sends
 ``hello``, ``snapshot``, ``flush``, ``detach``, ``stop``; the agent answers
@@ -21,6 +22,7 @@ A failed persist is reported and the agent keeps serving.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -158,50 +160,76 @@ class Agent:
         except OSError:
             pass  # the trainer is gone; its snapshot is still recorded
 
-    # ---- phases 5 and 6 --------------------------------------------------------------------------
+    # ---- phases 5 to 7 ---------------------------------------------------------------------------
     def _work(self) -> None:
+        """Jobs in arrival order. A snapshot's carry (phase 7) waits while other snapshots queue
+        up to be persisted, so it never delays another rank's commit; carries keep their order
+        (each one's base is the slot the previous one completed), and a flush waits for them."""
+        carries: collections.deque = collections.deque()
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get_nowait() if carries else self.jobs.get()
+            except queue.Empty:
+                job = "carry"
             if job is None:
+                while carries:
+                    self._finish(*carries.popleft())
                 return
-            conn, msg = job
-            if msg["type"] == "flush":  # everything queued before it is done
-                reply = {"type": "flushed"}
+            if job == "carry":
+                self._finish(*carries.popleft())
+            elif job[1]["type"] == "flush":  # everything queued before it is done
+                while carries:
+                    self._finish(*carries.popleft())
+                self._send(job[0], {"type": "flushed"})
             else:
-                reply = {"type": "released", "slot": msg["slot"], "iteration": msg["iteration"]}
+                conn, msg = job
                 try:
-                    self._persist(msg)
+                    carries.append((conn, msg, *self._persist(msg)))
                 except Exception as exc:  # reported to the trainer; the agent keeps serving
-                    reply["error"] = f"{type(exc).__name__}: {exc}"
-                    log(f"rank {msg['rank']} iteration {msg['iteration']}: {reply['error']}")
-            self._send(conn, reply)
-            with self.lock:  # also after a flush: a stale "busy" kept the agent alive forever
-                self.pending_work = not self.jobs.empty()
+                    self._send(conn, self._released(msg, f"{type(exc).__name__}: {exc}"))
+            with self.lock:  # after every step: a stale "busy" kept the agent alive forever
+                self.pending_work = bool(carries) or not self.jobs.empty()
 
-    def _persist(self, msg: dict) -> None:
+    def _released(self, msg: dict, error: str | None) -> dict:
+        reply = {"type": "released", "slot": msg["slot"], "iteration": msg["iteration"]}
+        if error is not None:
+            reply["error"] = error
+            log(f"rank {msg['rank']} iteration {msg['iteration']}: {error}")
+        return reply
+
+    def _persist(self, msg: dict) -> tuple[dict, str | None]:
+        """Phases 5 and 6; returns the slot's record (completed by ``_finish``) and the commit's
+        error, if any. Raises if the slot cannot be checked or its rank file not written."""
         rank, slot, iteration = msg["rank"], msg["slot"], msg["iteration"]
-        key = str(rank)
-        self.index.setdefault(key, {}).pop(str(slot), None)  # the old contents are gone
+        self.index.setdefault(str(rank), {}).pop(str(slot), None)  # the old contents are gone
         root = msg.get("save")
         target = manifest.rank_file(root, iteration, rank) if msg.get("persist") else None
         persist_items = set(msg["persist_items"]) if msg.get("persist_items") is not None else None
-        path = slot_path(self.directory, rank, slot)
         try:
-            record = check_and_persist(path, iteration, persist_items, target, self.storage)
+            record = check_and_persist(slot_path(self.directory, rank, slot), iteration, persist_items,
+                                       target, self.storage)
         except Exception:
             if target is not None:
                 self.failed.add((root, iteration))
             self._write_index()
             raise
         entry = record.pop("file", None)
+        if target is None:
+            return record, None
         try:
-            if target is not None:  # commit first: the carry below only serves node memory
-                self._node_progress(root, iteration, rank, entry, msg)
-        finally:
-            self._carry(rank, path, record, msg.get("carry"))
-            faults.point("agent_carried", iteration=iteration)
-            self.index[key][str(slot)] = record
-            self._write_index()
+            self._node_progress(root, iteration, rank, entry, msg)
+        except Exception as exc:  # the snapshot itself is sound: it still serves node memory
+            return record, f"{type(exc).__name__}: {exc}"
+        return record, None
+
+    def _finish(self, conn: socket.socket, msg: dict, record: dict, error: str | None) -> None:
+        """Phase 7: carry experts forward, record the slot, release it to its trainer."""
+        rank, slot = msg["rank"], msg["slot"]
+        self._carry(rank, slot_path(self.directory, rank, slot), record, msg.get("carry"))
+        faults.point("agent_carried", iteration=msg["iteration"])
+        self.index.setdefault(str(rank), {})[str(slot)] = record
+        self._write_index()
+        self._send(conn, self._released(msg, error))
 
     def _carry(self, rank: int, path: str, record: dict, carry: dict | None) -> None:
         """Carry the experts this snapshot did not write forward from its base slot, if the agent
