@@ -168,7 +168,8 @@ class Pec(Method):
         if not index:
             return None
         newest = max(index.values(), key=lambda r: r["iteration"])
-        items = set(newest["items"])
+        # What the trainer copied: the items at this iteration (the others the agent carried in).
+        items = {i for i, version in newest["items"].items() if version == newest["iteration"]}
         return sum(s.numel * s.dtype.itemsize for s in self.engine.slices if s.item in items)
 
     def restore_memory(self):
