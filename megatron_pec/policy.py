@@ -26,7 +26,7 @@ needs initial weights from anywhere else.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from .items import ExpertId
@@ -149,17 +149,27 @@ def select_two_level(policy: str, snapshot: SelectionInput,
 
     ``snapshot`` and ``persist`` carry each level's own K, unsaved tokens, last
     saved versions and checkpoint index. The persist set is chosen with the
-    persist-level inputs among all experts (or ``persist.candidates``) and is
-    added to the snapshot set, which may so exceed its K by up to the persist K.
-    Choosing it only inside this checkpoint's snapshot set starves experts
-    whenever the persist interval is a multiple of the snapshot set's period
-    (sequential, K = E/2, every second snapshot persisted: half the experts would
-    never be persisted again). For a snapshot-only checkpoint use ``select_experts``.
+    persist-level inputs among all experts (or ``persist.candidates``); choosing it
+    only inside a snapshot set starves experts whenever the persist interval is a
+    multiple of the snapshot set's period (sequential, K = E/2, every second
+    snapshot persisted: half the experts would never be persisted again). The
+    snapshot set is the persist set topped up with the snapshot level's choice of
+    snapshot K - persist K others, so a snapshot still copies K experts per layer
+    (plus never-snapshotted ones). For a snapshot-only checkpoint use ``select_experts``.
     """
     if persist.layout != snapshot.layout:
         raise ValueError("snapshot and persist inputs must share the same ExpertLayout")
     persisted = select_experts(policy, persist)
-    return select_experts(policy, snapshot) | persisted, persisted
+    lay = snapshot.layout
+    rest = (snapshot.candidates if snapshot.candidates is not None else frozenset(lay.all_experts())) - persisted
+    never = frozenset(e for e in rest if e not in snapshot.last_saved)
+    if snapshot.k <= persist.k or not rest:
+        return persisted | never, persisted
+    budget = None if snapshot.budget_bytes is None else \
+        max(0, snapshot.budget_bytes - len(persisted) * lay.expert_bytes)
+    top_up = select_experts(policy, replace(snapshot, k=snapshot.k - persist.k, candidates=rest,
+                                            budget_bytes=budget))
+    return persisted | top_up, persisted
 
 
 def _round_robin_offsets(inp: SelectionInput) -> Callable[[ExpertId], tuple[int, int]]:

@@ -334,11 +334,10 @@ def test_persist_subset_of_snapshot(policy, seed):
     snap_in = inp(lay, 4, tokens=snap_tok, last=snap_last, index=5)
     snap, pers = select_two_level(policy, snap_in, inp(lay, 2, tokens=pers_tok, last=pers_last, index=2))
     assert pers <= snap
-    assert select_experts(policy, snap_in) <= snap  # the snapshot level's own choice, plus the persisted ones
     if policy == "popularity":
-        assert len(snap) <= 12 + 6 and len(pers) <= 6
+        assert len(snap) <= 12 and len(pers) <= 6  # the snapshot budget holds the persisted experts
     else:
-        assert all(4 <= n <= 6 for n in per_layer(snap).values())
+        assert per_layer(snap) == {1: 4, 2: 4, 3: 4}  # snapshot K, the persisted ones included
         assert per_layer(pers) == {1: 2, 2: 2, 3: 2}
 
 
@@ -348,7 +347,16 @@ def test_persist_set_is_chosen_among_all_experts_and_joins_the_snapshot():
     pers_tok = {ExpertId(1, e): e for e in range(8)}  # most unpersisted: 7 and 6
     snap, pers = select_two_level("load-aware", inp(lay, 4, tokens=snap_tok), inp(lay, 2, tokens=pers_tok))
     assert pers == {ExpertId(1, 7), ExpertId(1, 6)}
-    assert snap == {ExpertId(1, e) for e in (0, 1, 2, 3, 6, 7)}
+    assert snap == {ExpertId(1, e) for e in (0, 1, 6, 7)}  # topped up to K=4 with the snapshot level's top
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_equal_k_at_both_levels_copies_only_the_persisted_experts(policy):
+    # Every save persisted with the same K at both levels: the snapshot copies K experts, not 2K.
+    lay = layout(num_layers=2, num_experts=8, ep=2)
+    snap, pers = select_two_level(policy, inp(lay, 2, last=all_saved(lay, 5), index=3),
+                                  inp(lay, 2, last=all_saved(lay, 1), index=1))
+    assert snap == pers and len(snap) <= 4
 
 
 def test_no_expert_starves_when_every_second_snapshot_is_persisted():
