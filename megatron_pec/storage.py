@@ -59,19 +59,11 @@ class PosixStorage:
 
     def read_into(self, path: str) -> bytearray:
         """The whole file in a writable buffer (so tensors can view it without copies)."""
-        size = os.path.getsize(path)
-        buf = bytearray(size)
-        with open(path, "rb", buffering=0) as f:
-            view, got = memoryview(buf), 0
-            while got < size:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise OSError(errno.EIO, f"{path} shrank while being read")
-                got += n
-        return buf
+        return self.read_range(path, 0, os.path.getsize(path))
 
     def read_range(self, path: str, offset: int, length: int) -> bytearray:
-        """``length`` bytes of ``path`` from ``offset``, in a writable buffer."""
+        """``length`` bytes of ``path`` from ``offset``, in a writable buffer; raises EIO if the
+        file ends before (it shrank while being read)."""
         buf = bytearray(length)
         with open(path, "rb", buffering=0) as f:
             f.seek(offset)
