@@ -73,6 +73,14 @@ class Method:
     def setup(self):
         pass
 
+    @staticmethod
+    def cold_start(files) -> float:
+        """Drop ``files`` from the page cache on every rank, then start the restore timer."""
+        barrier()
+        drop_file_cache(files)
+        barrier()
+        return time.perf_counter()
+
     def snapshot_bytes(self):
         return None
 
@@ -329,10 +337,7 @@ class TorchDist(Method):
 
         c = self.ctx
         d = self._dir(self.last)
-        barrier()
-        drop_file_cache(files_under(d))
-        barrier()
-        t = time.perf_counter()
+        t = self.cold_start(files_under(d))
         state = self._state_dict(self.last, loading=True)
         loaded = dist_checkpointing.load(state, d, get_default_load_sharded_strategy(d))
         with torch.no_grad():  # DistributedOptimizer copies into leaf views
@@ -396,10 +401,7 @@ class Legacy(Method):
     def restore_storage(self):
         c = self.ctx
         d = self._dir(self.last)
-        barrier()
-        drop_file_cache(files_under(d))
-        barrier()
-        t = time.perf_counter()
+        t = self.cold_start(files_under(d))
         state = torch.load(os.path.join(d, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
         with torch.no_grad():
             c.model[0].load_state_dict(state["model"])
@@ -521,10 +523,7 @@ class DLRover(Method):
 
     def restore_storage(self):
         path = os.path.join(self.root, str(self.last), f"rank_{self.ctx.rank}.pt")
-        barrier()
-        drop_file_cache([path])
-        barrier()
-        t = time.perf_counter()
+        t = self.cold_start([path])
         state = self.ckpt._engine._load_from_storage()  # what load_checkpoint does without node memory
         self._apply(state)
         return _max(time.perf_counter() - t)

@@ -63,6 +63,7 @@ class Engine:
         self.fingerprint = self._global_fingerprint(collect.fingerprint(self.slices, self.topology))
         self.tokens = TokenCounter(model_chunks)
         self.experts_held = sorted({s.expert for s in self.slices if s.expert is not None})
+        self.held_names = {x: item_name(x) for x in self.experts_held}  # formatted once, used every save
         self.expert_layout = self._expert_layout()
         self.all_experts = self._all_experts()
         self.token_offsets = [self.all_experts.index(ExpertId(layer, 0)) for layer in self.tokens.layers]
@@ -231,8 +232,8 @@ class Engine:
         at the version PEC recorded for it (a base holding any other version is not used)."""
         if base is None:
             return None
-        expected = {item_name(x): self.pec.snapshot.saved_at[x] for x in self.experts_held
-                    if item_name(x) not in written and x in self.pec.snapshot.saved_at}
+        saved_at = self.pec.snapshot.saved_at
+        expected = {name: saved_at[x] for x, name in self.held_names.items() if name not in written and x in saved_at}
         return {"slot": base, "iteration": self.ring.iteration[base], "items": expected} if expected else None
 
     def _copy(self, slot: int, written: set[str], iteration: int):

@@ -51,7 +51,7 @@ class Source:
             if self.kind == "memory":
                 self._map_slot()
                 self._check(item_checksums(self._buffer, self._header, wanted - self._verified))
-            elif items is None or self.item_crcs is None or "header_crc32" not in self.manifest_entry:
+            elif items is None or self.item_crcs is None:  # written with item_crc32 and header_crc32
                 self._read_whole_file(storage)
             else:
                 self._read_items(storage, wanted - self._verified)
