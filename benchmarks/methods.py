@@ -139,7 +139,7 @@ class Pec(Method):
     def save(self, it):
         c = self.ctx
         before = self.engine.stats["skipped"]
-        self.engine.save(it, c.optimizer, c.scheduler, 0, persistent=True)
+        self.engine.save(it, c.scheduler, 0, persistent=True)
         self.last = it
         ok = self.engine.stats["skipped"] == before
         self.skipped += 0 if ok else 1
@@ -170,29 +170,26 @@ class Pec(Method):
         return os.path.exists(manifest_path(self.root, it))
 
     def snapshot_bytes(self):
-        from megatron_pec.slots import read_index
+        from megatron_pec.agent.memory import NodeMemory
 
-        index = read_index(self.engine.node_dir).get(str(self.ctx.rank), {})
-        if not index:
+        newest = NodeMemory.read(self.engine.node_dir).newest(self.ctx.rank)
+        if newest is None:
             return None
-        newest = max(index.values(), key=lambda r: r["iteration"])
+        record = newest[1]
         # What the trainer copied: the items at this iteration (the others the agent carried in).
-        items = {i for i, version in newest["items"].items() if version == newest["iteration"]}
-        return sum(s.numel * s.dtype.itemsize for s in self.engine.slices if s.item in items)
+        items = {i for i, version in record.items.items() if version == record.iteration}
+        return sum(s.numel * s.dtype.itemsize for s in self.engine.adapter.slices if s.item in items)
 
     def restore_memory(self):
-        from megatron_pec.loader import Loader
-
         c = self.ctx
         barrier()
         t = time.perf_counter()
-        Loader(self.engine, self.root).load(c.model, c.optimizer, c.scheduler)
+        self.engine.load(self.root, c.scheduler)
         return _max(time.perf_counter() - t)
 
     def restore_storage(self):
         """A fresh engine whose node memory is empty (as after node loss) restores from storage."""
         from megatron_pec.engine import Engine
-        from megatron_pec.loader import Loader
 
         c = self.ctx
         node = self.engine.node_dir
@@ -204,7 +201,7 @@ class Pec(Method):
         fresh = Engine(self._args("_cold"), c.model, c.optimizer)
         barrier()
         t = time.perf_counter()
-        Loader(fresh, self.root).load(c.model, c.optimizer, c.scheduler)
+        fresh.load(self.root, c.scheduler)
         elapsed = _max(time.perf_counter() - t)
         node = fresh.node_dir
         fresh.close()

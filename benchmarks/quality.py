@@ -187,15 +187,15 @@ class Runner:
     def _resume_point(ckpt: str, node: str) -> int:
         """The iteration a restart will restore: newest complete snapshot every rank has in node
         memory, else the newest committed iteration on storage (what megatron-pec's agree step picks)."""
+        from megatron_pec.agent.memory import NodeMemory
         from megatron_pec.manifest import committed_iterations
-        from megatron_pec.slots import read_index
 
         time.sleep(1.0)  # the agent finishes what the killed trainers announced
         best = max(committed_iterations(ckpt), default=0)
-        index = read_index(node)
-        if len(index) == 2:
-            mem = min(max(r["iteration"] for r in slots.values()) for slots in index.values() if slots)
-            best = max(best, mem)
+        memory = NodeMemory.read(node)
+        newest = [memory.newest(rank) for rank in (0, 1)]
+        if all(newest):
+            best = max(best, min(record.iteration for _, record in newest))
         return best
 
 

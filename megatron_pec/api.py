@@ -26,13 +26,13 @@ def use_args(args) -> None:
 def _args():
     if _fallback_args is not None:
         return _fallback_args
-    try:
-        from megatron.training import get_args
+    from megatron_pec.megatron.adapter import training_args
 
-        return get_args()
-    except (ImportError, AssertionError):
+    args = training_args()
+    if args is None:
         raise CheckpointError("megatron-pec: no training arguments: run under Megatron-LM's pretrain() or call "
-                              "megatron_pec.use_args(args) before the first load/save") from None
+                              "megatron_pec.use_args(args) before the first load/save")
+    return args
 
 
 def _chunks(model) -> list:
@@ -101,7 +101,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         raise CheckpointError("megatron-pec: release checkpoints are not supported; convert a committed "
                               "iteration with Megatron's own tools")
     engine = _get_engine(model, optimizer)
-    engine.save(iteration, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+    engine.save(iteration, opt_param_scheduler, num_floating_point_operations_so_far,
                 persistent=not non_persistent_ckpt)
 
 
@@ -118,12 +118,10 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
     if skip_load_to_model_and_opt:
         raise CheckpointError("megatron-pec: skip_load_to_model_and_opt (Megatron FSDP) is not supported")
     engine = _get_engine(ddp_model, optimizer)
-    root = getattr(engine.args, load_arg, None)
+    root = getattr(_args(), load_arg, None)
     if not root:
         return 0, 0
-    from megatron_pec.loader import Loader
-
-    return Loader(engine, root).load(_chunks(ddp_model), optimizer, opt_param_scheduler)
+    return engine.load(root, opt_param_scheduler)
 
 
 def plt_so_far() -> float:

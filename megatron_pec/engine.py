@@ -1,19 +1,20 @@
-"""The per-process checkpoint engine: phases 1-4 of a save (plan, collect, snapshot, notify).
+"""The per-process checkpoint engine: phases 1-4 of a save (plan, snapshot, notify) and applying a restore.
 
 One ``Engine`` per trainer process, built on the first ``load_checkpoint`` or
 ``save_checkpoint`` (collective: every rank builds it). Building it does all
-expensive set-up - slice table, slot files with the tmpfs preflight, the node
-agent - so that every save, including the first, only plans and copies.
+expensive set-up - the Megatron adapter's slice table, slot files with the tmpfs
+preflight, the node agent - so that every save, including the first, only plans
+and copies. Megatron is reached only through ``self.adapter``; node memory's
+history only through the agent, which grants the slots a snapshot may write.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import sys
-import time
+import uuid
 import warnings
 
 import torch
@@ -23,11 +24,11 @@ from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socke
 from megatron_pec.config import PecConfig, PecConfigError
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
-from megatron_pec.manifest import FORMAT
-from megatron_pec.megatron import collect
-from megatron_pec.megatron.tokens import TokenCounter
-from megatron_pec.pec_state import Level, PecState, cumulative_to_json
-from megatron_pec.slots import SlotFiles, SlotRing, SlotSpaceError, node_dir, read_index
+from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
+from megatron_pec.pec_state import Level, PecState, cumulative_to_items
+from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Hello, JobInfo, Record, Released, SlotHeader,
+                                   SnapshotReady)
+from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
 from megatron_pec.stformat import layout as tensor_layout
 
 
@@ -37,41 +38,33 @@ def _env_int(name: str, default: int) -> int:
 
 class Engine:
     def __init__(self, args, model_chunks, optimizer):
-        from megatron.core import parallel_state
+        from megatron_pec.megatron.adapter import MegatronAdapter
 
-        self.args, self.model, self.optimizer = args, model_chunks, optimizer
         try:
             self.config = PecConfig.from_args(args)
         except PecConfigError as exc:
             raise CheckpointError(f"megatron-pec: {exc}") from None
-        self.rank = torch.distributed.get_rank()
-        self.world_size = torch.distributed.get_world_size()
+        self.adapter = MegatronAdapter(args, model_chunks, optimizer)
+        self.optimizer = optimizer  # the engine serves this optimizer; api rebuilds it for another
+        self.coll = self.adapter.collectives
+        self.rank, self.world_size = self.adapter.rank, self.adapter.world_size
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
         self.node_rank = _env_int("GROUP_RANK", self.rank // self.local_world_size)
         self.num_nodes = self.world_size // self.local_world_size
-        # Token counts are summed over all ranks. Data-, context- and expert-parallel ranks route
-        # different tokens, pipeline stages different layers; tensor-parallel ranks route the same
-        # tokens unless sequence parallelism splits the sequence among them: count those once.
-        sequence_parallel = getattr(model_chunks[0].config, "sequence_parallel", False)
-        self.token_replicas = 1 if sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
-        # Agreement collectives run on CPU tensors whatever the training backend is.
-        self.cpu_group = torch.distributed.new_group(backend="gloo")
-
-        self.slices = collect.build_slices(model_chunks, optimizer)
-        self.live: dict[str, torch.Tensor] | None = None  # bound at the first save / after a restore
-        self.topology = collect.topology()
-        self.fingerprint = self._global_fingerprint(collect.fingerprint(self.slices, self.topology))
-        self.tokens = TokenCounter(model_chunks)
-        self.experts_held = sorted({s.expert for s in self.slices if s.expert is not None})
-        self.held_names = {x: item_name(x) for x in self.experts_held}  # formatted once, used every save
+        self.fingerprint = self._global_fingerprint(self.adapter.local_fingerprint)
+        self.held_names = {x: item_name(x) for x in self.adapter.experts_held}  # formatted once, used every save
         self.expert_layout = self._expert_layout()
         self.all_experts = self._all_experts()
-        self.token_offsets = [self.all_experts.index(ExpertId(layer, 0)) for layer in self.tokens.layers]
+        self.token_offsets = [self.all_experts.index(ExpertId(layer, 0)) for layer in self.adapter.moe_layers]
+        self.cumulative = {x: 0 for x in self.all_experts if x.layer in self.adapter.moe_layers}
         self.pec = self._initial_pec_state()
         self.node_dir = node_dir(self.config.shm_dir, self.config.job_id, self.node_rank)
+        self.save_root = os.path.abspath(self.config.save) if self.config.save else ""
         self.agent = AgentClient(self.node_dir, self.rank)
         self.files: SlotFiles | None = None
-        self.ring = SlotRing.empty()
+        self.grants = SlotGrants()
+        self.run: str | None = None            # this process's timeline, from its first Begin
+        self.resumed_from: int | None = None
         self.stats = {"saves": 0, "skipped": 0, "persist_errors": 0}
         # On GPU a snapshot completes lazily, before the next optimizer step (see finish_snapshot);
         # MEGATRON_PEC_DEFER_SNAPSHOT=1 exercises the same path on CPU in the tests.
@@ -79,51 +72,33 @@ class Engine:
         self.deferred = self.copy_stream is not None or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         self.pending = None
         if self.deferred:
-            for opt in collect.distributed_optimizers(optimizer):
-                opt.optimizer.register_step_pre_hook(lambda *_: self.finish_snapshot())
+            self.adapter.before_each_step(self.finish_snapshot)
         if self.config.save:
             self._start_memory_tier()
 
     # ---- set-up --------------------------------------------------------------------------------
     def _expert_layout(self) -> policy.ExpertLayout | None:
-        if not self.tokens.layers:
+        if not self.adapter.moe_layers:
             return None
-        from megatron.core import parallel_state
-
-        per_expert = {}
-        for s in self.slices:
-            if s.expert is not None:
-                per_expert[s.expert] = per_expert.get(s.expert, 0) + s.numel * s.dtype.itemsize
-        local = max(per_expert.values(), default=0)
         # Same number on every rank: the largest expert footprint of any rank (all experts are equal-sized).
-        t = torch.tensor([local], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
-        return policy.ExpertLayout(layers=tuple(self.tokens.layers), num_experts=self.tokens.num_experts,
-                                   ep_size=parallel_state.get_expert_model_parallel_world_size(),
-                                   expert_bytes=max(1, int(t.item())))
+        (expert_bytes,) = self.coll.reduce([self.adapter.expert_bytes()], "max")
+        return policy.ExpertLayout(layers=tuple(self.adapter.moe_layers), num_experts=self.adapter.num_experts,
+                                   ep_size=self.adapter.ep_size, expert_bytes=max(1, expert_bytes))
 
     def _all_experts(self) -> list[ExpertId]:
         """Every expert of the model, across pipeline stages (each stage only sees its own layers);
-        the index space of the loader's cross-rank vectors."""
-        most = 4096
-        mine = torch.full((most,), -1, dtype=torch.int64)
-        mine[: len(self.tokens.layers)] = torch.tensor(self.tokens.layers, dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        torch.distributed.all_gather(every, mine, group=self.cpu_group)
-        layers = sorted({int(x) for t in every for x in t if x >= 0})
-        experts = torch.tensor([self.tokens.num_experts], dtype=torch.int64)
-        torch.distributed.all_reduce(experts, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
-        return [ExpertId(layer, e) for layer in layers for e in range(int(experts))]
+        the index space of the cross-rank vectors."""
+        layers = sorted({x for row in self.coll.gather(self.adapter.moe_layers, 4096) for x in row if x >= 0})
+        (experts,) = self.coll.reduce([self.adapter.num_experts], "max")
+        return [ExpertId(layer, e) for layer in layers for e in range(experts)]
 
     def _global_fingerprint(self, local: str) -> str:
         """One configuration id for the whole job: every rank's slice layout, hashed together."""
-        mine = torch.tensor([int(local[:15], 16)], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        torch.distributed.all_gather(every, mine, group=self.cpu_group)
-        return hashlib.sha256(",".join(str(int(t)) for t in every).encode()).hexdigest()[:16]
+        every = self.coll.gather([int(local[:15], 16)], 1)
+        return hashlib.sha256(",".join(str(row[0]) for row in every).encode()).hexdigest()[:16]
 
     def _initial_pec_state(self) -> PecState:
-        n = self.tokens.num_experts or 1
+        n = self.adapter.num_experts or 1
         snap_k = min(self.config.snapshot_k or n, n)
         persist_k = min(self.config.persist_k or snap_k, snap_k)
         if self.config.snapshot_k and self.config.snapshot_k > n:
@@ -131,8 +106,14 @@ class Engine:
                           f"layer; saving all of them", stacklevel=3)
         return PecState(Level(snap_k), Level(persist_k))
 
+    def _hello(self) -> Hello:
+        return Hello(self.rank, JobInfo(
+            job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root,
+            local_world_size=self.local_world_size, node_rank=self.node_rank, num_nodes=self.num_nodes,
+            topology=self.adapter.topology, keep=self.config.keep))
+
     def _start_memory_tier(self) -> None:
-        entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.slices])
+        entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slices])
         error = None
         try:
             check_socket_path(self.node_dir)
@@ -140,17 +121,12 @@ class Engine:
             if torch.cuda.is_available():
                 self._pin_slots()
             ensure_agent(self.node_dir, self.node_rank, self.config.agent_idle_timeout, self.config.keep_shm)
-            self.agent.connect()
+            self.agent.connect(self._hello())
         except SlotSpaceError as exc:
             error = str(exc)
         except AgentUnavailable as exc:
             error = f"megatron-pec: {exc}"
-        self.raise_if_any_rank(error)
-        index = read_index(self.node_dir).get(str(self.rank), {})
-        for slot, record in index.items():
-            self.ring.iteration[int(slot)] = record["iteration"]
-        if any(i >= 0 for i in self.ring.iteration):
-            self.ring.latest = max(range(len(self.ring.iteration)), key=lambda s: self.ring.iteration[s])
+        self.coll.raise_if_any(error)
 
     def _pin_slots(self) -> None:
         """Page-lock the slot mappings so device-to-host copies run asynchronously at full speed."""
@@ -159,38 +135,31 @@ class Engine:
             ptr = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
             cudart.cudaHostRegister(ptr, len(m), 0)
 
-    def raise_if_any_rank(self, error: str | None) -> None:
-        """Every rank raises (the same way) if any rank failed - no rank is left hanging."""
-        if not self.everyone(error is None):
-            raise CheckpointError(error or "megatron-pec: another rank failed; see its log for the reason")
+    def _begin(self, resumed_from: int | None) -> None:
+        """Start this process's next timeline (after every restore, or from scratch): snapshots of
+        other timelines after ``resumed_from`` are abandoned - never restored, overwritten first."""
+        self.run, self.resumed_from = uuid.uuid4().hex[:16], resumed_from
+        self._tell_timeline()
 
-    def everyone(self, ok: bool) -> bool:
-        """True on every rank iff ``ok`` on every rank (one tiny all-reduce)."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
-        return bool(flag.item())
-
-    def _agree_and_count(self, ok: bool) -> tuple[bool, dict[ExpertId, int]]:
-        """The one collective of a save: a single small all-reduce over all ranks that sums the
-        token counts since the last save and the number of ranks that cannot snapshot (so all
-        ranks snapshot, or none). Returns (every rank can snapshot, cumulative token counts)."""
-        n, width = len(self.all_experts), self.tokens.num_experts
-        values = [0] * (n + 1)
-        for row, offset in zip(self.tokens.take(), self.token_offsets):
-            values[offset:offset + width] = row
-        values[n] = 0 if ok else 1
-        vector = torch.tensor(values, dtype=torch.int64)
-        torch.distributed.all_reduce(vector, group=self.cpu_group)
-        totals = vector.tolist()
-        rows = [[c // self.token_replicas for c in totals[offset:offset + width]] for offset in self.token_offsets]
-        return totals[n] == 0, self.tokens.fold(rows)
+    def _tell_timeline(self, timeout: float = 300.0) -> None:
+        """Tell the agent which timeline this process writes and take the slots it grants (again
+        after a reconnect: repeating it changes nothing on the agent's side)."""
+        if not self.agent.connected:
+            return
+        self.grants.revoke_all()
+        answer, others = self.agent.request(Begin(self.run, self.resumed_from), Begun, timeout)
+        self._handle(others)
+        if answer is not None:
+            self.grants.add(answer.grants)
 
     # ---- save ----------------------------------------------------------------------------------
-    def save(self, iteration: int, optimizer, scheduler, flops: float, persistent: bool) -> None:
+    def save(self, iteration: int, scheduler, flops: float, persistent: bool) -> None:
         if not self.config.save:
             raise CheckpointError("megatron-pec: save_checkpoint was called but --save is not set")
         self.finish_snapshot()
         self._collect_releases()
+        if self.run is None:
+            self._begin(None)  # no load_checkpoint before: this run starts from scratch
         slot, why = None, None
         if not self.agent.connected and not self._reconnect():
             why = "the node agent is not running"
@@ -199,55 +168,58 @@ class Engine:
         # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere.
         everyone_can, cumulative = self._agree_and_count(why is None)
         if not everyone_can:
+            if slot is not None:
+                self.grants.add([slot])  # unused: still ours
             self._skip(iteration, why or "another rank cannot snapshot (see its warning)")
             return
         snapshot_set, persist_set = self._plan(persistent, cumulative)
-        if self.live is None:
-            self.live = collect.live_views(self.slices, optimizer)
+        live = self.adapter.live_views()
         faults.point("snapshot_begin", iteration=iteration)
         self.files.invalidate(slot)
-        written = {NON_EXPERT} | {item_name(e) for e in snapshot_set}
-        done = self._copy(slot, written, iteration)
+        written = {NON_EXPERT} | {self.held_names[e] for e in snapshot_set if e in self.held_names}
+        done = self._copy(slot, live, written, iteration)
         faults.point("snapshot_end", iteration=iteration)
         self.pec.snapshot.record(snapshot_set, iteration, cumulative)
         if persistent:
             self.pec.persist.record(persist_set, iteration, cumulative)
-        small = collect.small_state(optimizer, scheduler, self.args, iteration, flops)
-        base = self.ring.filled(slot, iteration)
-        message = {
-            "type": "snapshot", "rank": self.rank, "slot": slot, "iteration": iteration, "persist": persistent,
-            "persist_items": sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None,
-            "save": os.path.abspath(self.config.save), "local_world_size": self.local_world_size,
-            "node_rank": self.node_rank, "num_nodes": self.num_nodes, "job_id": self.config.job_id,
-            "fingerprint": self.fingerprint, "topology": self.topology, "keep": self.config.keep,
-            "carry": self._carry(base, written),
-        }
-        self.pending = (slot, iteration, self._metadata(iteration, written, small, cumulative), message, done)
+        header = SlotHeader(
+            job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root, rank=self.rank,
+            world_size=self.world_size, iteration=iteration, items=dict.fromkeys(sorted(written), iteration),
+            tokens=cumulative_to_items(cumulative), small=smallstate.dumps(self.adapter.small_state(
+                scheduler, iteration, flops)), pec=self.pec.dumps(), run=self.run)
+        persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
+        self.pending = (slot, header, SnapshotReady(slot, iteration, persistent, persist_items), done)
         if not self.deferred:
             self.finish_snapshot()
 
-    def _carry(self, base: int | None, written: set[str]) -> dict | None:
-        """What the agent copies into the new slot from the previous snapshot, so node memory keeps
-        every expert's latest version, not only the last K: each expert this save did not write,
-        at the version PEC recorded for it (a base holding any other version is not used)."""
-        if base is None:
-            return None
-        saved_at = self.pec.snapshot.saved_at
-        expected = {name: saved_at[x] for x, name in self.held_names.items() if name not in written and x in saved_at}
-        return {"slot": base, "iteration": self.ring.iteration[base], "items": expected} if expected else None
+    def _agree_and_count(self, ok: bool) -> tuple[bool, dict[ExpertId, int]]:
+        """The one collective of a save: a single small all-reduce over all ranks that sums the
+        token counts since the last save and the number of ranks that cannot snapshot (so all
+        ranks snapshot, or none). Returns (every rank can snapshot, cumulative token counts)."""
+        n, width = len(self.all_experts), self.adapter.num_experts
+        values = [0] * (n + 1)
+        for row, offset in zip(self.adapter.tokens.take(), self.token_offsets):
+            values[offset:offset + width] = row
+        values[n] = 0 if ok else 1
+        totals = self.coll.reduce(values, "sum")
+        for offset, layer in zip(self.token_offsets, self.adapter.moe_layers):
+            for e in range(width):
+                self.cumulative[ExpertId(layer, e)] += totals[offset + e] // self.adapter.token_replicas
+        return totals[n] == 0, self.cumulative
 
-    def _copy(self, slot: int, written: set[str], iteration: int):
+    def _copy(self, slot: int, live: dict, written: set[str], iteration: int):
         """Copy the written items' slices into the slot; returns the CUDA event marking the end
         (None on CPU, where the copy is a synchronous memcpy)."""
         views = self.files.views[slot]
-        halfway = len(self.slices) // 2
+        slices = self.adapter.slices
+        halfway = len(slices) // 2
         stream = self.copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the optimizer step that produced the state
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for i, s in enumerate(self.slices):
+            for i, s in enumerate(slices):
                 if s.item in written:
-                    views[s.name].copy_(self.live[s.name], non_blocking=True)
+                    views[s.name].copy_(live[s.name], non_blocking=True)
                 if i == halfway:
                     faults.point("snapshot_mid", iteration=iteration)
         if stream is None:
@@ -257,21 +229,21 @@ class Engine:
         return event
 
     def finish_snapshot(self) -> None:
-        """Complete the pending snapshot: wait for its copies, write its header, tell the agent.
+        """Complete the pending snapshot: wait for its copies, write its header, hand it to the agent.
 
         On GPU this runs just before the next optimizer step mutates the state (a step
         pre-hook), so the device-to-host copies overlap the next forward/backward.
         """
         if self.pending is None:
             return
-        slot, iteration, metadata, message, done = self.pending
+        slot, header, announcement, done = self.pending
         self.pending = None
         if done is not None:
             done.synchronize()
-        self.files.write_header(slot, metadata)
-        if not self.agent.send(message):
-            self.ring.agent_lost()
-            self._skip(iteration, "the node agent died")
+        self.files.write_header(slot, header.to_metadata())
+        if not self.agent.send(announcement):
+            self.grants.revoke_all()
+            self._skip(header.iteration, "the node agent died")
             return
         self.stats["saves"] += 1
 
@@ -283,87 +255,96 @@ class Engine:
             budget = int(self.config.budget_mb * 2**20)
         return self.pec.plan(self.config.selection, self.expert_layout, cumulative, persistent, budget)
 
-    def _metadata(self, iteration: int, written: set[str], small: dict, cumulative) -> dict[str, str]:
-        return {
-            "format": FORMAT, "state": "complete", "job_id": self.config.job_id, "fingerprint": self.fingerprint,
-            "rank": str(self.rank), "world_size": str(self.world_size), "iteration": str(iteration),
-            "save": os.path.abspath(self.config.save),
-            "items": json.dumps({i: iteration for i in sorted(written)}),
-            "small": smallstate.dumps(small), "pec": self.pec.dumps(), "tokens": cumulative_to_json(cumulative),
-        }
-
     def _free_slot(self) -> int | None:
-        slot = self.ring.choose()
+        slot = self.grants.take()
         while slot is None and self.config.wait_for_slot and self.agent.connected:
             self._collect_releases(block_s=1.0)
-            slot = self.ring.choose()
+            slot = self.grants.take()
         return slot
 
     def _collect_releases(self, block_s: float = 0.0) -> None:
         self._handle(self.agent.poll(block_s))
 
-    def _handle(self, messages: list[dict]) -> None:
+    def _handle(self, messages: list[Record]) -> None:
         for msg in messages:
-            if msg.get("type") != "released":
+            if not isinstance(msg, Released):
                 continue
-            self.ring.released(msg["slot"])
-            if "error" in msg:
+            self.grants.add(msg.grants)
+            if msg.error is not None:
                 self.stats["persist_errors"] += 1
-                print(f"megatron-pec: WARNING rank {self.rank}: snapshot of iteration {msg['iteration']} was not "
-                      f"persisted: {msg['error']}; training continues and the next save tries again",
+                print(f"megatron-pec: WARNING rank {self.rank}: snapshot of iteration {msg.iteration} was not "
+                      f"persisted: {msg.error}; training continues and the next save tries again",
                       file=sys.stderr, flush=True)
         if not self.agent.connected:
-            self.ring.agent_lost()
+            self.grants.revoke_all()
 
     def _reconnect(self) -> bool:
         try:
             ensure_agent(self.node_dir, self.node_rank, self.config.agent_idle_timeout, self.config.keep_shm,
                          timeout=10.0)
-            self.agent.connect(timeout=5.0)
-            print(f"megatron-pec: rank {self.rank} connected to a new node agent (pid {self.agent.pid})",
-                  file=sys.stderr, flush=True)
-            return True
+            self.agent.connect(self._hello(), timeout=5.0)
         except AgentUnavailable:
             return False
+        print(f"megatron-pec: rank {self.rank} connected to a new node agent (pid {self.agent.pid})",
+              file=sys.stderr, flush=True)
+        if self.run is not None:
+            self._tell_timeline(timeout=30.0)  # same timeline, new agent
+        return True
 
     def _skip(self, iteration: int, why: str) -> None:
         self.stats["skipped"] += 1
         print(f"megatron-pec: WARNING rank {self.rank}: skipped the snapshot of iteration {iteration}: {why}",
               file=sys.stderr, flush=True)
 
-    def agent_flush(self, timeout: float = 300.0) -> None:
-        """Wait for the agent to finish what was announced (by earlier trainers too), so restore sees it."""
-        self.finish_snapshot()
-        if not self.agent.send({"type": "flush"}):
-            return
-        deadline = time.monotonic() + timeout
-        while self.agent.connected and time.monotonic() < deadline:
-            messages = self.agent.poll(block_s=0.5)
-            self._handle(messages)
-            if any(m.get("type") == "flushed" for m in messages):
-                return
-
-    def after_restore(self, target: int) -> None:
-        """Slots newer than the restore point belong to an abandoned timeline: reuse them first.
-        Flags win over the restored K unless Dynamic-K owns it."""
-        self.ring.forget_after(target)
-        if not self.config.dynamic_k:
-            fresh = self._initial_pec_state()
-            self.pec.snapshot.k, self.pec.persist.k = fresh.snapshot.k, fresh.persist.k
-
     def flush(self, timeout: float = 300.0) -> None:
-        """Wait until the agent has released every slot (all announced persists finished)."""
+        """Wait for the agent to finish everything announced so far (by earlier trainers too):
+        persisted, committed, carried and recorded."""
         self.finish_snapshot()
-        deadline = time.monotonic() + timeout
-        while any(self.ring.held) and self.agent.connected and time.monotonic() < deadline:
-            self._collect_releases(block_s=0.5)
+        _, others = self.agent.request(Flush(), Flushed, timeout)
+        self._handle(others)
+
+    # ---- load ----------------------------------------------------------------------------------
+    def load(self, root: str, scheduler) -> tuple[int, float]:
+        """Restore the newest state every rank can restore from ``root`` (collective); returns
+        ``(iteration, flops)``, ``(0, 0)`` when there is none. Starts this process's timeline."""
+        self.flush()
+        result = Loader(self._load_context(), root).load()
+        if result is None:
+            self._begin(None)
+            return 0, 0
+        return self._apply(result, scheduler)
+
+    def _load_context(self) -> LoadContext:
+        return LoadContext(
+            rank=self.rank, node_dir=self.node_dir, job_id=self.config.job_id, fingerprint=self.fingerprint,
+            topology=self.adapter.topology, config=self.config,
+            slice_items={s.name: s.item for s in self.adapter.slices},
+            experts_held=tuple(self.adapter.experts_held), all_experts=tuple(self.all_experts),
+            num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll)
+
+    def _apply(self, result: RestoreResult, scheduler) -> tuple[int, float]:
+        """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state."""
+        config = self.config
+        load_optim = not (config.no_load_optim or config.finetune)
+        self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
+                             load_rng=not (config.no_load_rng or config.finetune), finetune=config.finetune)
+        if result.pec is not None:
+            self.pec = result.pec
+            self.cumulative.update(result.tokens_at_target)
+            if not config.dynamic_k:  # flags win over the restored K unless Dynamic-K owns it
+                fresh = self._initial_pec_state()
+                self.pec.set_k(fresh.snapshot.k, fresh.persist.k)
+        for line in result.log_lines(self.rank):
+            say(line)
+        iteration = 0 if config.finetune else result.iteration
+        self._begin(iteration)
+        return iteration, result.small["num_floating_point_operations_so_far"]
 
     def close(self, detach: bool = True) -> None:
         """detach=False (the trainer is crashing): leave at once without a clean detach, so the
         agent keeps the node memory for the restart."""
-        self.tokens.remove()
+        self.adapter.close()
         if self.agent.connected:
             if detach:
                 self.flush()
             self.agent.close(detach=detach)
-

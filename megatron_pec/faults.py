@@ -17,8 +17,8 @@ all processes that share ``DIR`` (a marker file per point, created with O_EXCL):
 a node agent restarted after an injected kill inherits the trainer's
 environment and would otherwise fire the same fault again.
 
-``python -m megatron_pec.faults campaign --runs N`` runs the random fault
-campaign (``megatron_pec.testing.campaign``, imported only then).
+The random fault campaign that drives these points lives with the test tooling:
+``python -m megatron_pec.testing.campaign --runs N``.
 """
 
 from __future__ import annotations
@@ -81,10 +81,3 @@ def point(name: str, **context) -> None:
     code = errno.ENOSPC if action == "enospc" else errno.EIO
     raise OSError(code, f"injected {action.upper()} at {name}", context.get("path"))
 
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["campaign"]:
-        raise SystemExit("usage: python -m megatron_pec.faults campaign --runs N [--seed S] [--out FILE]")
-    from megatron_pec.testing.campaign import main
-
-    sys.exit(main(sys.argv[2:]))

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 
 from megatron_pec import manifest
-from megatron_pec.agent.persist import item_checksums
-from megatron_pec.stformat import FormatError, decode_header
-from megatron_pec.storage import PosixStorage, crc32_of
+from megatron_pec.protocol import ProtocolError, SlotHeader
+from megatron_pec.sources import SourceError, read_rank_file
+from megatron_pec.stformat import FormatError, read_header
+from megatron_pec.storage import PosixStorage
 
 
-def _read_metadata(path: str) -> dict[str, str]:
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-        body = prefix + f.read(min(size, 64 << 20))
-    return decode_header(body).metadata
+def _read_header(path: str, storage: PosixStorage) -> SlotHeader:
+    _, layout = read_header(lambda offset, n: storage.read_range(path, offset, n), storage.size(path))
+    return SlotHeader.from_metadata(layout.metadata)
 
 
 def inspect(root: str, storage=PosixStorage()) -> dict:
@@ -33,17 +30,17 @@ def inspect(root: str, storage=PosixStorage()) -> dict:
         entry = {"iteration": i, "committed": i in committed}
         if i in committed:
             m = manifest.read_manifest(root, i, storage)
-            entry.update(topology=m["topology"], world_size=m["world_size"], num_nodes=m["num_nodes"],
-                         bytes_per_rank={r: e["size"] for r, e in sorted(m["ranks"].items(), key=lambda t: int(t[0]))},
-                         experts_saved=sorted({x for e in m["ranks"].values() for x in e["items"] if x != "dense"}),
-                         expert_versions=m["experts"], referenced_iterations=sorted(int(k) for k in m["sources"]))
-            first = os.path.join(root, m["ranks"][min(m["ranks"], key=int)]["file"])
+            entry.update(topology=m.topology, world_size=m.world_size, num_nodes=m.num_nodes,
+                         bytes_per_rank={r: e.size for r, e in sorted(m.ranks.items(), key=lambda t: int(t[0]))},
+                         experts_saved=sorted({x for e in m.ranks.values() for x in e.items if x != "dense"}),
+                         expert_versions=m.experts, referenced_iterations=sorted(int(k) for k in m.sources))
+            first = os.path.join(root, m.ranks[min(m.ranks, key=int)].file)
             try:
-                pec = json.loads(_read_metadata(first).get("pec", "{}"))
+                pec = json.loads(_read_header(first, storage).pec)
                 entry.update(plt=pec.get("plt"), lost_tokens=pec.get("lost_tokens"),
                              snapshot_k=pec.get("snapshot", {}).get("k"), persist_k=pec.get("persist", {}).get("k"),
                              recoveries=pec.get("recoveries"))
-            except (OSError, FormatError, ValueError) as exc:
+            except (OSError, FormatError, ProtocolError, ValueError) as exc:
                 entry["error"] = f"cannot read {first}: {exc}"
         else:
             entry["files"] = storage.listdir(manifest.pec_dir(root, i))
@@ -89,30 +86,14 @@ def verify(root: str, iteration: int | None = None, storage=PosixStorage()) -> l
         except manifest.ManifestError as exc:
             problems.append(str(exc))
             continue
-        files = [(i, e) for e in m["ranks"].values()]
-        files += [(int(v), e) for v, ranks in m["sources"].items() for e in ranks.values()]
+        files = [(i, e) for e in m.ranks.values()]
+        files += [(int(v), e) for v, ranks in m.sources.items() for e in ranks.values()]
         for version, entry in files:
-            problems += _check_file(root, entry, f"iteration {i} (file of {version})", storage)
+            path = os.path.join(root, entry.file)
+            try:
+                read_rank_file(path, entry, storage, deep=True)
+            except SourceError as exc:
+                problems.append(f"iteration {i} (file of {version}): {exc}")
+            except OSError as exc:
+                problems.append(f"iteration {i} (file of {version}): {path}: {exc.strerror or exc}")
     return problems
-
-
-def _check_file(root: str, entry: dict, context: str, storage) -> list[str]:
-    path = os.path.join(root, entry["file"])
-    try:
-        data = storage.read_into(path)
-    except OSError as exc:
-        return [f"{context}: {path}: {exc.strerror or exc}"]
-    if len(data) != entry["size"]:
-        return [f"{context}: {path} is {len(data)} bytes, expected {entry['size']}"]
-    crc = crc32_of(data)
-    if crc != entry["crc32"]:
-        return [f"{context}: {path} crc32 {crc:08x} != recorded {entry['crc32']:08x} (corrupt)"]
-    if "item_crc32" in entry:  # the checksums a partial restore relies on must agree with the bytes
-        try:
-            header = decode_header(memoryview(data)[: min(len(data), 64 << 20)], file_len=len(data))
-        except FormatError as exc:
-            return [f"{context}: {path}: {exc}"]
-        if zlib.crc32(memoryview(data)[:header.data_start]) != entry["header_crc32"] or \
-                item_checksums(data, header, set(entry["item_crc32"])) != entry["item_crc32"]:
-            return [f"{context}: {path} header or per-expert checksums differ from the recorded ones (corrupt)"]
-    return []

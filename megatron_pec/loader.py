@@ -1,29 +1,34 @@
-"""Phases 7-9 of a load: agree on the iteration, pick sources, restore, account PLT.
+"""Phases 7-8 of a load and the decision of phase 9: agree on the iteration, pick and read sources,
+account PLT - and return what to restore. The engine applies it (``Engine.load``).
 
 Runs on every rank (collective). Communication is limited to a few small
-all-gathers/all-reduces on CPU tensors plus the DDP parameter all-gather:
-every rank reads its own shard back, no scatter.
+all-gathers/all-reduces (``Collectives``): every rank reads its own shard back,
+no scatter. Nothing here knows Megatron or writes another object's state.
 
 7. agree    the newest iteration every rank can restore (memory or storage); if a
             rank then finds its copy corrupt, all ranks drop it and try the next.
 8. source   non-expert state from the agreed iteration T; each expert from the newest
-            version <= T that every rank holding a shard of it can read.
-9. restore  optimizer shards, model params, RNG, scheduler, args; PLT logged.
+            version <= T that every rank holding a shard of it can read; every item
+            read and verified against its checksum.
+9. decide   the tensors per slice, the small state, the PEC state with this restore's
+            PLT folded in (Dynamic-K applied): a ``RestoreResult``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
-import torch
-
-from megatron_pec import plt, smallstate
+from megatron_pec import plt
+from megatron_pec.agent.memory import JobKey
+from megatron_pec.collectives import Collectives
+from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
-from megatron_pec.items import NON_EXPERT, item_name
-from megatron_pec.megatron import collect, restore
-from megatron_pec.pec_state import PecState, cumulative_from_json
-from megatron_pec.sources import (Source, SourceError, expert_source_for, memory_sources, storage_sources)
+from megatron_pec.items import NON_EXPERT, ExpertId, item_name
+from megatron_pec.pec_state import PecState, cumulative_from_items
+from megatron_pec.smallstate import loads as load_small_state
+from megatron_pec.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
 from megatron_pec.storage import PosixStorage
 
 MAX_CANDIDATES = 32
@@ -34,23 +39,65 @@ def say(message: str) -> None:
     print(message, file=sys.stderr if message.startswith("megatron-pec: WARNING") else sys.stdout, flush=True)
 
 
+@dataclass(frozen=True)
+class LoadContext:
+    """What a load needs to know about this rank and job (built by the engine, read-only here)."""
+
+    rank: int
+    node_dir: str
+    job_id: str
+    fingerprint: str
+    topology: dict
+    config: PecConfig
+    slice_items: dict[str, str]         # slice name -> item it belongs to
+    experts_held: tuple[ExpertId, ...]  # experts this rank holds a shard of
+    all_experts: tuple[ExpertId, ...]   # every expert of the model: the index space of the vectors below
+    num_experts: int                    # per MoE layer (Dynamic-K's ceiling); 0 without MoE
+    collectives: Collectives
+
+
+@dataclass
+class RestoreResult:
+    """What the loader decided: iteration ``iteration`` of ``source`` with these item versions."""
+
+    iteration: int
+    source: str                             # where the non-expert state comes from: memory or storage
+    versions: dict[str, int]                # item -> version restored (this rank's items)
+    tensors: dict                           # slice name -> tensor (verified bytes, read-only views)
+    small: dict                             # optimizer param_groups, scheduler, RNG, args (smallstate)
+    pec: PecState | None                    # with this restore's PLT folded in; None without MoE
+    tokens_at_target: dict[ExpertId, int]   # cumulative token counts at the iteration, this stage's experts
+    report: plt.PltReport | None
+
+    def log_lines(self, rank: int) -> list[str]:
+        line = f"megatron-pec: rank {rank}: restored iteration {self.iteration} from {self.source}"
+        older = {i: v for i, v in self.versions.items() if i != NON_EXPERT and v < self.iteration}
+        if older:
+            line += "; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
+        lines = [line]
+        if self.report is not None and rank == 0:
+            lines += [f"megatron-pec: {text}" for text in self.report.format_lines()]
+        return lines
+
+
 class Loader:
-    def __init__(self, engine, root: str):
-        self.e, self.root = engine, os.path.abspath(root)
+    def __init__(self, ctx: LoadContext, root: str):
+        self.ctx, self.root = ctx, os.path.abspath(root)
         self.storage = PosixStorage()
-        self.rank = engine.rank
+        self.rank = ctx.rank
+        self.coll = ctx.collectives
 
     # ---- 7. agree ------------------------------------------------------------------------------
-    def load(self, model, optimizer, scheduler) -> tuple[int, float]:
-        e = self.e
+    def load(self) -> RestoreResult | None:
+        """The restore every rank agreed on, read and verified; None when there is nothing to restore."""
+        ctx = self.ctx
         error, memory, stored, manifests = None, [], {}, {}
         try:
-            e.agent_flush()
-            memory = memory_sources(e.node_dir, self.rank, e.config.job_id, e.fingerprint, self.root)
-            stored, manifests = storage_sources(self.root, self.rank, e.fingerprint, e.topology, self.storage)
+            memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root))
+            stored, manifests = storage_sources(self.root, self.rank, ctx.fingerprint, ctx.topology, self.storage)
         except SourceError as exc:
             error = f"megatron-pec: {exc}"
-        e.raise_if_any_rank(error)
+        self.coll.raise_if_any(error)
         self._warn_stale_tracker(manifests)
         excluded: set[int] = set()
         while True:
@@ -61,20 +108,20 @@ class Loader:
                                           f"rejecting iterations {sorted(excluded)}; see the messages above")
                 if self.rank == 0:
                     say(f"megatron-pec: no checkpoint found under {self.root}; training from scratch")
-                return 0, 0
+                return None
             plan, error = self._plan(target, memory, stored, manifests)
-            if not self.e.everyone(error is None):
+            if not self.coll.all_ok(error is None):
                 say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
                     f"{error or 'another rank cannot'}; falling back to an older checkpoint")
                 excluded.add(target)
                 continue
             self._retire_newer(target)
-            return self._restore(target, plan, model, optimizer, scheduler)
+            return self._decide(target, plan)
 
     def _retire_newer(self, target: int) -> None:
         """Rank 0: de-commit what an abandoned run left after ``target`` in the --save directory
         (see ``manifest.retire_after``). Every later save needs rank 0, so this precedes them all."""
-        config = self.e.config
+        config = self.ctx.config
         if self.rank != 0 or config.finetune or not config.save or os.path.abspath(config.save) != self.root:
             return
         from megatron_pec.manifest import retire_after
@@ -100,11 +147,8 @@ class Loader:
 
     def _agree(self, mine: set[int], excluded: set[int]) -> int | None:
         mine = sorted((i for i in mine if i not in excluded), reverse=True)[:MAX_CANDIDATES]
-        t = torch.full((MAX_CANDIDATES,), -1, dtype=torch.int64)
-        t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        gathered = [torch.empty_like(t) for _ in range(self.e.world_size)]
-        torch.distributed.all_gather(gathered, t, group=self.e.cpu_group)
-        common = set.intersection(*({int(x) for x in g if x >= 0} for g in gathered))
+        every = self.coll.gather(mine, MAX_CANDIDATES)
+        common = set.intersection(*({x for x in row if x >= 0} for row in every))
         return max(common) if common else None
 
     # ---- 8. source -----------------------------------------------------------------------------
@@ -113,12 +157,12 @@ class Loader:
         dense, error = self._dense_source(target, memory, stored)
         persisted = max((i for i in manifests if i <= target), default=None)
         manifest_t = manifests.get(persisted)
-        held = [item_name(x) for x in self.e.experts_held]
+        held = [item_name(x) for x in self.ctx.experts_held]
         best = {}
         for item in held:
             versions = [s.items[item] for s in memory if item in s.items and s.iteration <= target]
-            if manifest_t is not None and item in manifest_t["experts"]:
-                versions.append(manifest_t["experts"][item])
+            if manifest_t is not None and item in manifest_t.experts:
+                versions.append(manifest_t.experts[item])
             best[item] = max(versions, default=None)
         agreed = self._agree_versions(best)
         plan = {NON_EXPERT: dense}
@@ -132,7 +176,7 @@ class Loader:
         retry = self._agree_flags([fallback[i] for i in held])
         for item, redo in zip(held, retry):
             if redo:
-                version = manifest_t["experts"].get(item) if manifest_t else None
+                version = manifest_t.experts.get(item) if manifest_t else None
                 plan[item] = expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t) \
                     if version is not None else None
         reads: dict[int, tuple[Source, set[str]]] = {}  # each source opened once, for just its items
@@ -161,117 +205,71 @@ class Loader:
                 say(f"megatron-pec: WARNING rank {self.rank}: {exc}")
         return None, "; ".join(problems) or f"iteration {target} is not available to rank {self.rank}"
 
+    def _expert_vector(self, values: dict[str, int], absent: int) -> list[int]:
+        """One int per expert of the model (``absent`` where this rank has no value)."""
+        return [values.get(item_name(x), absent) for x in self.ctx.all_experts]
+
     def _agree_versions(self, best: dict[str, int | None]) -> dict[str, int | None]:
         """Per expert, the newest version every rank holding it can restore (MIN over ranks)."""
-        names = [item_name(x) for x in self.e.all_experts]
-        if not names:
-            return {}
-        t = torch.full((len(names),), NONE, dtype=torch.int64)
-        for i, name in enumerate(names):
-            if best.get(name) is not None:
-                t[i] = best[name]
-            elif name in best:
-                t[i] = -1
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.e.cpu_group)
-        return {n: (int(v) if 0 <= v < NONE else None) for n, v in zip(names, t.tolist()) if n in best}
+        mine = {item: (-1 if version is None else version) for item, version in best.items()}
+        agreed = self.coll.reduce(self._expert_vector(mine, NONE), "min")
+        names = [item_name(x) for x in self.ctx.all_experts]
+        return {n: (v if 0 <= v < NONE else None) for n, v in zip(names, agreed) if n in best}
 
     def _agree_flags(self, flags: list[bool]) -> list[bool]:
-        names = [item_name(x) for x in self.e.all_experts]
-        if not names:
-            return []
-        held = [item_name(x) for x in self.e.experts_held]
-        t = torch.zeros(len(names), dtype=torch.int64)
-        position = {n: i for i, n in enumerate(names)}
-        for name, flag in zip(held, flags):
-            t[position[name]] = int(flag)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.e.cpu_group)
-        return [bool(t[position[n]]) for n in held]
+        held = [item_name(x) for x in self.ctx.experts_held]
+        merged = self.coll.reduce(self._expert_vector(dict(zip(held, map(int, flags))), 0), "max")
+        position = {item_name(x): i for i, x in enumerate(self.ctx.all_experts)}
+        return [bool(merged[position[n]]) for n in held]
 
-    # ---- 9. restore ----------------------------------------------------------------------------
-    def _restore(self, target: int, plan: dict[str, Source], model, optimizer, scheduler) -> tuple[int, float]:
-        e, config = self.e, self.e.config
+    # ---- 9. decide -----------------------------------------------------------------------------
+    def _decide(self, target: int, plan: dict[str, Source]) -> RestoreResult:
         dense = plan[NON_EXPERT]
-        small = smallstate.loads(dense.metadata["small"])
-        load_optim = not (config.no_load_optim or config.finetune)
-        if load_optim:
-            restore.restore_optimizer(optimizer, small["optimizer"])
-        # load_state_dict replaced Adam's tensors: bind fresh views (without the optimizer, only params).
-        targets = collect.live_views(e.slices, optimizer) if load_optim else self._param_views(optimizer)
-        e.live = targets if load_optim else None  # re-bound at the first save once Adam has state
         by_source: dict[int, tuple[Source, set[str]]] = {}
-        for s in e.slices:
-            if s.name in targets:
-                source = plan[s.item]
-                by_source.setdefault(id(source), (source, set()))[1].add(s.name)
+        for name, item in self.ctx.slice_items.items():
+            by_source.setdefault(id(plan[item]), (plan[item], set()))[1].add(name)
+        tensors = {}
         for source, names in by_source.values():
-            restore.copy_slices(targets, source.tensors(names))
-        restore.sync_model_params(model, optimizer)
-        if scheduler is not None and load_optim and small["scheduler"] is not None:
-            restore.restore_scheduler(scheduler, small["scheduler"])
-        if not (config.no_load_rng or config.finetune):
-            restore.restore_rng(small["rng"])
-        restore.restore_args(e.args, small, config.finetune)
-        report = self._account(target, plan, dense)
-        where = dense.kind
-        older = {i: s.items[i] for i, s in plan.items() if i != NON_EXPERT and s.items[i] < target}
-        line = f"megatron-pec: rank {self.rank}: restored iteration {target} from {where}"
-        if older:
-            line += "; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
-        say(line)
-        if report is not None and self.rank == 0:
-            for text in report.format_lines():
-                say(f"megatron-pec: {text}")
-        e.after_restore(target)
-        iteration = 0 if config.finetune else target
-        return iteration, small["num_floating_point_operations_so_far"]
+            tensors.update(source.tensors(names))
+        versions = {item: source.items[item] for item, source in plan.items()}
+        tokens_at_target = cumulative_from_items(dense.header.tokens)
+        pec, report = self._account(target, plan, dense, tokens_at_target)
+        return RestoreResult(target, dense.kind, versions, tensors, load_small_state(dense.header.small), pec,
+                             tokens_at_target, report)
 
-    def _param_views(self, optimizer):
-        """--no-load-optim: restore only the main params (the model weights)."""
-        optimizers = collect.distributed_optimizers(optimizer)
-        views = {}
-        for s in self.e.slices:
-            oi, gi, dtype, bi, ei, kind, offset = s.locator
-            if kind == "param":
-                model_param = list(optimizers[oi].gbuf_ranges[gi][dtype][bi]["param_map"])[ei]
-                views[s.name] = collect.main_param(optimizers[oi], model_param).view(-1)[offset: offset + s.numel]
-        return views
-
-    def _account(self, target: int, plan: dict[str, Source], dense: Source) -> plt.PltReport | None:
+    def _account(self, target: int, plan: dict[str, Source], dense: Source,
+                 at_target_local: dict[ExpertId, int]) -> tuple[PecState | None, plt.PltReport | None]:
         """PLT of this restore over every expert of the model (identical on every rank), folded
         into the PEC state. Each rank knows the versions and token counts of the experts it
-        holds; one MAX all-reduce per vector completes them (each expert is held somewhere)."""
-        e = self.e
-        experts = e.all_experts
+        holds; one MAX all-reduce completes them (each expert is held somewhere)."""
+        experts = self.ctx.all_experts
         if not experts:
-            return None
-        at_target_local = cumulative_from_json(dense.metadata["tokens"])
-        vectors = torch.full((3, len(experts)), -1, dtype=torch.int64)  # version, tokens at it, tokens at T
-        for i, x in enumerate(experts):
+            return None, None
+        version, at_version, at_target = {}, {}, {}
+        for x in experts:
             source = plan.get(item_name(x))
             if source is not None:
-                vectors[0, i] = source.items[item_name(x)]
-                vectors[1, i] = source.tokens_at_version(item_name(x))
+                version[item_name(x)] = source.items[item_name(x)]
+                at_version[item_name(x)] = source.tokens_at_version(item_name(x))
             if x in at_target_local:
-                vectors[2, i] = at_target_local[x]
-        torch.distributed.all_reduce(vectors, op=torch.distributed.ReduceOp.MAX, group=e.cpu_group)
-        version_of = {x: int(v) for x, v in zip(experts, vectors[0].tolist())}
-        at_version = {x: int(c) for x, c in zip(experts, vectors[1].tolist())}
-        at_target = {x: int(c) for x, c in zip(experts, vectors[2].tolist())}
-        report = plt.lost_tokens(at_target, at_version, version_of, target)
-        state = PecState.loads(dense.metadata["pec"])
-        state.lost_tokens, state.plt = plt.accumulate(state.lost_tokens, report)
-        state.recoveries += 1
-        for x in at_target_local:  # this stage's snapshot level now holds exactly what was restored
-            state.snapshot.saved_at[x], state.snapshot.tokens_at[x] = version_of[x], at_version[x]
-        if e.config.dynamic_k and e.expert_layout is not None:
-            k = plt.next_k(state.snapshot.k, state.plt, e.config.plt_threshold, e.expert_layout.num_experts)
+                at_target[item_name(x)] = at_target_local[x]
+        merged = self.coll.reduce(self._expert_vector(version, -1) + self._expert_vector(at_version, -1)
+                                  + self._expert_vector(at_target, -1), "max")
+        n = len(experts)
+        version_of = dict(zip(experts, merged[:n]))
+        tokens_at_version = dict(zip(experts, merged[n:2 * n]))
+        tokens_at_target = dict(zip(experts, merged[2 * n:]))
+        report = plt.lost_tokens(tokens_at_target, tokens_at_version, version_of, target)
+        state = PecState.loads(dense.header.pec)
+        state.recovered(report, version_of, tokens_at_version, set(at_target_local))
+        config = self.ctx.config
+        if config.dynamic_k and self.ctx.num_experts:
+            k = plt.next_k(state.snapshot.k, state.plt, config.plt_threshold, self.ctx.num_experts)
             if k != state.snapshot.k:
+                persist_k = min(k, 2 * state.persist.k)
                 if self.rank == 0:
-                    say(f"megatron-pec: accumulated PLT {state.plt:.2%} exceeds {e.config.plt_threshold:.2%}: "
+                    say(f"megatron-pec: accumulated PLT {state.plt:.2%} exceeds {config.plt_threshold:.2%}: "
                         f"Dynamic-K raises snapshot K {state.snapshot.k} -> {k}, persist K "
-                        f"{state.persist.k} -> {min(k, 2 * state.persist.k)}")
-                state.persist.k = min(k, 2 * state.persist.k)
-                state.snapshot.k = k
-        e.tokens.cumulative.update(at_target_local)
-        e.pec = state
-        return report
+                        f"{state.persist.k} -> {persist_k}")
+                state.set_k(k, persist_k)
+        return state, report

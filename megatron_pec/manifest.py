@@ -16,14 +16,14 @@ Layout under ``--save``::
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 
 from megatron_pec import faults
+from megatron_pec.items import NON_EXPERT
+from megatron_pec.protocol import Manifest, NodeMarker, ProtocolError, RankFile
 from megatron_pec.storage import PosixStorage
 
-FORMAT = "megatron-pec/1"
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _NODE_MARKER = re.compile(r"^node_\d{4}\.json$")
@@ -62,14 +62,13 @@ def iterations_on_disk(root: str, storage=PosixStorage()) -> list[int]:
     return sorted(int(m.group(1)) for name in storage.listdir(root) if (m := _ITER_DIR.match(name)))
 
 
-def read_json(path: str, storage=PosixStorage()) -> dict:
+def _read_record(path: str, record, storage):
     try:
-        data = json.loads(storage.read(path))
-    except (OSError, ValueError) as exc:
+        return record.loads(storage.read(path))
+    except OSError as exc:
         raise ManifestError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ManifestError(f"{path} is not a {FORMAT} file")
-    return data
+    except ProtocolError as exc:
+        raise ManifestError(f"{path}: {exc}") from None
 
 
 def committed_iterations(root: str, storage=PosixStorage()) -> list[int]:
@@ -77,10 +76,10 @@ def committed_iterations(root: str, storage=PosixStorage()) -> list[int]:
     return [i for i in reversed(iterations_on_disk(root, storage)) if storage.exists(manifest_path(root, i))]
 
 
-def read_manifest(root: str, iteration: int, storage=PosixStorage()) -> dict:
-    manifest = read_json(manifest_path(root, iteration), storage)
-    if manifest.get("iteration") != iteration:
-        raise ManifestError(f"{manifest_path(root, iteration)} names iteration {manifest.get('iteration')}")
+def read_manifest(root: str, iteration: int, storage=PosixStorage()) -> Manifest:
+    manifest = _read_record(manifest_path(root, iteration), Manifest, storage)
+    if manifest.iteration != iteration:
+        raise ManifestError(f"{manifest_path(root, iteration)} names iteration {manifest.iteration}")
     return manifest
 
 
@@ -91,9 +90,9 @@ def read_tracker(root: str, storage=PosixStorage()) -> str | None:
         return None
 
 
-def write_node_marker(root: str, iteration: int, node: int, marker: dict, storage=PosixStorage()) -> None:
-    faults.point("before_node_marker", iteration=iteration)
-    storage.write_text_atomic(node_marker(root, iteration, node), json.dumps({"format": FORMAT, **marker}, indent=1))
+def write_node_marker(root: str, marker: NodeMarker, storage=PosixStorage()) -> None:
+    faults.point("before_node_marker", iteration=marker.iteration)
+    storage.write_text_atomic(node_marker(root, marker.iteration, marker.node), marker.dumps())
 
 
 def try_commit(root: str, iteration: int, num_nodes: int, keep: int, storage=PosixStorage()) -> bool:
@@ -108,19 +107,17 @@ def try_commit(root: str, iteration: int, num_nodes: int, keep: int, storage=Pos
     with _lock(root):
         if storage.exists(manifest_path(root, iteration)):
             return True
-        nodes = [read_json(m, storage) for m in markers]
-        ranks: dict[str, dict] = {}
+        nodes = [_read_record(m, NodeMarker, storage) for m in markers]
+        ranks: dict[str, RankFile] = {}
         for node in nodes:
-            ranks.update(node["ranks"])
+            ranks.update(node.ranks)
+        experts, sources = _expert_versions(root, iteration, ranks, storage)
         first = nodes[0]
-        manifest = {
-            "format": FORMAT, "iteration": iteration, "job_id": first["job_id"],
-            "fingerprint": first["fingerprint"], "topology": first["topology"],
-            "num_nodes": num_nodes, "world_size": len(ranks), "ranks": ranks,
-        }
-        manifest["experts"], manifest["sources"] = _expert_versions(root, iteration, ranks, storage)
+        manifest = Manifest(iteration=iteration, job_id=first.job_id, fingerprint=first.fingerprint,
+                            topology=first.topology, num_nodes=num_nodes, world_size=len(ranks), ranks=ranks,
+                            experts=experts, sources=sources)
         faults.point("before_manifest", iteration=iteration)
-        storage.write_text_atomic(manifest_path(root, iteration), json.dumps(manifest, indent=1))
+        storage.write_text_atomic(manifest_path(root, iteration), manifest.dumps())
         faults.point("before_tracker", iteration=iteration)
         current = read_tracker(root, storage)
         if current is None or not current.isdigit() or int(current) < iteration:
@@ -167,21 +164,21 @@ def retire_after(root: str, iteration: int, storage=PosixStorage()) -> list[int]
     return retired
 
 
-def _expert_versions(root: str, iteration: int, ranks: dict, storage) -> tuple[dict, dict]:
+def _expert_versions(root: str, iteration: int, ranks: dict[str, RankFile], storage) -> tuple[dict, dict]:
     """Latest persisted version of every expert, merged from the previous committed manifest.
 
-    Returns (expert item -> iteration, iteration -> rank entries of older files still referenced).
+    Returns (expert item -> iteration, iteration -> rank files of older iterations still referenced).
     """
     older = [i for i in committed_iterations(root, storage) if i < iteration]
     experts, sources = {}, {}
     if older:
         previous = read_manifest(root, older[0], storage)
-        experts = dict(previous["experts"])
-        sources = {int(k): v for k, v in previous["sources"].items()}
-        sources[older[0]] = previous["ranks"]
+        experts = dict(previous.experts)
+        sources = {int(k): v for k, v in previous.sources.items()}
+        sources[older[0]] = previous.ranks
     for entry in ranks.values():
-        for item in entry["items"]:
-            if item != "dense":
+        for item in entry.items:
+            if item != NON_EXPERT:
                 experts[item] = iteration
     needed = set(experts.values()) - {iteration}
     return experts, {str(i): sources[i] for i in sorted(needed) if i in sources}
@@ -196,7 +193,7 @@ def apply_retention(root: str, keep: int, storage=PosixStorage()) -> list[int]:
     retained = committed[:keep]
     referenced: set[int] = set(retained)
     for i in retained:
-        referenced.update(int(k) for k in read_manifest(root, i, storage)["sources"])
+        referenced.update(int(k) for k in read_manifest(root, i, storage).sources)
     removed = []
     oldest_retained = retained[-1]
     for i in iterations_on_disk(root, storage):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from megatron_pec import policy
+from megatron_pec import plt as lost, policy
 from megatron_pec.items import ExpertId, item_name, parse_item
 
 
@@ -64,6 +64,18 @@ class PecState:
         persist_budget = None if budget_bytes is None else budget_bytes * self.persist.k // max(1, self.snapshot.k)
         return policy.select_two_level(selection, snap_in, self.persist.input(layout, cumulative, persist_budget))
 
+    def recovered(self, report: lost.PltReport, version_of: dict[ExpertId, int],
+                  tokens_at_version: dict[ExpertId, int], restored: set[ExpertId]) -> None:
+        """Fold one restore in: its lost tokens, and the ``restored`` experts' snapshot level now
+        holds exactly the versions that were restored."""
+        self.lost_tokens, self.plt = lost.accumulate(self.lost_tokens, report)
+        self.recoveries += 1
+        for x in restored:
+            self.snapshot.saved_at[x], self.snapshot.tokens_at[x] = version_of[x], tokens_at_version[x]
+
+    def set_k(self, snapshot_k: int, persist_k: int) -> None:
+        self.snapshot.k, self.persist.k = snapshot_k, persist_k
+
     def dumps(self) -> str:
         return json.dumps({"snapshot": self.snapshot.to_json(), "persist": self.persist.to_json(),
                            "lost_tokens": self.lost_tokens, "plt": self.plt, "recoveries": self.recoveries})
@@ -75,9 +87,10 @@ class PecState:
                    d["recoveries"])
 
 
-def cumulative_to_json(cumulative: dict[ExpertId, int]) -> str:
-    return json.dumps({item_name(e): n for e, n in cumulative.items()})
+def cumulative_to_items(cumulative: dict[ExpertId, int]) -> dict[str, int]:
+    """Cumulative token counts keyed by stored item names (``SlotHeader.tokens``)."""
+    return {item_name(e): n for e, n in cumulative.items()}
 
 
-def cumulative_from_json(text: str) -> dict[ExpertId, int]:
-    return {parse_item(k): v for k, v in json.loads(text).items()}
+def cumulative_from_items(items: dict[str, int]) -> dict[ExpertId, int]:
+    return {parse_item(k): v for k, v in items.items()}

@@ -3,26 +3,28 @@
 Trainer side (every rank, for its own slots): ``SlotFiles`` allocates the
 rank's three slot files once (after a tmpfs space preflight), maps them and
 gives a tensor view per slice, so a snapshot is one copy per slice and a
-header rewrite. ``SlotRing`` decides which slot the next snapshot may use: never
-one the agent still reads, never the newest complete snapshot.
+header rewrite. ``SlotGrants`` holds the slots the node agent has handed this
+trainer: a snapshot writes only into one of them, and hands it back to the agent
+by announcing it. The agent alone decides what may be overwritten (never a slot it
+still reads or carries from, never the newest complete snapshot): see
+``agent/memory.py``.
 
-Reader side (agent, restore): ``open_slot`` maps a slot read-only and parses
-its header. Whether a slot's contents are complete is decided by the agent's
-slot index (``slots.json``), never by the slot file alone.
+Reader side (agent, restore): ``open_slot`` maps a slot and parses its header.
+Whether a slot's contents are complete and restorable is decided by the agent's
+record of node memory, never by the slot file alone.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
-from dataclasses import dataclass, field
+from collections import deque
 
-from megatron_pec.stformat import Header, TensorEntry, decode_header, encode_header, tensor_table, tensor_view
+from megatron_pec.protocol import SlotHeader
+from megatron_pec.stformat import Header, TensorEntry, encode_header, read_header, tensor_table, tensor_view
 
 NUM_SLOTS = 3
 HEADER_RESERVE = 256 << 10  # room for metadata (small state, token counts) beyond the tensor table
-INDEX = "slots.json"
 
 
 class SlotSpaceError(RuntimeError):
@@ -87,7 +89,7 @@ class SlotFiles:
 
     def invalidate(self, slot: int) -> None:
         """Mark a slot as being written before its bytes change (a kill mid-copy leaves it invalid)."""
-        self.write_header(slot, {"state": "writing"})
+        self.write_header(slot, SlotHeader.WRITING)
 
     def close(self) -> None:
         self.views = []  # tensor views export the maps' buffers; drop them before closing
@@ -104,45 +106,22 @@ def _space_message(directory: str, free: int, need: int, local_ranks: int) -> st
             f"or point --pec-shm-dir at a larger tmpfs.")
 
 
-@dataclass
-class SlotRing:
-    """Which slot the next snapshot writes (triple buffering, PEC section 3.2)."""
+class SlotGrants:
+    """The slots this trainer may write, in the order the agent granted them (oldest contents first)."""
 
-    iteration: list[int]  # iteration held by each slot, -1 if none
-    held: list[bool]      # the agent is still reading it
-    latest: int | None = None
-    base: list[int | None] = field(default_factory=lambda: [None] * NUM_SLOTS)  # carry-forward source
+    def __init__(self):
+        self._free: deque[int] = deque()
 
-    @classmethod
-    def empty(cls) -> "SlotRing":
-        return cls([-1] * NUM_SLOTS, [False] * NUM_SLOTS)
+    def add(self, slots: list[int]) -> None:
+        self._free.extend(s for s in slots if s not in self._free)
 
-    def choose(self) -> int | None:
-        """The free slot with the oldest contents: never the newest complete snapshot, nor one the
-        agent still copies unwritten experts from (the base of a slot it has not released)."""
-        busy = {self.base[s] for s in range(NUM_SLOTS) if self.held[s]}
-        free = [s for s in range(NUM_SLOTS) if not self.held[s] and s != self.latest and s not in busy]
-        return min(free, key=lambda s: self.iteration[s]) if free else None
+    def take(self) -> int | None:
+        """A slot to write the next snapshot into (it goes back to the agent with the snapshot)."""
+        return self._free.popleft() if self._free else None
 
-    def filled(self, slot: int, iteration: int) -> int | None:
-        """Record a new snapshot; returns its base: the previous newest snapshot, from which the
-        agent carries forward the experts this one did not write."""
-        base = self.latest if self.latest is not None and self.iteration[self.latest] >= 0 else None
-        self.iteration[slot], self.held[slot], self.latest, self.base[slot] = iteration, True, slot, base
-        return base
-
-    def released(self, slot: int) -> None:
-        self.held[slot] = False
-
-    def forget_after(self, iteration: int) -> None:
-        """Treat slots holding iterations after ``iteration`` as empty (overwritten first)."""
-        self.iteration = [-1 if i > iteration else i for i in self.iteration]
-        kept = [s for s in range(NUM_SLOTS) if self.iteration[s] >= 0]
-        self.latest = max(kept, key=lambda s: self.iteration[s]) if kept else None
-
-    def agent_lost(self) -> None:
-        """A dead agent reads nothing any more."""
-        self.held = [False] * NUM_SLOTS
+    def revoke_all(self) -> None:
+        """The agent is gone or changed: grants of the old one mean nothing."""
+        self._free.clear()
 
 
 def open_slot(path: str) -> tuple[mmap.mmap, Header]:
@@ -150,19 +129,9 @@ def open_slot(path: str) -> tuple[mmap.mmap, Header]:
     with open(path, "r+b") as f:
         m = mmap.mmap(f.fileno(), 0)
     try:
-        # A copy of just the header, not a memoryview: a view kept alive by a FormatError's
+        # Copies of the header bytes, not memoryviews: a view kept alive by a FormatError's
         # traceback would make m.close() raise BufferError instead (slots of another configuration).
-        size = int.from_bytes(m[:8], "little")
-        return m, decode_header(m[: min(len(m), 8 + min(size, 64 << 20))], file_len=len(m))
+        return m, read_header(lambda offset, length: m[offset:offset + length], len(m))[1]
     except Exception:
         m.close()
         raise
-
-
-def read_index(directory: str) -> dict:
-    """The agent's record of complete slots: {rank: {slot: {iteration, crc32, ...}}}."""
-    try:
-        with open(os.path.join(directory, INDEX)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}

@@ -2,23 +2,24 @@
 
 Runs on every rank, for its own rank only; no communication. A source is
 trusted only after its checksums match (memory: the per-item crcs the agent
-recorded in ``slots.json``; storage: the manifest's per-item crcs for the items
-read from an older version's file, else the whole-file crc), and only if it
-belongs to this job and this configuration.
+recorded; storage: the manifest's per-item crcs for the items read from an older
+version's file, else the whole-file crc), and only if it belongs to this job and
+this configuration. Which memory slots may serve a restore is the node agent's
+decision (``NodeMemory.restorable``), never this module's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import zlib
 from dataclasses import dataclass, field
 
 from megatron_pec import manifest
-from megatron_pec.agent.persist import item_checksums
-from megatron_pec.slots import open_slot, read_index, slot_path
-from megatron_pec.stformat import FormatError, Header, decode_header, tensor_at
+from megatron_pec.agent.memory import JobKey, NodeMemory
+from megatron_pec.protocol import Manifest, ProtocolError, RankFile, SlotHeader
+from megatron_pec.slots import open_slot
+from megatron_pec.stformat import FormatError, Header, decode_header, item_checksums, read_header, tensor_at
 from megatron_pec.storage import PosixStorage, crc32_of
 
 
@@ -32,43 +33,47 @@ class Source:
     iteration: int
     items: dict[str, int]     # item -> iteration of the version it holds
     where: str                # path, for messages
-    item_crcs: dict[str, int] | None   # crc32 per item; None: a storage file with only a whole-file crc
-    manifest_entry: dict | None = None
+    item_crcs: dict[str, int]
+    rank_file: RankFile | None = None       # storage: the manifest's entry
+    header: SlotHeader | None = None        # memory: known up front; storage: once read
     carried_tokens: dict[str, int] = field(default_factory=dict)  # memory: experts carried forward
     _buffer: object = field(default=None, repr=False)
-    _header: Header | None = field(default=None, repr=False)
+    _layout: Header | None = field(default=None, repr=False)
     _verified: set[str] = field(default_factory=set, repr=False)
     _pieces: dict[str, tuple[object, int]] = field(default_factory=dict, repr=False)  # name -> (buffer, offset)
 
-    def open(self, storage: PosixStorage, items: set[str] | None = None) -> Header:
+    def open(self, storage: PosixStorage, items: set[str] | None = None) -> None:
         """Make ``items`` (None: everything the source holds) readable, each verified against its
         checksum. A memory slot is mapped; of a storage file only the header and those items are
         read when the manifest has per-item checksums. Repeated calls read only what is new."""
         wanted = set(self.items) if items is None else set(items)
-        if wanted <= self._verified and self._header is not None:
-            return self._header
+        if wanted <= self._verified and self._layout is not None:
+            return
         try:
             if self.kind == "memory":
                 self._map_slot()
-                self._check(item_checksums(self._buffer, self._header, wanted - self._verified))
-            elif items is None or self.item_crcs is None:  # written with item_crc32 and header_crc32
-                self._read_whole_file(storage)
+                self._check(item_checksums(self._buffer, self._layout, wanted - self._verified))
+            elif items is None:
+                self._buffer, self._layout = read_rank_file(self.where, self.rank_file, storage)
+                self._pieces.clear()
+                self._verified = set(self.items)
             else:
                 self._read_items(storage, wanted - self._verified)
+            if self.header is None:
+                self.header = SlotHeader.from_metadata(self._layout.metadata)
         except FileNotFoundError:
             raise SourceError(f"{self.where} is missing") from None
-        except (OSError, FormatError) as exc:
+        except (OSError, FormatError, ProtocolError) as exc:
             raise SourceError(f"{self.where} is unreadable: {exc}") from None
-        return self._header
 
     def _map_slot(self) -> None:
-        if self._header is not None:
+        if self._layout is not None:
             return
-        mapping, header = open_slot(self.where)
-        if header.metadata.get("iteration") != str(self.iteration):
+        mapping, layout = open_slot(self.where)
+        if layout.metadata.get("iteration") != str(self.iteration):
             mapping.close()
-            raise SourceError(f"{self.where} was overwritten (holds iteration {header.metadata.get('iteration')})")
-        self._buffer, self._header = mapping, header
+            raise SourceError(f"{self.where} was overwritten (holds iteration {layout.metadata.get('iteration')})")
+        self._buffer, self._layout = mapping, layout
 
     def _check(self, actual: dict[str, int]) -> None:
         for item in sorted(actual):
@@ -77,58 +82,38 @@ class Source:
                                   f"{self.item_crcs.get(item, 0):08x}): the file is corrupt")
         self._verified |= actual.keys()
 
-    def _read_whole_file(self, storage: PosixStorage) -> None:
-        buffer = storage.read_into(self.where)
-        size = self.manifest_entry["size"]
-        if len(buffer) != size:
-            raise SourceError(f"{self.where} is {len(buffer)} bytes, the manifest says {size} (truncated?)")
-        actual = crc32_of(buffer)
-        if actual != self.manifest_entry["crc32"]:
-            raise SourceError(f"{self.where} fails its checksum (crc32 {actual:08x}, recorded "
-                              f"{self.manifest_entry['crc32']:08x}): the file is corrupt")
-        self._buffer = buffer
-        self._header = decode_header(memoryview(buffer)[: min(len(buffer), 64 << 20)], file_len=len(buffer))
-        self._pieces.clear()
-        self._verified = set(self.items)
-
     def _read_items(self, storage: PosixStorage, items: set[str]) -> None:
         """An older version's file, of which a restore needs a few experts: read the header and
         those experts' byte ranges only, each checked against its own crc."""
-        size = self.manifest_entry["size"]
-        if self._header is None:
+        entry = self.rank_file
+        if self._layout is None:
             actual_size = storage.size(self.where)
-            if actual_size != size:
-                raise SourceError(f"{self.where} is {actual_size} bytes, the manifest says {size} (truncated?)")
-            head = storage.read_range(self.where, 0, 8)
-            head += storage.read_range(self.where, 8, min(int.from_bytes(head, "little"), size - 8))
-            if zlib.crc32(head) != self.manifest_entry["header_crc32"]:
+            if actual_size != entry.size:
+                raise SourceError(f"{self.where} is {actual_size} bytes, the manifest says {entry.size} (truncated?)")
+            head, self._layout = read_header(lambda o, n: storage.read_range(self.where, o, n), entry.size)
+            if zlib.crc32(head) != entry.header_crc32:
                 raise SourceError(f"{self.where} fails its header checksum: the file is corrupt")
-            self._header = decode_header(head, file_len=size)
-        header = self._header
-        for run in _runs([e for e in header.tensors if e.item in items]):
+        layout = self._layout
+        for run in _runs([e for e in layout.tensors if e.item in items]):
             begin, end = run[0].begin, run[-1].end
-            buffer = storage.read_range(self.where, header.data_start + begin, end - begin)
+            buffer = storage.read_range(self.where, layout.data_start + begin, end - begin)
             for e in run:
                 self._pieces[e.name] = (buffer, e.begin - begin)
         crcs = dict.fromkeys(items, 0)
-        for e in header.tensors:  # header order, as the agent computed them
+        for e in layout.tensors:  # header order, as the agent computed them
             if e.item in items:
                 buffer, offset = self._pieces[e.name]
                 crcs[e.item] = zlib.crc32(memoryview(buffer)[offset:offset + e.end - e.begin], crcs[e.item])
         self._check(crcs)
 
-    @property
-    def metadata(self) -> dict[str, str]:
-        return self._header.metadata
-
     def tokens_at_version(self, item: str) -> int:
         """Cumulative tokens ``item`` had processed at the version this source holds."""
         if item in self.carried_tokens:
             return self.carried_tokens[item]
-        return json.loads(self.metadata["tokens"])[item]
+        return self.header.tokens[item]
 
     def tensors(self, names: set[str]) -> dict:
-        by_name = {e.name: e for e in self._header.tensors}
+        by_name = {e.name: e for e in self._layout.tensors}
         missing = names - by_name.keys()
         if missing:
             raise SourceError(f"{self.where} lacks {len(missing)} tensors this run needs "
@@ -138,9 +123,31 @@ class Source:
             raise SourceError(f"{self.where}: {sorted(unverified)} requested before being read and verified")
         out = {}
         for n in names:
-            buffer, offset = self._pieces.get(n) or (self._buffer, self._header.data_start + by_name[n].begin)
+            buffer, offset = self._pieces.get(n) or (self._buffer, self._layout.data_start + by_name[n].begin)
             out[n] = tensor_at(buffer, by_name[n], offset)
         return out
+
+
+def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
+                   deep: bool = False) -> tuple[bytearray, Header]:
+    """A whole persisted rank file, checked against its manifest entry (size, crc32; ``deep`` also
+    the header and per-item crc32s that partial restores rely on); raises SourceError (what is
+    wrong, in words) or OSError."""
+    buffer = storage.read_into(path)
+    if len(buffer) != entry.size:
+        raise SourceError(f"{path} is {len(buffer)} bytes, the manifest says {entry.size} (truncated?)")
+    actual = crc32_of(buffer)
+    if actual != entry.crc32:
+        raise SourceError(f"{path} fails its checksum (crc32 {actual:08x}, recorded {entry.crc32:08x}): "
+                          "the file is corrupt")
+    try:
+        layout = decode_header(memoryview(buffer)[: min(len(buffer), 8 + (64 << 20))], file_len=len(buffer))
+    except FormatError as exc:
+        raise SourceError(f"{path} is unreadable: {exc}") from None
+    if deep and (zlib.crc32(memoryview(buffer)[:layout.data_start]) != entry.header_crc32
+                 or item_checksums(buffer, layout, set(entry.item_crc32)) != entry.item_crc32):
+        raise SourceError(f"{path} header or per-expert checksums differ from the recorded ones (corrupt)")
+    return buffer, layout
 
 
 def _runs(entries):
@@ -154,40 +161,23 @@ def _runs(entries):
     return runs
 
 
-def memory_sources(node_dir: str, rank: int, job_id: str, fingerprint: str, load_root: str) -> list[Source]:
-    """Complete slots of this rank in node memory that belong to this job, config and --load."""
-    sources = []
-    for slot, record in sorted(read_index(node_dir).get(str(rank), {}).items()):
-        path = slot_path(node_dir, rank, int(slot))
-        try:
-            mapping, header = open_slot(path)
-        except (OSError, FormatError):
-            continue
-        meta = header.metadata
-        mapping.close()
-        if meta.get("state") != "complete" or meta.get("iteration") != str(record["iteration"]):
-            continue  # rewritten after the agent recorded it (e.g. a kill mid-copy)
-        if meta.get("job_id") != job_id or meta.get("fingerprint") != fingerprint:
-            print(f"megatron-pec: rank {rank}: ignoring node-memory slot {path}: it belongs to job "
-                  f"{meta.get('job_id')!r} with configuration {meta.get('fingerprint')}, this run is job "
-                  f"{job_id!r} with configuration {fingerprint}", file=sys.stderr, flush=True)
-            continue
-        if os.path.abspath(meta.get("save", "")) != os.path.abspath(load_root):
-            continue  # snapshots of another --save directory
-        if "crcs" not in record:
-            continue  # recorded by an agent of an older megatron-pec
-        sources.append(Source("memory", record["iteration"], record["items"], path, record["crcs"],
-                              carried_tokens=record.get("tokens", {})))
-    return sources
+def memory_sources(node_dir: str, rank: int, job: JobKey) -> list[Source]:
+    """The slots of this rank that node memory's owner (the agent's index) says may serve a
+    restore of ``job`` (same job, configuration and --load as --save)."""
+    restorable, foreign = NodeMemory.read(node_dir).restorable(rank, job)
+    for reason in foreign:
+        print(f"megatron-pec: rank {rank}: ignoring node-memory slot {reason}", file=sys.stderr, flush=True)
+    return [Source("memory", record.iteration, record.items, path, record.crcs, header=header,
+                   carried_tokens=record.tokens) for path, record, header in restorable]
 
 
-def storage_source(root: str, iteration: int, rank: int, entry: dict) -> Source:
-    return Source("storage", iteration, {i: iteration for i in entry["items"]},
-                  os.path.join(root, entry["file"]), entry.get("item_crc32"), manifest_entry=entry)
+def storage_source(root: str, iteration: int, entry: RankFile) -> Source:
+    return Source("storage", iteration, {i: iteration for i in entry.items}, os.path.join(root, entry.file),
+                  entry.item_crc32, rank_file=entry)
 
 
 def storage_sources(root: str, rank: int, fingerprint: str, topology: dict,
-                    storage: PosixStorage) -> tuple[dict[int, Source], dict[int, dict]]:
+                    storage: PosixStorage) -> tuple[dict[int, Source], dict[int, Manifest]]:
     """Committed iterations readable by this rank: (iteration -> source, iteration -> manifest).
 
     Raises SourceError when the directory holds checkpoints that are not ours or
@@ -204,14 +194,14 @@ def storage_sources(root: str, rank: int, fingerprint: str, topology: dict,
         except manifest.ManifestError as exc:
             print(f"megatron-pec: rank {rank}: skipping iteration {i}: {exc}", file=sys.stderr, flush=True)
             continue
-        if m["fingerprint"] != fingerprint:
+        if m.fingerprint != fingerprint:
             if i == committed[0]:
-                raise SourceError(_mismatch(root, i, m["topology"], topology))
+                raise SourceError(_mismatch(root, i, m.topology, topology))
             continue
-        entry = m["ranks"].get(str(rank))
+        entry = m.ranks.get(str(rank))
         if entry is None:
             continue
-        sources[i], manifests[i] = storage_source(root, i, rank, entry), m
+        sources[i], manifests[i] = storage_source(root, i, entry), m
     return sources, manifests
 
 
@@ -232,7 +222,7 @@ def _mismatch(root: str, iteration: int, saved: dict, current: dict) -> str:
 
 
 def expert_source_for(item: str, version: int, memory: list[Source], storage: dict[int, Source],
-                      root: str, rank: int, manifest_at_target: dict | None) -> Source | None:
+                      root: str, rank: int, manifest_at_target: Manifest | None) -> Source | None:
     """The source holding ``item`` at exactly ``version``: node memory first, else storage."""
     for s in memory:
         if s.items.get(item) == version:
@@ -240,9 +230,7 @@ def expert_source_for(item: str, version: int, memory: list[Source], storage: di
     if version in storage and item in storage[version].items:
         return storage[version]
     if manifest_at_target is not None:
-        older = manifest_at_target["sources"].get(str(version), {}).get(str(rank))
-        if older is not None and item in older["items"]:
-            return storage_source(root, version, rank, older)
+        older = manifest_at_target.file_of(version, rank)
+        if older is not None and item in older.items:
+            return storage_source(root, version, older)
     return None
-
-

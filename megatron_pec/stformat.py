@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1}
 
@@ -107,7 +109,7 @@ def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> He
     if len(prefix) < 8:
         raise FormatError("file shorter than the 8-byte header length")
     (size,) = struct.unpack("<Q", bytes(prefix[:8]))
-    if size > 64 << 20 or len(prefix) < 8 + size:
+    if size > MAX_HEADER or len(prefix) < 8 + size:
         raise FormatError(f"header length {size} is implausible or exceeds the file")
     raw = bytes(prefix[8:8 + size])
     if not raw.startswith(b"{"):
@@ -140,6 +142,36 @@ def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> He
     if file_len is not None and header.file_len != file_len:
         raise FormatError(f"file is {file_len} bytes but its header describes {header.file_len}")
     return header
+
+
+MAX_HEADER = 64 << 20  # a longer header is refused as implausible
+
+
+def read_header(read: Callable[[int, int], bytes], file_len: int) -> tuple[bytes, Header]:
+    """The header bytes (length prefix included) and the parsed header of a file of ``file_len``
+    bytes, given ``read(offset, length)``; raises FormatError."""
+    head = bytes(read(0, min(8, file_len)))
+    if len(head) < 8:
+        raise FormatError("file shorter than the 8-byte header length")
+    size = int.from_bytes(head, "little")
+    if size > MAX_HEADER or 8 + size > file_len:
+        raise FormatError(f"header length {size} is implausible or exceeds the file")
+    head += bytes(read(8, size))
+    return head, decode_header(head, file_len=file_len)
+
+
+def item_checksums(buffer, header: Header, items: set[str], chunk: int = 8 << 20) -> dict[str, int]:
+    """crc32 of each item's data (its tensors in header order) in a whole-file ``buffer``: what a
+    restore verifies, for just the items it reads. The same bytes in a slot or a compact rank file
+    give the same value."""
+    crcs, view = {}, memoryview(buffer)
+    for entry in header.tensors:
+        if entry.item in items:
+            crc, end = crcs.get(entry.item, 0), header.data_start + entry.end
+            for offset in range(header.data_start + entry.begin, end, chunk):
+                crc = zlib.crc32(view[offset:min(offset + chunk, end)], crc)
+            crcs[entry.item] = crc
+    return {i: crcs.get(i, 0) for i in items}
 
 
 def tensor_view(buffer, header: Header, entry: TensorEntry):

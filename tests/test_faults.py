@@ -15,8 +15,8 @@ node, EP=2, DP=2, one node agent and one node-memory directory per node) with
 * a clear message names what happened, and nothing hangs (every wait is bounded).
 
 Checks are combined per launch where they do not interfere (each torchrun launch
-costs ~10 s on 2 cores). The random campaign is ``python -m megatron_pec.faults
-campaign``; its pytest entry is marked ``campaign``.
+costs ~10 s on 2 cores). The random campaign is ``python -m megatron_pec.testing.campaign``;
+its pytest entry is marked ``campaign``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from megatron_pec import manifest
-from megatron_pec.slots import read_index
+from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, parse_plt, persist_only_plt, run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
@@ -45,6 +46,7 @@ FULL = ["--train-iters", str(ITERS), "--save-interval", "2", "--non-persistent-s
 PEC = ["--train-iters", "16", "--save-interval", "4", "--non-persistent-save-interval", "2",
              "--pec-snapshot-k", "4", "--pec-persist-k", "1", "--pec-keep", "2"]
 LAUNCH_TIMEOUT = 150  # seconds for one launch (~10-20 s expected); a hang fails the test
+PRETRAIN = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------
@@ -62,7 +64,7 @@ def clusters(shm_root):
     made: list[Cluster] = []
 
     def make(workdir, job_id: str, **kw) -> Cluster:
-        c = Cluster(workdir, kw.pop("shm_dir", shm_root), job_id, **kw)
+        c = Cluster(workdir, kw.pop("shm_dir", shm_root), job_id, script=PRETRAIN, **kw)
         made.append(c)
         return c
 
@@ -256,15 +258,14 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
 
 
 def _restorable_slots(node_dir: Path, rank: int) -> dict[int, dict]:
-    """slot -> metadata of the complete snapshots a restore of ``rank`` may use (per the agent's index)."""
-    from megatron_pec.slots import open_slot, slot_path
-
-    out = {}
-    for slot, record in read_index(str(node_dir)).get(str(rank), {}).items():
-        mapping, header = open_slot(slot_path(str(node_dir), rank, int(slot)))
-        mapping.close()
-        if header.metadata.get("state") == "complete" and header.metadata.get("iteration") == str(record["iteration"]):
-            out[int(slot)] = header.metadata
+    """slot -> (iteration, recoveries so far) of the snapshots a restore of ``rank`` may use, by the agent's
+    own predicate (any job: the test does not know the configuration fingerprint)."""
+    memory, out = NodeMemory.read(str(node_dir)), {}
+    for slot in memory.slots.get(rank, {}):
+        verdict = memory.is_restorable(rank, slot, None)
+        if not isinstance(verdict, str):
+            record, header = verdict
+            out[slot] = {"iteration": record.iteration, "recoveries": json.loads(header.pec)["recoveries"]}
     return out
 
 
@@ -282,16 +283,15 @@ def test_snapshots_of_an_abandoned_run_are_never_restored(clusters, tmp_path):
     c.launch(PEC, faults={0: "snapshot_begin=kill@3:0"})
     c.wait_exit(LAUNCH_TIMEOUT)
     assert {r: (x.iteration, x.source) for r, x in c.restores(2).items()} == {0: (4, "memory"), 1: (4, "memory")}
-    abandoned = {int(m["iteration"]) for m in _restorable_slots(c.node_dir(1), 1).values()
-                 if int(m["iteration"]) > 4 and json.loads(m["pec"])["recoveries"] == 0}
-    current = {int(m["iteration"]) for m in _restorable_slots(c.node_dir(1), 1).values()
-               if json.loads(m["pec"])["recoveries"] == 1}
+    abandoned = {m["iteration"] for m in _restorable_slots(c.node_dir(1), 1).values()
+                 if m["iteration"] > 4 and m["recoveries"] == 0}
+    current = {m["iteration"] for m in _restorable_slots(c.node_dir(1), 1).values() if m["recoveries"] == 1}
     # 3. both restore 8; rank 1's experts must come from this run's snapshots or from storage.
     c.launch(PEC)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(3)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (8, "memory"), 1: (8, "memory")}
-    stored = set(manifest.read_manifest(str(c.save), 8)["experts"].values())
+    stored = set(manifest.read_manifest(str(c.save), 8).experts.values())
     from_abandoned = {v for v in restores[1].older.values() if v in abandoned and v not in current | stored}
     assert not from_abandoned, (f"rank 1 restored experts from snapshot(s) {sorted(from_abandoned)} of the run "
                                 f"abandoned at the restore to 4: {restores[1].older}")
@@ -324,7 +324,7 @@ def test_node_loss_survivor_restores_from_memory_lost_node_from_storage(clusters
 
     # PEC: node 1's stale experts are at their persisted versions; node 0's come from memory and are
     # never older than those, and the PLT logged is below what a storage-only restore would cost.
-    versions = manifest.read_manifest(str(c.save), target)["experts"]
+    versions = manifest.read_manifest(str(c.save), target).experts
     for item, version in restores[1].older.items():
         assert version == versions[item], (item, version, versions[item])
     newer = 0
@@ -412,8 +412,8 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
     shutil.copytree(reference.archive, root)
     try:
         c = clusters(root.parent / "corrupt", "fcorrupt", save=root)
-        files = {i: manifest.read_manifest(str(root), i)["ranks"] for i in (6, 8, 10, 12)}
-        path = lambda i, r: root / files[i][str(r)]["file"]  # noqa: E731
+        files = {i: manifest.read_manifest(str(root), i).ranks for i in (6, 8, 10, 12)}
+        path = lambda i, r: root / files[i][str(r)].file  # noqa: E731
         with open(path(12, 0), "r+b") as f:                  # a flipped byte in the tensor data
             f.seek(-100, os.SEEK_END)
             byte = f.read(1)
@@ -462,7 +462,7 @@ def test_slots_of_same_job_with_other_configuration_are_never_loaded(clusters, r
                  shm_dir=reference.cluster.shm_dir / "other_config", save=reference.save_path)
     for node in (0, 1):
         shutil.copytree(reference.memory / f"node{node}", c.node_dir(node))
-        assert read_index(str(c.node_dir(node))), "the reference run left no slot index"
+        assert NodeMemory.read(str(c.node_dir(node))).slots, "the reference run left no slot index"
     try:
         c.launch(["--train-iters", "2", "--save-interval", "2", "--pec-keep", "0"])
         assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
@@ -500,10 +500,11 @@ def test_tmpfs_too_small_fails_at_startup_with_the_size_needed(clusters, tmp_pat
 # ---- the random campaign (slow; deselected by default: ./run_tests.sh -m campaign) ---------------------
 @pytest.mark.campaign
 def test_random_fault_campaign(shm_root, tmp_path):
-    """Three random runs of every fault type (``python -m megatron_pec.faults campaign`` runs more)."""
+    """Three random runs of every fault type (``python -m megatron_pec.testing.campaign`` runs more)."""
     from megatron_pec.testing.campaign import TYPES, Campaign, format_table, summarize
 
-    campaign = Campaign(tmp_path, shm_root / "campaign", seed=int(os.environ.get("MEGATRON_PEC_CAMPAIGN_SEED", 7)))
+    campaign = Campaign(tmp_path, shm_root / "campaign", seed=int(os.environ.get("MEGATRON_PEC_CAMPAIGN_SEED", 7)),
+                        script=PRETRAIN)
     campaign.prepare()
     runs, per_type = [], {t: 0 for t in TYPES if t != "storage_full" or campaign.can_mount}
     while min(per_type.values()) < 3:

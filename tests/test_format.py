@@ -1,4 +1,4 @@
-"""safetensors layout, small-state codec and slot ring: pure unit tests."""
+"""safetensors layout and the small-state codec: pure unit tests."""
 
 import json
 import struct
@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from megatron_pec import smallstate
-from megatron_pec.slots import SlotRing
 from megatron_pec.stformat import FormatError, decode_header, encode_header, layout, tensor_view
 
 
@@ -49,26 +48,3 @@ def test_small_state_round_trip_without_pickle():
     assert back[3] is None and back["nested"] == [(1, "a")] and back["nan"] != back["nan"]
     with pytest.raises(TypeError, match="cannot store a object"):
         smallstate.dumps({"x": object()})
-
-
-def test_slot_ring_never_reuses_held_or_latest_slot():
-    ring = SlotRing.empty()
-    assert ring.choose() == 0
-    ring.filled(0, 1)                       # slot 0 is being persisted and is the latest
-    assert ring.choose() == 1
-    ring.filled(1, 2)
-    assert ring.choose() == 2
-    ring.filled(2, 3)
-    assert ring.choose() is None            # every slot is held: the snapshot is skipped, never torn
-    ring.released(1)
-    assert ring.choose() is None            # slot 1 is the base the agent carries slot 2's other experts from
-    ring.released(2)
-    assert ring.choose() == 1               # oldest free one; slot 2 is the newest complete snapshot
-    ring.released(0)
-    assert ring.choose() == 0
-
-
-def test_slot_ring_reuses_slots_of_an_abandoned_timeline_first():
-    ring = SlotRing([5, 6, 7], [False] * 3, latest=2)
-    ring.forget_after(5)  # restored iteration 5: 6 and 7 were never trained in this timeline
-    assert ring.latest == 0 and ring.choose() == 1

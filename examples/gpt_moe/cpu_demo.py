@@ -147,7 +147,7 @@ def recovery_report(c: Cluster, loss: dict) -> list[str]:
 def main(argv=None) -> int:
     a = parse_args(argv)
     shutil.rmtree(a.workdir, ignore_errors=True)
-    c = Cluster(a.workdir, a.shm_dir, a.job_id, model_args=[])
+    c = Cluster(a.workdir, a.shm_dir, a.job_id, model_args=[], script=Path(__file__).with_name("pretrain_gpt_moe.py"))
     print(f"megatron-pec CPU demo: GPT-MoE (2 layers, 8 experts, EP=2, DP=2) on 2 simulated nodes for "
           f"{a.train_iters} iterations; snapshot-K {a.snapshot_k} to node memory every {a.snapshot_interval}, "
           f"persist-K {a.persist_k} to storage every {a.save_interval}; working in {a.workdir}", flush=True)

@@ -1,50 +1,47 @@
-"""Agent phase 5, carry forward: copy into a new slot the experts its snapshot did not write.
+"""Agent phase 7, carry forward: copy into a new slot the experts its snapshot did not write.
 
 A PEC snapshot writes only K experts per layer. Left alone, node memory would
 hold just the experts of the last three snapshots, and a restart would read all
 the others from older persisted versions (more lost tokens), or from nowhere
 before the first commit. So once a snapshot is complete, the agent copies each
-expert it did not write from the previous snapshot's slot (its "base", where
-that expert was written or itself carried), and every complete slot holds every
-expert at its latest version. This runs off the training path; the trainer
-leaves the base slot alone until the agent releases the new one.
+item it did not write from the rank's newest restorable slot (its "base", which
+the agent chose and keeps from the trainer until this is done), and every complete
+slot holds every expert at its latest version on the rank's timeline.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 
-from megatron_pec.agent.persist import item_checksums
+from megatron_pec.protocol import SlotHeader, SlotRecord
 from megatron_pec.slots import open_slot
+from megatron_pec.stformat import item_checksums
 
 
-def carry_forward(path: str, record: dict, base_path: str, base_record: dict, wanted: dict[str, int]) -> None:
-    """Copy the ``wanted`` items (name -> version the trainer expects) from the base slot into
-    the slot at ``path`` and add them to its ``record`` (items, crcs, and their cumulative token
-    counts at that version, which a restore needs to account the lost tokens).
+def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: SlotRecord,
+                  base_header: SlotHeader) -> SlotRecord:
+    """``record`` completed with every item of the base that the new snapshot did not write: their
+    bytes copied from ``base_path`` into ``path``, their versions, crcs and cumulative token counts
+    at that version (which a restore needs to account the lost tokens).
 
-    An item is copied only if the base holds exactly that version, for the same job,
-    configuration and --save. Raises OSError or FormatError.
+    The caller has checked that the base is restorable for the same job (``NodeMemory.is_restorable``).
+    Raises OSError, FormatError or ValueError (another tensor layout: bytes of different tensors
+    are never mixed).
     """
-    take = {i: v for i, v in wanted.items() if base_record["items"].get(i) == v}
+    take = {i: v for i, v in base_record.items.items() if i not in record.items}
     if not take:
-        return
+        return record
     mapping, header = open_slot(path)
-    base_map, base_header = open_slot(base_path)
+    base_map, base_tensors = open_slot(base_path)
     try:
-        meta = base_header.metadata
-        if meta.get("state") != "complete" or meta.get("iteration") != str(base_record["iteration"]):
-            return  # the base was rewritten since the agent recorded it: carry nothing
-        if any(meta.get(k) != header.metadata.get(k) for k in ("job_id", "fingerprint", "save")):
-            return  # a slot left by another run (other job, configuration or --save)
-        source = {e.name: e for e in base_header.tensors}
+        source = {e.name: e for e in base_tensors.tensors}
         copies = []
         for e in header.tensors:
             if e.item in take:
                 b = source.get(e.name)
                 if b is None or b.end - b.begin != e.end - e.begin:
-                    return  # another layout: never mix bytes of different tensors
-                copies.append((header.data_start + e.begin, base_header.data_start + b.begin, e.end - e.begin))
+                    raise ValueError(f"{base_path} lays out {e.name} differently")
+                copies.append((header.data_start + e.begin, base_tensors.data_start + b.begin, e.end - e.begin))
         dst, src = memoryview(mapping), memoryview(base_map)
         try:
             for to, frm, n in copies:
@@ -52,10 +49,10 @@ def carry_forward(path: str, record: dict, base_path: str, base_record: dict, wa
         finally:
             dst.release()
             src.release()
-        at_base, carried_tokens = json.loads(meta["tokens"]), base_record.get("tokens", {})
-        record["items"].update(take)
-        record["crcs"].update(item_checksums(mapping, header, set(take)))
-        record["tokens"].update({i: carried_tokens[i] if i in carried_tokens else at_base.get(i, 0) for i in take})
+        crcs = item_checksums(mapping, header, set(take))
     finally:
         base_map.close()
         mapping.close()
+    tokens = {i: base_record.tokens.get(i, base_header.tokens.get(i, 0)) for i in take}
+    return dataclasses.replace(record, items={**record.items, **take}, crcs={**record.crcs, **crcs},
+                               tokens={**record.tokens, **tokens})

@@ -8,7 +8,6 @@ its own session so it survives the trainer's SIGKILL.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 import subprocess
@@ -17,6 +16,7 @@ import time
 import warnings
 
 from megatron_pec.agent.server import PIDFILE, SOCKET
+from megatron_pec.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
 
 
 class AgentUnavailable(RuntimeError):
@@ -95,7 +95,7 @@ def _connectable(directory: str) -> bool:
 
 
 class AgentClient:
-    """One rank's connection; ``notify`` and ``poll`` never block on the agent's work."""
+    """One rank's connection; ``send`` and ``poll`` never block on the agent's work."""
 
     def __init__(self, directory: str, rank: int):
         self.directory, self.rank = directory, rank
@@ -103,47 +103,48 @@ class AgentClient:
         self.buffer = b""
         self.pid: int | None = None
 
-    def connect(self, timeout: float = 30.0) -> None:
+    def connect(self, hello: Hello, timeout: float = 30.0) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
+        self.buffer = b""
         try:
             sock.connect(os.path.join(self.directory, SOCKET))
-            sock.sendall((json.dumps({"type": "hello", "rank": self.rank}) + "\n").encode())
+            sock.sendall((hello.dumps() + "\n").encode())
             reply = self._read_line(sock)
-        except OSError as exc:
+        except (OSError, ProtocolError) as exc:
             sock.close()
             raise AgentUnavailable(f"cannot reach the node agent at {self.directory}: {exc}") from None
-        if reply is None or reply.get("type") != "ready":
+        if not isinstance(reply, Ready):
             sock.close()
             raise AgentUnavailable(f"the node agent at {self.directory} did not answer the handshake")
-        self.sock, self.pid = sock, reply["pid"]
+        self.sock, self.pid = sock, reply.pid
 
-    def _read_line(self, sock) -> dict | None:
+    def _read_line(self, sock) -> Record | None:
         while b"\n" not in self.buffer:
             data = sock.recv(65536)
             if not data:
                 return None
             self.buffer += data
         line, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(line)
+        return decode_message(line)
 
     @property
     def connected(self) -> bool:
         return self.sock is not None
 
-    def send(self, msg: dict) -> bool:
+    def send(self, msg: Record) -> bool:
         """False (and disconnected) when the agent is gone."""
         if self.sock is None:
             return False
         try:
             self.sock.settimeout(30.0)
-            self.sock.sendall((json.dumps(msg) + "\n").encode())
+            self.sock.sendall((msg.dumps() + "\n").encode())
             return True
         except OSError:
             self._lost()
             return False
 
-    def poll(self, block_s: float = 0.0) -> list[dict]:
+    def poll(self, block_s: float = 0.0) -> list[Record]:
         """Messages from the agent that have arrived (waiting up to ``block_s`` for the first)."""
         if self.sock is None:
             return []
@@ -163,8 +164,28 @@ class AgentClient:
         out = []
         while b"\n" in self.buffer:
             line, self.buffer = self.buffer.split(b"\n", 1)
-            out.append(json.loads(line))
+            try:
+                out.append(decode_message(line))
+            except ProtocolError as exc:  # an agent of another megatron-pec version: stop talking to it
+                warnings.warn(f"megatron-pec: the node agent at {self.directory} sent a message this trainer "
+                              f"cannot read ({exc})", RuntimeWarning, stacklevel=2)
+                self._lost()
+                break
         return out
+
+    def request(self, msg: Record, answer: type, timeout: float) -> tuple[Record | None, list[Record]]:
+        """Send ``msg`` and wait for the first message of type ``answer``; returns it (None if the
+        agent died or did not answer in time) and every other message that arrived meanwhile."""
+        if not self.send(msg):
+            return None, []
+        others, deadline = [], time.monotonic() + timeout
+        while self.connected and time.monotonic() < deadline:
+            for i, received in enumerate(messages := self.poll(block_s=0.5)):
+                if isinstance(received, answer):
+                    self.buffer = b"".join((m.dumps() + "\n").encode() for m in messages[i + 1:]) + self.buffer
+                    return received, others
+                others.append(received)
+        return None, others
 
     def _lost(self) -> None:
         if self.sock is not None:
@@ -175,7 +196,7 @@ class AgentClient:
 
     def close(self, detach: bool = True) -> None:
         if detach:
-            self.send({"type": "detach"})
+            self.send(Detach())
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -1,4 +1,4 @@
-"""The node agent: one process per node that persists snapshots and commits checkpoints.
+"""The node agent: one process per node that persists snapshots, commits checkpoints and owns node memory.
 
 Started detached by a trainer (or by hand with ``python -m megatron_pec agent``),
 it outlives trainer crashes so their snapshots stay in node memory. It never
@@ -8,22 +8,24 @@ imports torch or Megatron. Phases:
             for persistent saves, write the rank file (tmp, fsync, rename).
 6. commit   when all local ranks of an iteration are persisted, write this node's
             marker; whichever node completes last writes manifest and tracker.
-7. carry    copy the experts the snapshot did not write forward from the previous
-            slot (``carry.py``), record the slot and its per-item crcs in
-            ``slots.json``, and release it to its trainer. Carries wait while other
-            snapshots queue up for phases 5-6, so they never delay a commit.
+7. carry    copy the experts the snapshot did not write forward from the rank's
+            newest restorable slot (``carry.py``), record the slot in node memory
+            (``memory.py``), release the snapshot and grant the trainer the slots it
+            may overwrite now. Carries wait while other snapshots queue up for
+            phases 5-6, so they never delay a commit.
 
-Protocol (newline-delimited JSON over ``<node dir>/agent.sock``): trainer sends
-``hello``, ``snapshot``, ``flush``, ``detach``, ``stop``; the agent answers
-``hello`` with ``ready``, each ``snapshot`` with ``released`` (``error`` set if it
-failed) and ``flush`` with ``flushed`` once all earlier work is done.
-A failed persist is reported and the agent keeps serving.
+Protocol (``protocol.py`` records, newline-delimited JSON over ``<node dir>/agent.sock``):
+a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` with its
+first slot grants), then ``SnapshotReady`` per snapshot (answered ``Released``, with an
+error if persisting failed, and new grants), ``Flush`` (answered ``Flushed`` once all
+earlier work is done), ``Detach`` or ``Stop``. A slot belongs to the trainer only while
+granted; announcing a snapshot hands it back. A failed persist is reported and the agent
+keeps serving.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import queue
 import signal
@@ -31,11 +33,16 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 from megatron_pec import faults, manifest
 from megatron_pec.agent.carry import carry_forward
+from megatron_pec.agent.memory import INDEX, JobKey, NodeMemory
 from megatron_pec.agent.persist import check_and_persist
-from megatron_pec.slots import INDEX, read_index, slot_path
+from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Hello, JobInfo, NodeMarker, ProtocolError,
+                                   RankFile, Ready, Record, Released, SlotRecord, SnapshotReady, Stop,
+                                   decode_message)
+from megatron_pec.slots import slot_path
 from megatron_pec.stformat import FormatError
 from megatron_pec.storage import PosixStorage
 
@@ -47,6 +54,25 @@ def log(message: str) -> None:
     print(f"[megatron-pec agent {os.getpid()}] {message}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class Link:
+    """One trainer's connection: who it is, which timeline it writes, which slots it holds."""
+
+    conn: socket.socket
+    rank: int
+    job: JobInfo
+    run: str | None = None            # set by Begin
+    granted: set[int] = field(default_factory=set)
+
+    @property
+    def key(self) -> JobKey:
+        return JobKey(self.job.job_id, self.job.fingerprint, self.job.save)
+
+    def begin(self, run: str) -> None:
+        """The trainer writes ``run`` from now on; it dropped its grants when it sent Begin."""
+        self.run, self.granted = run, set()
+
+
 class Agent:
     def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool):
         self.directory, self.node_rank = directory, node_rank
@@ -54,10 +80,11 @@ class Agent:
         self.storage = PosixStorage()
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
-        self.clients: dict[int, socket.socket] = {}   # rank -> connection
+        self.links: dict[int, Link] = {}                # rank -> its current trainer
         self.detached: set[int] = set()
-        self.index: dict[str, dict] = self._load_index()
-        self.pending: dict[tuple[str, int], dict] = {}  # (save root, iteration) -> {rank: file entry}
+        self.memory = NodeMemory.read(directory)        # touched only by the worker thread
+        self.in_flight: dict[int, set[int]] = {}        # rank -> slots announced and not yet released
+        self.pending: dict[tuple[str, int], dict] = {}  # (save root, iteration) -> {rank: RankFile}
         self.failed: set[tuple[str, int]] = set()
         self.pending_work = False  # a job is queued or running
         self.last_activity = time.monotonic()
@@ -96,8 +123,8 @@ class Agent:
 
     def _check_idle(self) -> None:
         with self.lock:
-            busy = bool(self.clients) or not self.jobs.empty() or self.pending_work
-            everyone_left = self.detached and not self.clients
+            busy = bool(self.links) or not self.jobs.empty() or self.pending_work
+            everyone_left = self.detached and not self.links
         if busy:
             self.last_activity = time.monotonic()
         elif everyone_left:
@@ -126,37 +153,38 @@ class Agent:
 
     # ---- connections ----------------------------------------------------------------------------
     def _client(self, conn: socket.socket) -> None:
-        rank = None
+        link = None
         try:
             for line in conn.makefile("r"):
-                msg = json.loads(line)
-                kind = msg["type"]
-                if kind == "hello":
-                    rank = msg["rank"]
+                msg = decode_message(line)
+                if isinstance(msg, Hello):
+                    link = Link(conn, msg.rank, msg.job)
                     with self.lock:
-                        self.clients[rank] = conn
-                        self.detached.discard(rank)
-                    self._send(conn, {"type": "ready", "pid": os.getpid()})
-                elif kind in ("snapshot", "flush"):
+                        self.links[msg.rank] = link  # a new trainer: grants of the old one are void
+                        self.detached.discard(msg.rank)
+                    self._send(conn, Ready(os.getpid()))
+                elif link is None and not isinstance(msg, Stop):
+                    raise ProtocolError(f"{msg.KIND} before hello")
+                elif isinstance(msg, (Begin, SnapshotReady, Flush)):
                     with self.lock:
                         self.pending_work = True
-                    self.jobs.put((conn, msg))
-                elif kind == "detach":
+                    self.jobs.put((link, msg))
+                elif isinstance(msg, Detach):
                     with self.lock:
-                        self.detached.add(rank)
-                elif kind == "stop":
+                        self.detached.add(link.rank)
+                elif isinstance(msg, Stop):
                     self.stopping.set()
         except (OSError, ValueError) as exc:
-            log(f"connection from rank {rank} broke: {exc}")
+            log(f"connection from rank {link.rank if link else None} broke: {exc}")
         finally:
             with self.lock:
-                if rank is not None and self.clients.get(rank) is conn:
-                    del self.clients[rank]
+                if link is not None and self.links.get(link.rank) is link:
+                    del self.links[link.rank]
             conn.close()
 
-    def _send(self, conn: socket.socket, msg: dict) -> None:
+    def _send(self, conn: socket.socket, msg: Record) -> None:
         try:
-            conn.sendall((json.dumps(msg) + "\n").encode())
+            conn.sendall((msg.dumps() + "\n").encode())
         except OSError:
             pass  # the trainer is gone; its snapshot is still recorded
 
@@ -164,7 +192,7 @@ class Agent:
     def _work(self) -> None:
         """Jobs in arrival order. A snapshot's carry (phase 7) waits while other snapshots queue
         up to be persisted, so it never delays another rank's commit; carries keep their order
-        (each one's base is the slot the previous one completed), and a flush waits for them."""
+        (each one's base is the slot the previous one completed), and a flush or begin waits for them."""
         carries: collections.deque = collections.deque()
         while True:
             try:
@@ -177,98 +205,109 @@ class Agent:
                 return
             if job == "carry":
                 self._finish(*carries.popleft())
-            elif job[1]["type"] == "flush":  # everything queued before it is done
+            elif isinstance(job[1], SnapshotReady):
+                link, msg = job
+                self.in_flight.setdefault(link.rank, set()).add(msg.slot)
+                try:
+                    carries.append((link, msg, *self._persist(link, msg)))
+                except Exception as exc:  # reported to the trainer; the agent keeps serving
+                    self._release(link, msg, f"{type(exc).__name__}: {exc}")
+            else:  # Flush or Begin: everything queued before it is done first
                 while carries:
                     self._finish(*carries.popleft())
-                self._send(job[0], {"type": "flushed"})
-            else:
-                conn, msg = job
-                try:
-                    carries.append((conn, msg, *self._persist(msg)))
-                except Exception as exc:  # reported to the trainer; the agent keeps serving
-                    self._send(conn, self._released(msg, f"{type(exc).__name__}: {exc}"))
+                link, msg = job
+                self._send(link.conn, self._begin(link, msg) if isinstance(msg, Begin) else Flushed())
             with self.lock:  # after every step: a stale "busy" kept the agent alive forever
                 self.pending_work = bool(carries) or not self.jobs.empty()
 
-    def _released(self, msg: dict, error: str | None) -> dict:
-        reply = {"type": "released", "slot": msg["slot"], "iteration": msg["iteration"]}
-        if error is not None:
-            reply["error"] = error
-            log(f"rank {msg['rank']} iteration {msg['iteration']}: {error}")
-        return reply
+    def _begin(self, link: Link, msg: Begin) -> Begun:
+        """The trainer's timeline: abandon other runs after its resume point, then grant it the slots
+        it may write (all but the newest snapshot on its timeline and those still in flight)."""
+        self.memory.begin(link.rank, msg.run, msg.resumed_from)
+        self.memory.write()
+        link.begin(msg.run)
+        return Begun(self._grant(link))
 
-    def _persist(self, msg: dict) -> tuple[dict, str | None]:
+    def _grant(self, link: Link) -> list[int]:
+        if link.run is None or self.links.get(link.rank) is not link:
+            return []  # a trainer that has not begun, or has been replaced, gets nothing
+        busy = self.in_flight.get(link.rank, set()) | link.granted
+        grants = self.memory.grantable(link.rank, busy)
+        link.granted.update(grants)
+        return grants
+
+    def _release(self, link: Link, msg: SnapshotReady, error: str | None) -> None:
+        self.in_flight.get(link.rank, set()).discard(msg.slot)
+        if error is not None:
+            log(f"rank {link.rank} iteration {msg.iteration}: {error}")
+        self._send(link.conn, Released(msg.slot, msg.iteration, error, self._grant(link)))
+
+    def _persist(self, link: Link, msg: SnapshotReady) -> tuple[SlotRecord, str | None]:
         """Phases 5 and 6; returns the slot's record (completed by ``_finish``) and the commit's
         error, if any. Raises if the slot cannot be checked or its rank file not written."""
-        rank, slot, iteration = msg["rank"], msg["slot"], msg["iteration"]
-        self.index.setdefault(str(rank), {}).pop(str(slot), None)  # the old contents are gone
-        root = msg.get("save")
-        target = manifest.rank_file(root, iteration, rank) if msg.get("persist") else None
-        persist_items = set(msg["persist_items"]) if msg.get("persist_items") is not None else None
+        rank, root = link.rank, link.job.save
+        link.granted.discard(msg.slot)
+        self.memory.forget(rank, msg.slot)  # the old contents are gone
+        target = manifest.rank_file(root, msg.iteration, rank) if msg.persist else None
+        persist_items = set(msg.persist_items) if msg.persist_items is not None else None
         try:
-            record = check_and_persist(slot_path(self.directory, rank, slot), iteration, persist_items,
-                                       target, self.storage)
+            record, file = check_and_persist(slot_path(self.directory, rank, msg.slot), msg.iteration,
+                                             link.run or "", link.key, persist_items, target, self.storage)
         except Exception:
             if target is not None:
-                self.failed.add((root, iteration))
-            self._write_index()
+                self.failed.add((root, msg.iteration))
+            self.memory.write()
             raise
-        entry = record.pop("file", None)
         if target is None:
             return record, None
         try:
-            self._node_progress(root, iteration, rank, entry, msg)
+            entry = RankFile(file=manifest.relative(root, target), **file)
+            self._node_progress(link.job, msg.iteration, rank, entry)
         except Exception as exc:  # the snapshot itself is sound: it still serves node memory
             return record, f"{type(exc).__name__}: {exc}"
         return record, None
 
-    def _finish(self, conn: socket.socket, msg: dict, record: dict, error: str | None) -> None:
-        """Phase 7: carry experts forward, record the slot, release it to its trainer."""
-        rank, slot = msg["rank"], msg["slot"]
-        self._carry(rank, slot_path(self.directory, rank, slot), record, msg.get("carry"))
-        faults.point("agent_carried", iteration=msg["iteration"])
-        self.index.setdefault(str(rank), {})[str(slot)] = record
-        self._write_index()
-        self._send(conn, self._released(msg, error))
+    def _finish(self, link: Link, msg: SnapshotReady, record: SlotRecord, error: str | None) -> None:
+        """Phase 7: carry experts forward, record the slot, release it, grant what is free now."""
+        rank = link.rank
+        record = self._carry(rank, slot_path(self.directory, rank, msg.slot), record, link.key)
+        faults.point("agent_carried", iteration=msg.iteration)
+        self.memory.record(rank, msg.slot, record)
+        self.memory.write()
+        self._release(link, msg, error)
 
-    def _carry(self, rank: int, path: str, record: dict, carry: dict | None) -> None:
-        """Carry the experts this snapshot did not write forward from its base slot, if the agent
-        recorded that base as the trainer expects; on any failure they restore from storage."""
-        if not carry:
-            return
-        base = self.index.get(str(rank), {}).get(str(carry["slot"]))
-        if base is None or base["iteration"] != carry["iteration"]:
-            log(f"rank {rank}: previous snapshot (iteration {carry['iteration']}) is not in node memory; "
-                "the experts this snapshot did not write restore from storage")
-            return
+    def _carry(self, rank: int, path: str, record: SlotRecord, job: JobKey) -> SlotRecord:
+        """The record completed with the experts this snapshot did not write, carried from the rank's
+        newest restorable slot; on any failure they restore from storage."""
+        newest = self.memory.newest(rank)
+        if newest is None:
+            return record
+        verdict = self.memory.is_restorable(rank, newest[0], job)
+        if isinstance(verdict, str):
+            log(f"rank {rank}: the previous snapshot {verdict}; the experts iteration {record.iteration} "
+                "did not write restore from storage")
+            return record
+        base_record, base_header = verdict
         try:
-            carry_forward(path, record, slot_path(self.directory, rank, carry["slot"]), base, carry["items"])
+            return carry_forward(path, record, slot_path(self.directory, rank, newest[0]), base_record, base_header)
         except (OSError, FormatError, ValueError) as exc:
-            log(f"rank {rank}: cannot carry experts forward into iteration {record['iteration']}: {exc}")
+            log(f"rank {rank}: cannot carry experts forward into iteration {record.iteration}: {exc}")
+            return record
 
-    def _node_progress(self, root: str, iteration: int, rank: int, entry: dict, msg: dict) -> None:
-        job = (root, iteration)
-        if job in self.failed:
+    def _node_progress(self, job: JobInfo, iteration: int, rank: int, entry: RankFile) -> None:
+        key = (job.save, iteration)
+        if key in self.failed:
             return
-        done = self.pending.setdefault(job, {})
-        done[str(rank)] = {"file": manifest.relative(root, manifest.rank_file(root, iteration, rank)), **entry}
-        if len(done) < msg["local_world_size"]:
+        done = self.pending.setdefault(key, {})
+        done[str(rank)] = entry
+        if len(done) < job.local_world_size:
             return
-        del self.pending[job]
-        marker = {"iteration": iteration, "node": msg["node_rank"], "job_id": msg["job_id"],
-                  "fingerprint": msg["fingerprint"], "topology": msg["topology"], "ranks": done}
-        manifest.write_node_marker(root, iteration, msg["node_rank"], marker, self.storage)
-        if manifest.try_commit(root, iteration, msg["num_nodes"], msg.get("keep", 0), self.storage):
+        del self.pending[key]
+        marker = NodeMarker(iteration=iteration, node=job.node_rank, job_id=job.job_id,
+                            fingerprint=job.fingerprint, topology=job.topology, ranks=done)
+        manifest.write_node_marker(job.save, marker, self.storage)
+        if manifest.try_commit(job.save, iteration, job.num_nodes, job.keep, self.storage):
             log(f"committed iteration {iteration}")
-
-    def _write_index(self) -> None:
-        tmp = os.path.join(self.directory, INDEX + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.index, f)
-        os.replace(tmp, os.path.join(self.directory, INDEX))
-
-    def _load_index(self) -> dict:
-        return read_index(self.directory)
 
 
 def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool) -> int:

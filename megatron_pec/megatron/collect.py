@@ -44,6 +44,10 @@ class Slice:
     def numel(self) -> int:
         return self.param_end - self.param_start
 
+    @property
+    def kind(self) -> str:
+        return self.locator[5]
+
 
 def distributed_optimizers(optimizer) -> list:
     """The DistributedOptimizers inside Megatron's (Chained)Optimizer."""
@@ -124,6 +128,14 @@ def live_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor]:
     return views
 
 
+def param_view(optimizers: list, s: Slice) -> torch.Tensor:
+    """The main-param range of ``s`` (a ``param`` slice), from the param groups: valid even before
+    Adam has state (``--no-load-optim`` restores only the weights)."""
+    oi, gi, dtype, bi, ei, _, offset = s.locator
+    model_param = list(optimizers[oi].gbuf_ranges[gi][dtype][bi]["param_map"])[ei]
+    return main_param(optimizers[oi], model_param).view(-1)[offset: offset + s.numel]
+
+
 def fingerprint(slices: list[Slice], topology: dict) -> str:
     """Changes whenever a saved slice would no longer fit the live model the same way."""
     h = hashlib.sha256(json.dumps(topology, sort_keys=True).encode())
@@ -165,5 +177,5 @@ def small_state(optimizer, scheduler, args, iteration: int, flops: float) -> dic
     }
 
 
-__all__ = ["Slice", "build_slices", "live_views", "small_state", "fingerprint", "topology", "NON_EXPERT",
-           "UnsupportedSetup"]
+__all__ = ["Slice", "build_slices", "live_views", "param_view", "small_state", "fingerprint", "topology",
+           "NON_EXPERT", "UnsupportedSetup"]

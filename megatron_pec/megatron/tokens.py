@@ -5,7 +5,7 @@ Installed once per model on every rank. The hook adds ``routing_map.sum(0)``
 stays on the router's device, so training never waits on it. At save time the
 engine sums every rank's counts in the one small all-reduce a save makes anyway
 (``Engine._agree_and_count``), which makes them global and identical on every
-rank. Evaluation passes (``module.training`` False) update no expert and are
+rank, and keeps the cumulative totals (PEC bookkeeping, not Megatron's). Evaluation passes (``module.training`` False) update no expert and are
 not counted.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_pec.items import ExpertId
 
 
 class TokenCounter:
@@ -24,14 +23,10 @@ class TokenCounter:
         self.num_experts = 0
         self._counts: list[torch.Tensor] = []
         self._hooks = []
-        self.cumulative: dict[ExpertId, int] = {}
         for chunk in model_chunks:
             for module in chunk.modules():
                 if isinstance(module, MoELayer):
                     self._hook(module)
-        for layer in self.layers:
-            for e in range(self.num_experts):
-                self.cumulative[ExpertId(layer, e)] = 0
 
     def _hook(self, moe_layer) -> None:
         index = len(self.layers)
@@ -61,10 +56,3 @@ class TokenCounter:
         for c in self._counts:
             c.zero_()
         return local.cpu().tolist()
-
-    def fold(self, rows: list[list[int]]) -> dict[ExpertId, int]:
-        """Add global counts (one row per layer of ``layers``) to the cumulative totals."""
-        for row, layer in zip(rows, self.layers):
-            for e, n in enumerate(row):
-                self.cumulative[ExpertId(layer, e)] += n
-        return self.cumulative

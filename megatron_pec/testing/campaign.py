@@ -1,4 +1,4 @@
-"""The random fault campaign: ``python -m megatron_pec.faults campaign --runs N [--seed S] [--out FILE]``.
+"""The random fault campaign: ``python -m megatron_pec.testing.campaign --runs N [--seed S] [--out FILE]``.
 
 Runs in a driver process on one machine, one simulated 2-node job at a time
 (``megatron_pec.testing.cluster``). Each run draws a fault type, a fault point,
@@ -47,6 +47,7 @@ PEC = ["--train-iters", "16", "--save-interval", "4", "--non-persistent-save-int
        "--pec-snapshot-k", "1", "--pec-persist-k", "1", "--pec-keep", "2"]
 PEC_ITERS, PEC_SNAPSHOT_INTERVAL, PEC_SAVE_INTERVAL = 16, 2, 4
 TIMEOUT = 180.0
+DEFAULT_SCRIPT = os.path.join("examples", "gpt_moe", "pretrain_gpt_moe.py")
 
 TRAINER_POINTS = ("snapshot_begin", "snapshot_mid", "snapshot_end", "optimizer_step")
 AGENT_POINTS = ("agent_carried", "persist_write", "before_rename", "before_node_marker", "before_manifest",
@@ -66,8 +67,8 @@ def check(condition, message: str) -> None:
 
 
 class Campaign:
-    def __init__(self, workdir: Path, shm: Path, seed: int, keep_failed: bool = True):
-        self.workdir, self.shm, self.rng = workdir, shm, random.Random(seed)
+    def __init__(self, workdir: Path, shm: Path, seed: int, script: Path, keep_failed: bool = True):
+        self.workdir, self.shm, self.rng, self.script = workdir, shm, random.Random(seed), script
         self.keep_failed = keep_failed
         self.can_mount = os.geteuid() == 0 and shutil.which("mount") is not None
         self.reference: dict[int, float] = {}
@@ -76,7 +77,7 @@ class Campaign:
     # ---- set-up ----------------------------------------------------------------------------------
     def prepare(self) -> None:
         """The uninterrupted reference run (losses, and a checkpoint directory to damage)."""
-        c = Cluster(self.workdir / "reference", self.shm, "fcref")
+        c = Cluster(self.workdir / "reference", self.shm, "fcref", script=self.script)
         try:
             c.launch(FULL)
             codes = c.wait_exit(TIMEOUT)
@@ -135,7 +136,7 @@ class Campaign:
                       restored_iteration=None, reached_iteration=None, iterations_lost=None, plt=None,
                       failure=None)
         workdir = self.workdir / f"run{index:04d}"
-        c = Cluster(workdir, self.shm, f"fc{index:04d}", save=workdir / "checkpoints")
+        c = Cluster(workdir, self.shm, f"fc{index:04d}", save=workdir / "checkpoints", script=self.script)
         start = time.monotonic()
         try:
             getattr(self, "_" + spec["type"])(c, spec, result)
@@ -364,8 +365,7 @@ class Campaign:
         self._common_end_checks(c, result, "full")
 
     def _damage(self, root: Path, iteration: int, kind: str, rank: int, result: dict) -> None:
-        ranks = manifest.read_manifest(str(root), iteration)["ranks"]
-        victim = root / ranks[str(rank)]["file"]
+        victim = root / manifest.read_manifest(str(root), iteration).ranks[str(rank)].file
         if kind == "flip_byte":
             with open(victim, "r+b") as f:
                 offset = self.rng.randrange(os.path.getsize(victim))
@@ -425,7 +425,7 @@ def format_table(table: dict[str, dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_pec.faults campaign",
+    p = argparse.ArgumentParser(prog="python -m megatron_pec.testing.campaign",
                                 description="Random fault injection against a simulated 2-node CPU job.")
     p.add_argument("--runs", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
@@ -436,18 +436,22 @@ def main(argv=None) -> int:
     p.add_argument("--shm-dir", default="/dev/shm/fault_helper/campaign",
                    help="node memory root (each run uses <dir>/<job id>/)")
     p.add_argument("--types", default=",".join(TYPES), help="comma-separated subset of: " + ", ".join(TYPES))
+    p.add_argument("--script", default=DEFAULT_SCRIPT,
+                   help="the training script every run launches (default: %(default)s, from a megatron-pec checkout)")
     a = p.parse_args(argv)
     types = [t for t in a.types.split(",") if t]
     unknown = set(types) - set(TYPES)
     if unknown:
         p.error(f"unknown fault types {sorted(unknown)}")
+    if not os.path.isfile(a.script):
+        p.error(f"training script {a.script} not found: run from a megatron-pec checkout or pass --script PATH")
     workdir, shm = Path(a.workdir), Path(a.shm_dir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     shm.mkdir(parents=True, exist_ok=True)
-    campaign = Campaign(workdir, shm, a.seed)
+    campaign = Campaign(workdir, shm, a.seed, Path(a.script))
     started = time.time()
-    command = "python -m megatron_pec.faults campaign " + " ".join(shlex.quote(x) for x in (argv or sys.argv[2:]))
+    command = "python -m megatron_pec.testing.campaign " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     print(f"megatron-pec fault campaign: {a.runs} runs, seed {a.seed}; reference run ...", flush=True)
     runs: list[dict] = []
     try:
@@ -519,3 +523,7 @@ def _write(path: str, command: str, seed: int, started: float, runs: list[dict])
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,8 +38,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PRETRAIN = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
 PORTS = range(29700, 29900)  # this harness's share of master ports
 
 # A small GPT-MoE that runs an iteration in ~0.3 s on 2 CPU cores (8 experts, EP=2, DP=2).
@@ -164,9 +162,12 @@ class Cluster:
 
     def __init__(self, workdir: str | os.PathLike, shm_dir: str | os.PathLike, job_id: str, *, nnodes: int = 2,
                  model_args: list[str] = SMALL_MODEL, save: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None, script: Path = PRETRAIN):
+                 env: dict[str, str] | None = None, script: str | os.PathLike):
         self.workdir, self.shm_dir, self.job_id = Path(workdir), Path(shm_dir), job_id
-        self.nnodes, self.model_args, self.script = nnodes, list(model_args), script
+        self.nnodes, self.model_args, self.script = nnodes, list(model_args), Path(script).resolve()
+        if not self.script.is_file():
+            raise FileNotFoundError(f"training script {self.script} not found (examples/gpt_moe/pretrain_gpt_moe.py "
+                                    "of a megatron-pec checkout)")
         self.save = Path(save) if save is not None else self.workdir / "checkpoints"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.once_dir = self.workdir / "faults_fired"
@@ -217,7 +218,7 @@ class Cluster:
                    "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
                    "--master-port", str(port), "--max-restarts", "0", str(self.script), *args]
             self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                env=node_env, cwd=str(REPO), start_new_session=True)
+                                                env=node_env, cwd=str(self.workdir), start_new_session=True)
             self._remember([self.procs[node].pid])
         return self.launches
 
@@ -444,36 +445,30 @@ class Cluster:
         self.close()
 
 
-def _file_metadata(path: str) -> dict[str, str]:
-    from megatron_pec.stformat import decode_header
-
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        body = prefix + f.read(int.from_bytes(prefix, "little"))
-    return decode_header(body).metadata
-
-
 def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     """The PLT a restore of committed ``iteration`` from storage alone costs: every expert at the
     version its manifest records. Computed from the files' recorded cumulative token counts."""
     from megatron_pec import manifest, plt
     from megatron_pec.items import parse_item
-    from megatron_pec.pec_state import cumulative_from_json
+    from megatron_pec.protocol import SlotHeader
+    from megatron_pec.stformat import read_header
+    from megatron_pec.storage import PosixStorage
 
-    root = str(root)
+    root, storage = str(root), PosixStorage()
     m = manifest.read_manifest(root, iteration)
-    files_at = {iteration: m["ranks"], **{int(v): ranks for v, ranks in m["sources"].items()}}
     tokens_at: dict[int, dict] = {}
 
     def tokens(version: int) -> dict:  # all-reduced counts: with PP=1 any rank's file has every expert
         if version not in tokens_at:
-            any_file = next(iter(files_at[version].values()))["file"]
-            tokens_at[version] = cumulative_from_json(_file_metadata(os.path.join(root, any_file))["tokens"])
+            path = os.path.join(root, next(iter(m.ranks.values() if version == iteration
+                                                else m.sources[str(version)].values())).file)
+            _, layout = read_header(lambda offset, n: storage.read_range(path, offset, n), storage.size(path))
+            tokens_at[version] = {parse_item(k): v for k, v in SlotHeader.from_metadata(layout.metadata).tokens.items()}
         return tokens_at[version]
 
     at_target = tokens(iteration)
     at_version, version_of = {}, {}
-    for item, version in m["experts"].items():
+    for item, version in m.experts.items():
         expert = parse_item(item)
         at_version[expert], version_of[expert] = tokens(version)[expert], version
     return plt.lost_tokens(at_target, at_version, version_of, iteration).fraction
@@ -482,7 +477,7 @@ def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
 def run_megatron_pec(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """``python -m megatron_pec ARGS`` (inspect / verify), output captured."""
     return subprocess.run([sys.executable, "-m", "megatron_pec", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(REPO))
+                          timeout=timeout)
 
 
 __all__ = ["Cluster", "ClusterTimeout", "Restore", "parse_restores", "parse_plt", "free_port", "SMALL_MODEL",

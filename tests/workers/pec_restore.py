@@ -26,18 +26,18 @@ def train(args, model, optimizer, scheduler, data, first, last, save=True):
         args.consumed_train_samples += args.global_batch_size
         if save:
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 4 != 0)
-            history[i] = {k: v.clone() for k, v in collect.live_views(api._engine.slices, optimizer).items()}
-            tokens[i] = dict(api._engine.tokens.cumulative)
+            history[i] = {k: v.clone() for k, v in collect.live_views(api._engine.adapter.slices, optimizer).items()}
+            tokens[i] = dict(api._engine.cumulative)
             snapshot_versions[i] = {item_name(e): v for e, v in api._engine.pec.snapshot.saved_at.items()}
 
 
 def check_restore(optimizer, target, previous_lost):
     """Compare the restored slices with the recorded history; recompute PLT independently."""
     engine = api._engine
-    live = collect.live_views(engine.slices, optimizer)
+    live = collect.live_views(engine.adapter.slices, optimizer)
     versions = {item_name(e): v for e, v in engine.pec.snapshot.saved_at.items()}
     mismatched = []
-    for s in engine.slices:
+    for s in engine.adapter.slices:
         version = target if s.item == "dense" else versions[s.item]
         if not torch.equal(live[s.name], history[version][s.name]):
             mismatched.append(f"{s.name}@{version}")
@@ -78,7 +78,7 @@ def main():
     result["storage"] = check_restore(optimizer, 12, result["memory_1"]["lost"])
 
     rank = str(torch.distributed.get_rank())
-    result["persisted_bytes"] = {i: manifest.read_manifest(save, i)["ranks"][rank]["size"] for i in (4, 8, 12)}
+    result["persisted_bytes"] = {i: manifest.read_manifest(save, i).ranks[rank].size for i in (4, 8, 12)}
     report("pec", result)
     torch.distributed.barrier()
 

@@ -24,7 +24,7 @@ MORE = 3
 def capture(args, model, optimizer, scheduler):
     from megatron.core import tensor_parallel
 
-    live = collect.live_views(api._engine.slices, optimizer)
+    live = collect.live_views(api._engine.adapter.slices, optimizer)
     return {
         "slices": {k: v.clone() for k, v in live.items()},
         "params": {n: p.detach().clone() for n, p in model[0].named_parameters()},

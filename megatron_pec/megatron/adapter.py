@@ -1,0 +1,118 @@
+"""The Megatron adapter: the one object through which megatron-pec touches Megatron.
+
+One per trainer process, built with the engine (collective: every rank builds it).
+It owns what only Megatron knows: topology and process groups, the slice table of
+this rank's DistributedOptimizer shards and their live views, the optimizer step
+hooks, the router token counters, the small state Megatron's own checkpoint
+holds, and the restore into model, optimizer, scheduler, RNG and ``args``.
+Engine, loader, sources, manifest, agent and policy never import ``megatron``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_pec.collectives import Collectives
+from megatron_pec.items import ExpertId
+from megatron_pec.megatron import collect, restore
+from megatron_pec.megatron.tokens import TokenCounter
+
+
+def training_args():
+    """Megatron-LM's global training arguments, or None outside Megatron-LM's ``pretrain()``."""
+    try:
+        from megatron.training import get_args
+
+        return get_args()
+    except (ImportError, AssertionError):
+        return None
+
+
+class MegatronAdapter:
+    def __init__(self, args, model_chunks: list, optimizer):
+        from megatron.core import parallel_state
+
+        self.args, self.model, self.optimizer = args, model_chunks, optimizer
+        self.optimizers = collect.distributed_optimizers(optimizer)  # refuses setups we cannot checkpoint
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        self.topology = collect.topology()
+        # Token counts are summed over all ranks. Data-, context- and expert-parallel ranks route
+        # different tokens, pipeline stages different layers; tensor-parallel ranks route the same
+        # tokens unless sequence parallelism splits the sequence among them: count those once.
+        sequence_parallel = getattr(model_chunks[0].config, "sequence_parallel", False)
+        self.token_replicas = 1 if sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
+        self.collectives = Collectives.over_all_ranks()
+        self.slices = collect.build_slices(model_chunks, optimizer)
+        self.local_fingerprint = collect.fingerprint(self.slices, self.topology)
+        self.tokens = TokenCounter(model_chunks)
+        self.experts_held: list[ExpertId] = sorted({s.expert for s in self.slices if s.expert is not None})
+        self._live: dict[str, torch.Tensor] | None = None
+        self._step_hooks = []
+
+    # ---- what the engine asks ------------------------------------------------------------------
+    @property
+    def moe_layers(self) -> list[int]:
+        """Global 1-based numbers of this stage's MoE layers."""
+        return self.tokens.layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.tokens.num_experts
+
+    def expert_bytes(self) -> int:
+        """The largest checkpoint footprint of one expert on this rank (0 without experts)."""
+        per_expert: dict[ExpertId, int] = {}
+        for s in self.slices:
+            if s.expert is not None:
+                per_expert[s.expert] = per_expert.get(s.expert, 0) + s.numel * s.dtype.itemsize
+        return max(per_expert.values(), default=0)
+
+    def live_views(self) -> dict[str, torch.Tensor]:
+        """Slice name -> view of the optimizer's current tensor; bound once Adam's state exists,
+        again after a restore replaced the optimizer's tensors."""
+        if self._live is None:
+            self._live = collect.live_views(self.slices, self.optimizer)
+        return self._live
+
+    def before_each_step(self, callback) -> None:
+        """Call ``callback()`` before every optimizer step (before the step mutates the state)."""
+        for opt in self.optimizers:
+            self._step_hooks.append(opt.optimizer.register_step_pre_hook(lambda *_: callback()))
+
+    def small_state(self, scheduler, iteration: int, flops: float) -> dict:
+        return collect.small_state(self.optimizer, scheduler, self.args, iteration, flops)
+
+    # ---- restore ---------------------------------------------------------------------------------
+    def restore(self, small: dict, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
+                load_rng: bool, finetune: bool) -> None:
+        """Phase 9 on this rank: saved slices into the optimizer shards, then model params (the DDP
+        param all-gather), scheduler, RNG and Megatron's ``args`` side effects.
+
+        Without ``load_optim`` only the main params (the weights) are restored.
+        """
+        if load_optim:
+            restore.restore_optimizer(self.optimizer, small["optimizer"])
+            self._live = None  # load_state_dict replaced Adam's tensors
+            targets = self.live_views()
+        else:
+            targets = self._param_views()
+        restore.copy_slices(targets, {name: t for name, t in tensors.items() if name in targets})
+        restore.sync_model_params(self.model, self.optimizer)
+        if scheduler is not None and load_optim and small["scheduler"] is not None:
+            restore.restore_scheduler(scheduler, small["scheduler"])
+        if load_rng:
+            restore.restore_rng(small["rng"])
+        restore.restore_args(self.args, small, finetune)
+
+    def _param_views(self) -> dict[str, torch.Tensor]:
+        """The main-param views only (``--no-load-optim``: Adam may have no state yet)."""
+        return {s.name: collect.param_view(self.optimizers, s) for s in self.slices if s.kind == "param"}
+
+    def close(self) -> None:
+        """Remove the router and step hooks (a new engine installs its own)."""
+        self.tokens.remove()
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []

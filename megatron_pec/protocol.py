@@ -1,0 +1,381 @@
+"""Every record that crosses a process or file boundary: typed, versioned, validated on decode.
+
+Three families, one codec:
+
+* **agent messages** (newline-delimited JSON over the node agent's Unix socket):
+  trainer -> agent ``Hello`` (job constants, once per connection), ``Begin`` (the
+  timeline this trainer writes), ``SnapshotReady``, ``Flush``, ``Detach``, ``Stop``;
+  agent -> trainer ``Ready``, ``Begun``, ``Released``, ``Flushed``.
+* **node memory**: ``SlotHeader`` (the ``__metadata__`` of a slot and of a persisted
+  rank file) and ``MemoryIndex`` (the agent's ``slots.json``: ``SlotRecord`` per slot,
+  the timeline ``Segment`` list per rank).
+* **storage**: ``NodeMarker`` and ``Manifest`` (the commit marker), each listing ``RankFile``.
+
+Each record is encoded with ``type`` and ``v`` (its version). ``decode`` checks both
+and every field's type, and raises ``ProtocolError`` naming the record and the field;
+a record written by a newer megatron-pec (higher ``v``) is refused with a message
+saying so. Pure Python: the node agent imports it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "ProtocolError", "Record", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",
+    "Flush", "Flushed", "Detach", "Stop", "SlotHeader", "SlotRecord", "Segment", "RankMemory", "MemoryIndex",
+    "RankFile", "NodeMarker", "Manifest", "decode_message", "LEGACY_FORMAT",
+]
+
+LEGACY_FORMAT = "megatron-pec/1"  # manifests and markers written before records carried type and v
+
+
+class ProtocolError(ValueError):
+    """A record that does not decode; the message names the record, the field and what is wrong."""
+
+
+def _check(value, hint, where: str):
+    """``value`` converted to ``hint`` (nested records decoded), or ProtocolError naming ``where``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(value, inner, where)
+    if isinstance(hint, type) and issubclass(hint, Record):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
+        return hint._from_fields(value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+        return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
+        return {k: _check(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError(f"{where} must be an integer, got {value!r}")
+    if hint in (str, bool) and not isinstance(value, hint):
+        raise ProtocolError(f"{where} must be a {hint.__name__}, got {value!r}")
+    return value
+
+
+class Record:
+    """Base of all records: ``encode`` to a JSON-ready dict, ``decode`` back with validation."""
+
+    KIND: ClassVar[str]
+    VERSION: ClassVar[int] = 1
+
+    def encode(self) -> dict:
+        return {"type": self.KIND, "v": self.VERSION, **self._fields()}
+
+    def _fields(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def dumps(self) -> str:
+        return json.dumps(self.encode(), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, data) -> "Record":
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{cls.KIND}: expected an object, got {type(data).__name__}")
+        if "type" not in data and data.get("format") == LEGACY_FORMAT:
+            data = {**data, "type": cls.KIND, "v": 1}
+        if data.get("type") != cls.KIND:
+            raise ProtocolError(f"{cls.KIND}: field 'type' is {data.get('type')!r}, expected {cls.KIND!r}")
+        version = data.get("v")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ProtocolError(f"{cls.KIND}: field 'v' (record version) must be an integer, got {version!r}")
+        if version > cls.VERSION:
+            raise ProtocolError(f"{cls.KIND}: written by a newer megatron-pec (record version {version}; this one "
+                                f"reads up to {cls.VERSION}): upgrade megatron-pec to read it")
+        return cls._from_fields(data, cls.KIND)
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> "Record":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ProtocolError(f"{cls.KIND}: not valid JSON ({exc})") from None
+        return cls.decode(data)
+
+    @classmethod
+    def _from_fields(cls, data: dict, where: str) -> "Record":
+        hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in data:
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                    continue
+                raise ProtocolError(f"{where}: field {f.name!r} is missing")
+            values[f.name] = _check(data[f.name], hints[f.name], f"{where}: field {f.name!r}")
+        return cls(**values)
+
+
+_HINTS: dict[type, dict] = {}  # resolved field types per record class
+
+
+def _plain(value):
+    if isinstance(value, Record):
+        return value._fields()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---- agent messages ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class JobInfo(Record):
+    """The job constants a trainer tells its agent once per connection."""
+
+    KIND: ClassVar[str] = "job"
+    job_id: str
+    fingerprint: str          # configuration id: slots and files of another configuration are never mixed
+    save: str                 # absolute --save directory
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    topology: dict[str, int]
+    keep: int                 # --pec-keep: committed iterations retained
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Record):
+    KIND: ClassVar[str] = "hello"
+    rank: int
+    job: JobInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(Record):
+    KIND: ClassVar[str] = "ready"
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Begin(Record):
+    """This trainer writes timeline ``run``, which continues from iteration ``resumed_from`` (None: from
+    scratch). Every snapshot of any other run after that iteration is abandoned."""
+
+    KIND: ClassVar[str] = "begin"
+    run: str
+    resumed_from: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Begun(Record):
+    """Answer to ``Begin``: the slots the trainer may write now."""
+
+    KIND: ClassVar[str] = "begun"
+    grants: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotReady(Record):
+    """Slot ``slot`` holds the complete snapshot of ``iteration``; the slot now belongs to the agent."""
+
+    KIND: ClassVar[str] = "snapshot-ready"
+    slot: int
+    iteration: int
+    persist: bool
+    persist_items: list[str] | None  # experts to persist besides the dense state; None: all it wrote
+
+
+@dataclass(frozen=True, slots=True)
+class Released(Record):
+    """The agent is done with a snapshot (persisted, if asked; ``error`` says why not) and hands the
+    trainer ``grants``: slots it may overwrite from now on."""
+
+    KIND: ClassVar[str] = "released"
+    slot: int
+    iteration: int
+    error: str | None
+    grants: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Flush(Record):
+    KIND: ClassVar[str] = "flush"
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed(Record):
+    KIND: ClassVar[str] = "flushed"
+
+
+@dataclass(frozen=True, slots=True)
+class Detach(Record):
+    KIND: ClassVar[str] = "detach"
+
+
+@dataclass(frozen=True, slots=True)
+class Stop(Record):
+    KIND: ClassVar[str] = "stop"
+
+
+_MESSAGES = {cls.KIND: cls for cls in (Hello, Ready, Begin, Begun, SnapshotReady, Released, Flush, Flushed,
+                                       Detach, Stop)}
+
+
+def decode_message(line: str | bytes) -> Record:
+    """One agent message of any kind; raises ProtocolError for an unknown or malformed one."""
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        raise ProtocolError(f"agent message: not valid JSON ({exc})") from None
+    kind = data.get("type") if isinstance(data, dict) else None
+    if kind not in _MESSAGES:
+        raise ProtocolError(f"agent message: field 'type' is {kind!r}, expected one of {', '.join(_MESSAGES)}")
+    return _MESSAGES[kind].decode(data)
+
+
+# ---- node memory ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SlotHeader(Record):
+    """What a snapshot says about itself, in the safetensors ``__metadata__`` (all values strings) of
+    its slot and of the rank file persisted from it."""
+
+    KIND: ClassVar[str] = "slot-header"
+    job_id: str
+    fingerprint: str
+    save: str
+    rank: int
+    world_size: int
+    iteration: int
+    items: dict[str, int]     # item -> version held (the items this file holds)
+    tokens: dict[str, int]    # expert item -> cumulative tokens at this iteration
+    small: str                # smallstate JSON (optimizer param_groups, scheduler, RNG, args)
+    pec: str                  # PecState JSON
+    run: str = ""             # the timeline that wrote it ("" in files of megatron-pec before timelines)
+
+    WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "1", "state": "writing"}
+    _JSON_FIELDS: ClassVar[tuple[str, ...]] = ("items", "tokens")
+
+    def to_metadata(self) -> dict[str, str]:
+        """The safetensors metadata: strings only (dicts as JSON)."""
+        out = {"type": self.KIND, "v": str(self.VERSION), "state": "complete"}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = json.dumps(value, separators=(",", ":")) if f.name in self._JSON_FIELDS else str(value)
+        return out
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> "SlotHeader":
+        """Raises ProtocolError for a header that is not a complete snapshot's (e.g. one being written)."""
+        if meta.get("type") == cls.KIND and meta.get("state") != "complete":
+            raise ProtocolError(f"{cls.KIND}: field 'state' is {meta.get('state')!r}: the snapshot is incomplete")
+        data = dict(meta)
+        for name, value in meta.items():
+            if name == "v" or name in ("rank", "world_size", "iteration"):
+                try:
+                    data[name] = int(value)
+                except (TypeError, ValueError):
+                    raise ProtocolError(f"{cls.KIND}: field {name!r} must be an integer, got {value!r}") from None
+            elif name in cls._JSON_FIELDS:
+                try:
+                    data[name] = json.loads(value)
+                except (TypeError, ValueError):
+                    raise ProtocolError(f"{cls.KIND}: field {name!r} is not valid JSON") from None
+        return cls.decode(data)
+
+    def with_items(self, items: dict[str, int]) -> "SlotHeader":
+        return dataclasses.replace(self, items=items)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRecord(Record):
+    """The agent's record of a complete slot: which snapshot, which timeline, which item versions."""
+
+    KIND: ClassVar[str] = "slot-record"
+    iteration: int
+    run: str
+    items: dict[str, int]     # item -> version (written by this snapshot or carried in)
+    crcs: dict[str, int]      # item -> crc32 of its bytes in the slot
+    tokens: dict[str, int] = field(default_factory=dict)  # carried experts -> cumulative tokens at their version
+
+
+@dataclass(frozen=True, slots=True)
+class Segment(Record):
+    """One stretch of a rank's timeline: snapshots of ``run`` up to iteration ``last`` (None: open)."""
+
+    KIND: ClassVar[str] = "segment"
+    run: str
+    last: int | None
+
+    def admits(self, run: str, iteration: int) -> bool:
+        return run == self.run and (self.last is None or iteration <= self.last)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory(Record):
+    KIND: ClassVar[str] = "rank-memory"
+    slots: dict[str, SlotRecord] = field(default_factory=dict)
+    lineage: list[Segment] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryIndex(Record):
+    """``slots.json``: what node memory holds, written only by the node agent."""
+
+    KIND: ClassVar[str] = "memory-index"
+    ranks: dict[str, RankMemory] = field(default_factory=dict)
+
+
+# ---- storage -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RankFile(Record):
+    """One persisted rank file and its checksums."""
+
+    KIND: ClassVar[str] = "rank-file"
+    file: str                 # relative to the checkpoint root
+    size: int
+    crc32: int                # whole file
+    items: list[str]
+    header_crc32: int
+    item_crc32: dict[str, int]  # per item: partial restores check just what they read
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMarker(Record):
+    """One node's part of an iteration: written when all its ranks' files are durable."""
+
+    KIND: ClassVar[str] = "node-marker"
+    iteration: int
+    node: int
+    job_id: str
+    fingerprint: str
+    topology: dict[str, int]
+    ranks: dict[str, RankFile]
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest(Record):
+    """The commit marker of an iteration: it exists iff the iteration is valid."""
+
+    KIND: ClassVar[str] = "manifest"
+    iteration: int
+    job_id: str
+    fingerprint: str
+    topology: dict[str, int]
+    num_nodes: int
+    world_size: int
+    ranks: dict[str, RankFile]
+    experts: dict[str, int]                  # expert item -> iteration of its newest persisted version
+    sources: dict[str, dict[str, RankFile]]  # older iteration -> rank -> file still holding needed versions
+
+    def file_of(self, version: int, rank: int) -> RankFile | None:
+        """The rank file of ``rank`` written at ``version`` (this iteration or a referenced older one)."""
+        files = self.ranks if version == self.iteration else self.sources.get(str(version), {})
+        return files.get(str(rank))

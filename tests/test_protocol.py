@@ -1,0 +1,128 @@
+"""Every record that crosses a process or file boundary: round trip, and refusal of a malformed or
+newer-version record with a message naming the record and the field. Pure unit tests."""
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_pec import protocol as p
+
+FILE = p.RankFile(file="iter_0000010/pec/rank_00000.safetensors", size=4096, crc32=0xDEADBEEF,
+                  items=["L1.E0", "dense"], header_crc32=7, item_crc32={"L1.E0": 1, "dense": 2})
+JOB = p.JobInfo(job_id="job", fingerprint="0123abcd", save="/ckpt", local_world_size=2, node_rank=1, num_nodes=2,
+                topology={"tp": 1, "ep": 2, "dp": 2}, keep=2)
+RECORD = p.SlotRecord(iteration=12, run="r1", items={"dense": 12, "L1.E0": 10}, crcs={"dense": 5, "L1.E0": 6},
+                      tokens={"L1.E0": 900})
+
+# One instance of every record, and a field of it to break (with a value of the wrong type).
+SAMPLES = [
+    (JOB, "num_nodes", "two"),
+    (p.Hello(rank=3, job=JOB), "rank", None),
+    (p.Ready(pid=4242), "pid", "4242"),
+    (p.Begin(run="r1", resumed_from=10), "run", 5),
+    (p.Begin(run="r2", resumed_from=None), "resumed_from", "10"),
+    (p.Begun(grants=[0, 2]), "grants", [0, "x"]),
+    (p.SnapshotReady(slot=1, iteration=12, persist=True, persist_items=["L1.E3"]), "slot", "1"),
+    (p.SnapshotReady(slot=2, iteration=13, persist=False, persist_items=None), "persist", "yes"),
+    (p.Released(slot=1, iteration=12, error=None, grants=[0]), "iteration", 12.5),
+    (p.Released(slot=1, iteration=12, error="OSError: [Errno 28] No space left", grants=[]), "error", 28),
+    (p.Flush(), None, None),
+    (p.Flushed(), None, None),
+    (p.Detach(), None, None),
+    (p.Stop(), None, None),
+    (RECORD, "crcs", {"dense": "5"}),
+    (p.Segment(run="r1", last=None), "last", "open"),
+    (p.RankMemory(slots={"0": RECORD}, lineage=[p.Segment("r0", 8), p.Segment("r1", None)]), "lineage", {}),
+    (p.MemoryIndex(ranks={"0": p.RankMemory(slots={"1": RECORD})}), "ranks", []),
+    (FILE, "size", True),
+    (p.NodeMarker(iteration=10, node=1, job_id="job", fingerprint="f", topology={"ep": 2}, ranks={"2": FILE}),
+     "ranks", {"2": {"file": "x"}}),
+    (p.Manifest(iteration=20, job_id="job", fingerprint="f", topology={"ep": 2}, num_nodes=2, world_size=4,
+                ranks={"0": FILE}, experts={"L1.E0": 10}, sources={"10": {"0": FILE}}), "experts", {"L1.E0": "10"}),
+]
+IDS = [f"{type(r).__name__}-{field}" for r, field, _ in SAMPLES]
+
+
+@pytest.mark.parametrize("record,field,bad", SAMPLES, ids=IDS)
+def test_round_trip(record, field, bad):
+    text = record.dumps()
+    assert type(record).loads(text) == record
+    if type(record).KIND in {k.KIND for k in (p.Hello, p.Ready, p.Begin, p.Begun, p.SnapshotReady, p.Released,
+                                               p.Flush, p.Flushed, p.Detach, p.Stop)}:
+        assert p.decode_message(text) == record
+
+
+@pytest.mark.parametrize("record,field,bad", [s for s in SAMPLES if s[1] is not None],
+                         ids=[i for i, s in zip(IDS, SAMPLES) if s[1] is not None])
+def test_malformed_field_is_refused_naming_the_field(record, field, bad):
+    data = record.encode()
+    data[field] = bad
+    with pytest.raises(p.ProtocolError, match=rf"^{record.KIND}: field '{field}'"):
+        type(record).decode(data)
+    del data[field]
+    spec = {f.name: f for f in dataclasses.fields(record)}[field]
+    if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+        with pytest.raises(p.ProtocolError, match=rf"^{record.KIND}: field '{field}' is missing"):
+            type(record).decode(data)
+    else:  # optional: an absent field takes its default
+        assert getattr(type(record).decode(data), field) == spec.default_factory()
+
+
+@pytest.mark.parametrize("record,field,bad", SAMPLES, ids=IDS)
+def test_newer_version_and_wrong_type_are_refused(record, field, bad):
+    data = record.encode()
+    with pytest.raises(p.ProtocolError, match=rf"{record.KIND}: written by a newer megatron-pec \(record version 2; "
+                                              rf"this one reads up to 1\): upgrade"):
+        type(record).decode({**data, "v": 2})
+    with pytest.raises(p.ProtocolError, match=rf"^{record.KIND}: field 'v'"):
+        type(record).decode({**data, "v": "1"})
+    other = p.Stop if not isinstance(record, p.Stop) else p.Flush
+    with pytest.raises(p.ProtocolError, match=rf"^{other.KIND}: field 'type' is '{record.KIND}'"):
+        other.decode(data)
+
+
+def test_nested_field_errors_name_the_path():
+    data = p.Manifest(iteration=20, job_id="j", fingerprint="f", topology={}, num_nodes=1, world_size=1,
+                      ranks={"0": FILE}, experts={}, sources={}).encode()
+    data["ranks"]["0"]["crc32"] = "abc"
+    with pytest.raises(p.ProtocolError, match=r"manifest: field 'ranks'\['0'\]: field 'crc32' must be an integer"):
+        p.Manifest.decode(data)
+
+
+def test_unknown_messages_and_bad_json_are_refused():
+    with pytest.raises(p.ProtocolError, match="field 'type' is 'shout', expected one of hello"):
+        p.decode_message(json.dumps({"type": "shout", "v": 1}))
+    with pytest.raises(p.ProtocolError, match="not valid JSON"):
+        p.decode_message("{half")
+    with pytest.raises(p.ProtocolError, match="manifest: not valid JSON"):
+        p.Manifest.loads(b"\x00garbage")
+
+
+def test_legacy_files_without_type_decode_as_version_1():
+    """Manifests and markers written before records carried ``type``/``v`` (format megatron-pec/1)."""
+    data = p.NodeMarker(iteration=10, node=0, job_id="j", fingerprint="f", topology={}, ranks={"0": FILE}).encode()
+    del data["type"], data["v"]
+    data["format"] = p.LEGACY_FORMAT
+    assert p.NodeMarker.decode(data).ranks["0"] == FILE
+    data["format"] = "megatron-pec/9"
+    with pytest.raises(p.ProtocolError, match="field 'type' is None"):
+        p.NodeMarker.decode(data)
+
+
+def test_slot_header_round_trips_as_safetensors_metadata():
+    header = p.SlotHeader(job_id="j", fingerprint="f", save="/ckpt", rank=3, world_size=4, iteration=12,
+                          items={"dense": 12, "L1.E0": 12}, tokens={"L1.E0": 77}, small="{}", pec="{}", run="r1")
+    meta = header.to_metadata()
+    assert all(isinstance(v, str) for v in meta.values())  # safetensors allows strings only
+    assert p.SlotHeader.from_metadata(meta) == header
+    with pytest.raises(p.ProtocolError, match="field 'state' is 'writing': the snapshot is incomplete"):
+        p.SlotHeader.from_metadata(p.SlotHeader.WRITING)
+    with pytest.raises(p.ProtocolError, match="slot-header: field 'iteration' must be an integer, got 'twelve'"):
+        p.SlotHeader.from_metadata({**meta, "iteration": "twelve"})
+    with pytest.raises(p.ProtocolError, match="slot-header: field 'items' is not valid JSON"):
+        p.SlotHeader.from_metadata({**meta, "items": "{"})
+    with pytest.raises(p.ProtocolError, match="slot-header: field 'job_id' is missing"):
+        p.SlotHeader.from_metadata({k: v for k, v in meta.items() if k != "job_id"})
+    with pytest.raises(p.ProtocolError, match="record version 2"):
+        p.SlotHeader.from_metadata({**meta, "v": "2"})
