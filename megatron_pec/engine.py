@@ -78,10 +78,11 @@ class Engine:
 
     # ---- set-up --------------------------------------------------------------------------------
     def _expert_layout(self) -> policy.ExpertLayout | None:
+        # Same number on every rank: the largest expert footprint of any rank (all experts are equal-sized).
+        # Every rank joins the reduction, also a pipeline stage without MoE layers.
+        (expert_bytes,) = self.coll.reduce([self.adapter.expert_bytes()], "max")
         if not self.adapter.moe_layers:
             return None
-        # Same number on every rank: the largest expert footprint of any rank (all experts are equal-sized).
-        (expert_bytes,) = self.coll.reduce([self.adapter.expert_bytes()], "max")
         return policy.ExpertLayout(layers=tuple(self.adapter.moe_layers), num_experts=self.adapter.num_experts,
                                    ep_size=self.adapter.ep_size, expert_bytes=max(1, expert_bytes))
 
@@ -148,7 +149,7 @@ class Engine:
             return
         self.grants.revoke_all()
         answer, others = self.agent.request(Begin(self.run, self.resumed_from), Begun, timeout)
-        self._handle(others)
+        self._handle(others, take_grants=False)  # granted before the agent knew the new timeline
         if answer is not None:
             self.grants.add(answer.grants)
 
@@ -265,11 +266,12 @@ class Engine:
     def _collect_releases(self, block_s: float = 0.0) -> None:
         self._handle(self.agent.poll(block_s))
 
-    def _handle(self, messages: list[Record]) -> None:
+    def _handle(self, messages: list[Record], take_grants: bool = True) -> None:
         for msg in messages:
             if not isinstance(msg, Released):
                 continue
-            self.grants.add(msg.grants)
+            if take_grants:
+                self.grants.add(msg.grants)
             if msg.error is not None:
                 self.stats["persist_errors"] += 1
                 print(f"megatron-pec: WARNING rank {self.rank}: snapshot of iteration {msg.iteration} was not "

@@ -101,12 +101,13 @@ class AgentClient:
         self.directory, self.rank = directory, rank
         self.sock: socket.socket | None = None
         self.buffer = b""
+        self.inbox: list[Record] = []  # received while waiting for an answer, not yet polled
         self.pid: int | None = None
 
     def connect(self, hello: Hello, timeout: float = 30.0) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
-        self.buffer = b""
+        self.buffer, self.inbox = b"", []
         try:
             sock.connect(os.path.join(self.directory, SOCKET))
             sock.sendall((hello.dumps() + "\n").encode())
@@ -146,6 +147,9 @@ class AgentClient:
 
     def poll(self, block_s: float = 0.0) -> list[Record]:
         """Messages from the agent that have arrived (waiting up to ``block_s`` for the first)."""
+        if self.inbox:
+            out, self.inbox = self.inbox, []
+            return out
         if self.sock is None:
             return []
         self.sock.settimeout(block_s)  # 0.0 = non-blocking
@@ -180,9 +184,10 @@ class AgentClient:
             return None, []
         others, deadline = [], time.monotonic() + timeout
         while self.connected and time.monotonic() < deadline:
-            for i, received in enumerate(messages := self.poll(block_s=0.5)):
+            messages = self.poll(block_s=0.5)
+            for i, received in enumerate(messages):
                 if isinstance(received, answer):
-                    self.buffer = b"".join((m.dumps() + "\n").encode() for m in messages[i + 1:]) + self.buffer
+                    self.inbox = messages[i + 1:]
                     return received, others
                 others.append(received)
         return None, others

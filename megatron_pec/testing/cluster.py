@@ -1,8 +1,8 @@
 """Simulated multi-node training on one machine, for fault-injection tests, the campaign and the CPU demo.
 
 Runs in the test / campaign / demo driver process, never inside training. A
-``Cluster`` launches ``examples/gpt_moe/pretrain_gpt_moe.py`` as ``nnodes``
-separate ``torchrun --nnodes N --node-rank k --nproc-per-node 1`` processes (one
+``Cluster`` launches a training script (the caller names it: the example's
+``pretrain_gpt_moe.py`` in a checkout) as ``nnodes`` separate ``torchrun --nnodes N --node-rank k --nproc-per-node 1`` processes (one
 rank per "node"), each in its own session so it can be killed as a unit. Every
 node gets its own node agent and node memory automatically, because node
 memory lives in ``<shm dir>/<job id>/node<k>/``.
@@ -166,8 +166,7 @@ class Cluster:
         self.workdir, self.shm_dir, self.job_id = Path(workdir), Path(shm_dir), job_id
         self.nnodes, self.model_args, self.script = nnodes, list(model_args), Path(script).resolve()
         if not self.script.is_file():
-            raise FileNotFoundError(f"training script {self.script} not found (examples/gpt_moe/pretrain_gpt_moe.py "
-                                    "of a megatron-pec checkout)")
+            raise FileNotFoundError(f"training script {self.script} not found")
         self.save = Path(save) if save is not None else self.workdir / "checkpoints"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.once_dir = self.workdir / "faults_fired"
