@@ -185,6 +185,8 @@ def test_trainer_sigkill_around_snapshot_and_in_optimizer_step(clusters, referen
     assert reference.assert_same_losses(c) == 3 + 2 + 2 + 5
     assert_sound(c.save)
     assert committed(c.save)[-1] == ITERS and tracker(c.save) == str(ITERS)
+    # 3, 5 and 7 were memory snapshots only; restored from memory, the agents persisted them.
+    assert {3, 5, 7} <= set(committed(c.save)), committed(c.save)
 
 
 def test_pec_trainer_kill_before_the_first_commit_restores_every_expert_from_memory(clusters, tmp_path):
@@ -338,6 +340,56 @@ def test_node_loss_survivor_restores_from_memory_lost_node_from_storage(clusters
     assert plt is not None, c.log(0, 2)
     assert 0 < plt < storage_plt, (plt, storage_plt)
     assert c.iteration() == 16
+    assert_sound(c.save)
+
+
+# Persisted every 5 iterations, a memory snapshot every iteration: more than three snapshots between two
+# commits, so a three-slot ring alone would have recycled the committed iteration's slot.
+RARE = ["--train-iters", str(ITERS), "--save-interval", "5", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
+
+
+def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whatever_the_intervals(
+        clusters, reference, tmp_path):
+    """Node 1 is lost after iteration 8: storage holds 5, the survivor's memory 7 and 8 - and 5, because
+    the agent keeps the slot of the newest committed iteration until a newer one commits. The survivor
+    restores 5 from memory, the lost node from storage, and training continues exactly."""
+    c = clusters(tmp_path, "frare")
+    c.launch(RARE)
+    c.wait_file(manifest.manifest_path(str(c.save), 5), timeout=LAUNCH_TIMEOUT)
+    c.wait_iteration(8)
+    c.lose_node(1)
+    assert c.wait_exit(60, nodes=[0])[0] != 0
+    assert committed(c.save) == [5]
+
+    c.launch(RARE)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(2)
+    assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (5, "memory"), 1: (5, "storage")}
+    assert reference.assert_same_losses(c, launches=[2]) == ITERS - 5
+    assert_sound(c.save)
+
+
+def test_planned_exit_between_persists_loses_nothing(clusters, reference, tmp_path):
+    """--exit-interval 7 with persists every 5: like Megatron-LM, the trainers leave right after the
+    memory snapshot of 7 without a second save. Their agents persist and commit 7 before removing node
+    memory, and the restart continues from 7 exactly."""
+    c = clusters(tmp_path, "fexit")
+    c.launch(RARE + ["--exit-interval", "7"])
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    assert "exiting program at iteration 7" in c.log(0)
+    c.wait_for(lambda: c.agent_pid(0) is None and c.agent_pid(1) is None, 60, "both agents exited")
+    for node in (0, 1):
+        assert f"planned exit: persisted rank {node}'s snapshot of iteration 7" in agent_logs(c)
+        assert not list(c.node_dir(node).glob("rank*.slot*")), "a planned exit leaves no node memory behind"
+    assert committed(c.save) == [5, 7] and tracker(c.save) == "7"
+    assert_sound(c.save)
+
+    c.launch(RARE)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(2)
+    assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (7, "storage"), 1: (7, "storage")}
+    assert reference.assert_same_losses(c) == 7 + (ITERS - 7)
+    assert committed(c.save)[-1] == ITERS
     assert_sound(c.save)
 
 

@@ -26,10 +26,12 @@ def test_pec_restore_versions_plt_and_dynamic_k(tmp_path, shm_dir):
         # Dynamic-K: doubled after the first recovery, kept in checkpoints, doubled again.
         assert (r["memory_1"]["k"], r["memory_1"]["persist_k"]) == (4, 2)
         assert (r["memory_2"]["k"], r["memory_2"]["persist_k"]) == (8, 4)
-        # Restoring iteration 12 rolls the bookkeeping back to what iteration 12 recorded (K=4), then doubles.
+        # Restoring iteration 14 rolls the bookkeeping back to what iteration 14 recorded (K=4), then doubles.
         assert r["storage"]["k"] == 8
+        # 10 and 14 were memory snapshots only: restored from memory, they were persisted after the restart.
+        assert {10, 14} <= set(r["committed"]), r["committed"]
         sizes = r["persisted_bytes"]
         assert sizes["8"] <= 0.3 * sizes["4"], f"persist-K 1 vs all experts: {sizes}"
     assert "restored iteration 10 from memory" in proc.stdout
-    assert "restored iteration 12 from storage" in proc.stdout
+    assert "restored iteration 14 from storage" in proc.stdout
     assert "Dynamic-K raises snapshot K 2 -> 4" in proc.stdout

@@ -309,7 +309,9 @@ def main(argv=None) -> int:
         if args.eval_interval and iteration % args.eval_interval == 0:
             log(args, f" validation loss at iteration {iteration} | lm loss: {evaluate(args, model, valid_ds):.6E} |")
         if args.exit_interval and iteration % args.exit_interval == 0 and iteration < args.train_iters:
-            if args.save and not _saved_persistently(args, iteration):
+            # As Megatron-LM's checkpoint_and_decide_exit: no second save after this iteration's
+            # (memory) snapshot; the node agents persist it when the trainers detach.
+            if args.save and save_s is None:
                 _timed_save(args, iteration, model, optimizer, scheduler, non_persistent=False)
             log(args, f"exiting program at iteration {iteration}")
             return 0

@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 
-from megatron_pec.agent.server import PIDFILE, SOCKET
+from megatron_pec.agent.server import LOCKFILE, PIDFILE, SOCKET
 from megatron_pec.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
 
 
@@ -58,7 +58,7 @@ def ensure_agent(directory: str, node_rank: int, idle_timeout: float, keep_shm: 
                  timeout: float = 60.0) -> int:
     """Return the pid of this node's agent, starting one if none is alive."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "agent.lock"), "w") as lock:
+    with open(os.path.join(directory, LOCKFILE), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         pid = agent_pid(directory)
         if pid is not None and _connectable(directory):

@@ -115,9 +115,11 @@ class NodeMemory:
     def on_lineage(self, rank: int, record: SlotRecord) -> bool:
         return any(s.admits(record.run, record.iteration) for s in self.lineage.get(rank, []))
 
-    def newest(self, rank: int) -> tuple[int, SlotRecord] | None:
-        """The slot with the newest snapshot on the rank's timeline (the one the agent keeps for recovery)."""
-        live = [(rec.iteration, slot) for slot, rec in self.slots.get(rank, {}).items() if self.on_lineage(rank, rec)]
+    def newest(self, rank: int, accept=None) -> tuple[int, SlotRecord] | None:
+        """The slot with the newest snapshot on the rank's timeline (the one the agent keeps for recovery),
+        among the records ``accept(record)`` approves if given."""
+        live = [(rec.iteration, slot) for slot, rec in self.slots.get(rank, {}).items()
+                if self.on_lineage(rank, rec) and (accept is None or accept(rec))]
         if not live:
             return None
         slot = max(live)[1]

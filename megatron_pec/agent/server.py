@@ -26,6 +26,7 @@ keeps serving.
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import queue
 import signal
@@ -48,6 +49,7 @@ from megatron_pec.storage import PosixStorage
 
 SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
+LOCKFILE = "agent.lock"  # held by a trainer starting an agent, and by an agent from its last job to its exit
 
 
 def log(message: str) -> None:
@@ -81,7 +83,9 @@ class Agent:
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.links: dict[int, Link] = {}                # rank -> its current trainer
+        self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
         self.detached: set[int] = set()
+        self.planned_exit = False                       # every trainer detached cleanly
         self.memory = NodeMemory.read(directory)        # touched only by the worker thread
         self.in_flight: dict[int, set[int]] = {}        # rank -> slots announced and not yet released
         self.pending: dict[tuple[str, int], dict] = {}  # (save root, iteration) -> {rank: RankFile}
@@ -115,20 +119,27 @@ class Agent:
             except socket.timeout:
                 pass
             self._check_idle()
-        self.jobs.put(None)
-        worker.join(timeout=300)
-        server.close()
-        self._cleanup()
+        with open(os.path.join(self.directory, LOCKFILE), "w") as lock:
+            # A trainer that wants an agent now waits until this one has persisted and cleaned up,
+            # instead of starting a second one that this cleanup would then pull the memory from under.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.jobs.put(None)
+            worker.join(timeout=300)
+            server.close()
+            if self.planned_exit:
+                self._persist_newest()
+            self._cleanup()
         return 0
 
     def _check_idle(self) -> None:
         with self.lock:
             busy = bool(self.links) or not self.jobs.empty() or self.pending_work
-            everyone_left = self.detached and not self.links
+            everyone_left = bool(self.served) and set(self.served) <= self.detached and not self.links
         if busy:
             self.last_activity = time.monotonic()
         elif everyone_left:
             log("all trainers detached cleanly; exiting")
+            self.planned_exit = True
             self.stopping.set()
         elif time.monotonic() - self.last_activity > self.idle_timeout:
             log(f"no trainer for {self.idle_timeout:.0f}s; exiting")
@@ -161,6 +172,7 @@ class Agent:
                     link = Link(conn, msg.rank, msg.job)
                     with self.lock:
                         self.links[msg.rank] = link  # a new trainer: grants of the old one are void
+                        self.served[msg.rank] = link
                         self.detached.discard(msg.rank)
                     self._send(conn, Ready(os.getpid()))
                 elif link is None and not isinstance(msg, Stop):
@@ -217,6 +229,8 @@ class Agent:
                     self._finish(*carries.popleft())
                 link, msg = job
                 self._send(link.conn, self._begin(link, msg) if isinstance(msg, Begin) else Flushed())
+                if isinstance(msg, Begin) and msg.resumed_from:
+                    self._persist_resumed(link, msg.resumed_from)
             with self.lock:  # after every step: a stale "busy" kept the agent alive forever
                 self.pending_work = bool(carries) or not self.jobs.empty()
 
@@ -231,10 +245,51 @@ class Agent:
     def _grant(self, link: Link) -> list[int]:
         if link.run is None or self.links.get(link.rank) is not link:
             return []  # a trainer that has not begun, or has been replaced, gets nothing
-        busy = self.in_flight.get(link.rank, set()) | link.granted
+        busy = self.in_flight.get(link.rank, set()) | link.granted | self._newest_committed(link)
         grants = self.memory.grantable(link.rank, busy)
         link.granted.update(grants)
         return grants
+
+    def _newest_committed(self, link: Link) -> set[int]:
+        """The slot of the rank's newest snapshot that is committed on storage: kept, so that after a
+        node loss the survivors restore the iteration the lost node restores from storage from memory,
+        whatever the ratio of snapshot and persist intervals."""
+        root = link.job.save
+        kept = self.memory.newest(link.rank, lambda r: self.storage.exists(manifest.manifest_path(root, r.iteration)))
+        return {kept[0]} if kept else set()
+
+    def _persist_newest(self) -> None:
+        """A planned exit (every trainer detached cleanly): persist and commit each rank's newest
+        snapshot if storage has nothing as new, so the restart loses nothing."""
+        for rank, link in sorted(self.served.items()):
+            newest = self.memory.newest(rank)
+            if newest is not None:
+                self._persist_uncommitted(link, *newest, "planned exit")
+
+    def _persist_resumed(self, link: Link, iteration: int) -> None:
+        """A restart restored ``iteration`` from node memory: persist it if it never was, so a second
+        failure does not fall back further than it."""
+        resumed = self.memory.newest(link.rank, lambda r: r.iteration == iteration)
+        if resumed is not None:
+            self._persist_uncommitted(link, *resumed, "resumed")
+
+    def _persist_uncommitted(self, link: Link, slot: int, record: SlotRecord, why: str) -> None:
+        """Persist and commit a snapshot held in node memory unless storage commits it or a newer
+        iteration. Only what that snapshot wrote is persisted (a rank file holds one iteration); the
+        experts it carried keep their persisted versions, and a restore accounts their PLT as usual."""
+        rank, root, iteration = link.rank, link.job.save, record.iteration
+        committed = manifest.committed_iterations(root, self.storage)
+        if committed and committed[0] >= iteration:
+            return
+        self.failed.discard((root, iteration))  # a failed persist of it is retried now
+        target = manifest.rank_file(root, iteration, rank)
+        try:
+            _, file = check_and_persist(slot_path(self.directory, rank, slot), iteration, record.run, link.key,
+                                        None, target, self.storage)
+            log(f"{why}: persisted rank {rank}'s snapshot of iteration {iteration}")
+            self._node_progress(link.job, iteration, rank, RankFile(file=manifest.relative(root, target), **file))
+        except Exception as exc:  # storage keeps what it had: said, never hidden
+            log(f"{why}: cannot persist rank {rank}'s iteration {iteration}: {type(exc).__name__}: {exc}")
 
     def _release(self, link: Link, msg: SnapshotReady, error: str | None) -> None:
         self.in_flight.get(link.rank, set()).discard(msg.slot)
