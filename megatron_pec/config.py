@@ -52,6 +52,15 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="when no snapshot slot is free, wait for one instead of skipping the snapshot")
     g.add_argument("--pec-keep-shm", action="store_true",
                    help="keep node-memory slot files when the agent exits")
+    g.add_argument("--pec-replicas", type=int, default=None,
+                   help="copies of every snapshot that node agents keep in other nodes' memory, so a lost "
+                        "node restores from a peer instead of storage (default: 1 when the job spans more "
+                        "than one node; 0 turns replication off)")
+    g.add_argument("--pec-failure-domain", default=None,
+                   help="this node's failure domain (e.g. its rack); replicas never go to a node of the same "
+                        "domain (default: $MEGATRON_PEC_FAILURE_DOMAIN, else each node is its own domain)")
+    g.add_argument("--pec-replica-mbps", type=float, default=None,
+                   help="bandwidth cap for sending replicas, MB/s per node agent (default: unlimited)")
     g.add_argument("--pec-agent-idle-timeout", type=float, default=600.0,
                    help="seconds the node agent waits for trainers to come back after they vanished "
                         "(default 600)")
@@ -91,6 +100,10 @@ class PecConfig:
     wait_for_slot: bool
     keep_shm: bool
     agent_idle_timeout: float
+    replicas: int | None = None
+    """Snapshot copies in other nodes' memory; None = 1 on a multi-node job, else 0."""
+    failure_domain: str | None = None
+    replica_mbps: float | None = None
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
@@ -111,6 +124,12 @@ class PecConfig:
             raise PecConfigError(f"--pec-budget-mb must be positive (got {self.budget_mb})")
         if self.keep < 0:
             raise PecConfigError(f"--pec-keep must be >= 0 (got {self.keep})")
+        if self.replicas is not None and self.replicas < 0:
+            raise PecConfigError(f"--pec-replicas must be >= 0 (got {self.replicas}); 0 turns replication off")
+        if self.replica_mbps is not None and self.replica_mbps <= 0:
+            raise PecConfigError(f"--pec-replica-mbps must be positive (got {self.replica_mbps}); omit it for no cap")
+        if self.failure_domain is not None and (not self.failure_domain or "/" in self.failure_domain):
+            raise PecConfigError(f"--pec-failure-domain must be a plain non-empty name (got {self.failure_domain!r})")
         if not self.job_id or "/" in self.job_id or self.job_id.startswith("."):
             raise PecConfigError(f"--pec-job-id must be a plain name without '/' (got {self.job_id!r})")
 
@@ -127,6 +146,9 @@ class PecConfig:
             plt_threshold=get("pec_plt_threshold"), shm_dir=get("pec_shm_dir"), job_id=job_id,
             keep=get("pec_keep"), wait_for_slot=bool(get("pec_wait_for_slot")),
             keep_shm=bool(get("pec_keep_shm")), agent_idle_timeout=get("pec_agent_idle_timeout"),
+            replicas=get("pec_replicas"),
+            failure_domain=get("pec_failure_domain") or os.environ.get("MEGATRON_PEC_FAILURE_DOMAIN") or None,
+            replica_mbps=get("pec_replica_mbps"),
             no_load_optim=bool(getattr(args, "no_load_optim", False)),
             no_load_rng=bool(getattr(args, "no_load_rng", False)),
             finetune=bool(getattr(args, "finetune", False)),

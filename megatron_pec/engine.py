@@ -60,6 +60,7 @@ class Engine:
         self.pec = self._initial_pec_state()
         self.node_dir = node_dir(self.config.shm_dir, self.config.job_id, self.node_rank)
         self.save_root = os.path.abspath(self.config.save) if self.config.save else ""
+        self.replicas = self._replicas()
         self.agent = AgentClient(self.node_dir, self.rank)
         self.files: SlotFiles | None = None
         self.grants = SlotGrants()
@@ -107,18 +108,29 @@ class Engine:
                           f"layer; saving all of them", stacklevel=3)
         return PecState(Level(snap_k), Level(persist_k))
 
+    def _replicas(self) -> int:
+        """Copies of each snapshot in other nodes' memory: --pec-replicas, by default 1 across nodes."""
+        wanted = self.config.replicas
+        if self.num_nodes == 1:
+            if wanted and self.rank == 0:
+                warnings.warn(f"megatron-pec: --pec-replicas {wanted} ignored: the job runs on one node, there is "
+                              "no peer to hold replicas", stacklevel=3)
+            return 0
+        return min(1 if wanted is None else wanted, self.num_nodes - 1)
+
     def _hello(self) -> Hello:
         return Hello(self.rank, JobInfo(
             job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root,
             local_world_size=self.local_world_size, node_rank=self.node_rank, num_nodes=self.num_nodes,
-            topology=self.adapter.topology, keep=self.config.keep))
+            topology=self.adapter.topology, keep=self.config.keep, replicas=self.replicas,
+            domain=self.config.failure_domain or "", replica_mbps=self.config.replica_mbps))
 
     def _start_memory_tier(self) -> None:
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slices])
         error = None
         try:
             check_socket_path(self.node_dir)
-            self.files = SlotFiles(self.node_dir, self.rank, entries, self.local_world_size)
+            self.files = SlotFiles(self.node_dir, self.rank, entries, self.local_world_size, self.replicas)
             if torch.cuda.is_available():
                 self._pin_slots()
             ensure_agent(self.node_dir, self.node_rank, self.config.agent_idle_timeout, self.config.keep_shm)

@@ -61,7 +61,7 @@ class RestoreResult:
     """What the loader decided: iteration ``iteration`` of ``source`` with these item versions."""
 
     iteration: int
-    source: str                             # where the non-expert state comes from: memory or storage
+    source: str                             # where the non-expert state comes from: memory, peer memory, storage
     versions: dict[str, int]                # item -> version restored (this rank's items)
     tensors: dict                           # slice name -> tensor (verified bytes, read-only views)
     small: dict                             # optimizer param_groups, scheduler, RNG, args (smallstate)
@@ -234,7 +234,7 @@ class Loader:
         versions = {item: source.items[item] for item, source in plan.items()}
         tokens_at_target = cumulative_from_items(dense.header.tokens)
         pec, report = self._account(target, plan, dense, tokens_at_target)
-        return RestoreResult(target, dense.kind, versions, tensors, load_small_state(dense.header.small), pec,
+        return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
                              tokens_at_target, report)
 
     def _account(self, target: int, plan: dict[str, Source], dense: Source,

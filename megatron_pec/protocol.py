@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 __all__ = [
     "ProtocolError", "Record", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",
     "Flush", "Flushed", "Detach", "Stop", "SlotHeader", "SlotRecord", "Segment", "RankMemory", "MemoryIndex",
-    "RankFile", "NodeMarker", "Manifest", "decode_message", "LEGACY_FORMAT",
+    "RankFile", "NodeMarker", "Manifest", "PeerAddress", "ReplicaPush", "ReplicaPull", "ReplicaReply",
+    "ReplicaEntry", "ReplicaIndex", "decode_message", "LEGACY_FORMAT",
 ]
 
 LEGACY_FORMAT = "megatron-pec/1"  # manifests and markers written before records carried type and v
@@ -149,6 +150,9 @@ class JobInfo(Record):
     num_nodes: int
     topology: dict[str, int]
     keep: int                 # --pec-keep: committed iterations retained
+    replicas: int = 0         # --pec-replicas: copies of each snapshot in other nodes' memory
+    domain: str = ""          # this node's failure domain ("" = its own)
+    replica_mbps: float | None = None  # send bandwidth cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +308,7 @@ class SlotRecord(Record):
     items: dict[str, int]     # item -> version (written by this snapshot or carried in)
     crcs: dict[str, int]      # item -> crc32 of its bytes in the slot
     tokens: dict[str, int] = field(default_factory=dict)  # carried experts -> cumulative tokens at their version
+    origin: int | None = None  # the node whose memory it was pulled from (a replica), None: written here
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +336,81 @@ class MemoryIndex(Record):
 
     KIND: ClassVar[str] = "memory-index"
     ranks: dict[str, RankMemory] = field(default_factory=dict)
+
+
+# ---- replication between node agents (TCP) ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PeerAddress(Record):
+    """Where a node agent accepts replicas (published under --save, one file per node)."""
+
+    KIND: ClassVar[str] = "peer-address"
+    node: int
+    host: str
+    port: int
+    domain: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPush(Record):
+    """Node ``node``'s snapshot of ``rank``: the slot header (``header_len`` bytes) and the bytes of the
+    ``sent`` items (in header order) follow on the socket; every other item comes from the holder's
+    previous replica, which must hold it at the version ``record`` names."""
+
+    KIND: ClassVar[str] = "replica-push"
+    job: JobInfo
+    node: int
+    rank: int
+    record: SlotRecord
+    lineage: list[Segment]
+    file_len: int
+    header_len: int
+    sent: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPull(Record):
+    """A node's agent asks a holder for its replica of ``rank`` (after losing its own memory)."""
+
+    KIND: ClassVar[str] = "replica-pull"
+    job: JobInfo
+    node: int
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReply(Record):
+    """Answer to a push (``ok`` or the reason) or a pull (then ``file_len`` bytes of the replica follow)."""
+
+    KIND: ClassVar[str] = "replica-reply"
+    ok: bool
+    error: str | None = None
+    record: SlotRecord | None = None
+    lineage: list[Segment] = field(default_factory=list)
+    file_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEntry(Record):
+    """A holder's complete replica of one rank of another node."""
+
+    KIND: ClassVar[str] = "replica-entry"
+    job_id: str
+    fingerprint: str
+    save: str
+    node: int
+    rank: int
+    slot: int
+    record: SlotRecord
+    lineage: list[Segment]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaIndex(Record):
+    """``replicas/index.json``: the complete replicas a node agent holds, by "<node>.<rank>"."""
+
+    KIND: ClassVar[str] = "replica-index"
+    entries: dict[str, ReplicaEntry] = field(default_factory=dict)
 
 
 # ---- storage -------------------------------------------------------------------------------------

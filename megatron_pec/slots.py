@@ -24,6 +24,7 @@ from megatron_pec.protocol import SlotHeader
 from megatron_pec.stformat import Header, TensorEntry, encode_header, read_header, tensor_table, tensor_view
 
 NUM_SLOTS = 3
+REPLICA_SLOTS = 2  # per replicated rank: the complete replica and the one being received
 HEADER_RESERVE = 256 << 10  # room for metadata (small state, token counts) beyond the tensor table
 
 
@@ -42,29 +43,33 @@ def node_dir(shm_dir: str, job_id: str, node_rank: int) -> str:
 class SlotFiles:
     """The three slot files of one rank, mapped into the trainer."""
 
-    def __init__(self, directory: str, rank: int, entries: tuple[TensorEntry, ...], local_ranks: int):
+    def __init__(self, directory: str, rank: int, entries: tuple[TensorEntry, ...], local_ranks: int,
+                 replicas: int = 0):
         self.directory, self.rank, self.entries = directory, rank, entries
         self.table = tensor_table(entries)  # encoded once; each save only encodes its metadata
         self.capacity = len(encode_header(entries, {}, table=self.table)) - 8 + HEADER_RESERVE
         self.capacity = (self.capacity + 7) // 8 * 8
         self.header = Header(entries, {}, self.capacity)
         self.file_len = self.header.file_len
-        self._preflight(local_ranks)
+        self._preflight(local_ranks, replicas)
         self.maps: list[mmap.mmap] = []
         self.views: list[dict[str, object]] = []
         for s in range(NUM_SLOTS):
             self.maps.append(self._map(slot_path(directory, rank, s)))
             self.views.append({e.name: tensor_view(self.maps[s], self.header, e) for e in entries})
 
-    def _preflight(self, local_ranks: int) -> None:
+    def _preflight(self, local_ranks: int, replicas: int) -> None:
+        """Node memory must hold this node's slots and, with replication, the replicas it keeps of
+        peers' ranks (two slots per replicated rank; peers' ranks are assumed the size of ours)."""
         os.makedirs(self.directory, exist_ok=True)
         reusable = sum(os.path.getsize(p) for s in range(NUM_SLOTS)
                        if os.path.exists(p := slot_path(self.directory, self.rank, s)))
         stats = os.statvfs(self.directory)
         free = stats.f_bavail * stats.f_frsize + reusable
         need = NUM_SLOTS * self.file_len
-        if free < need * local_ranks and free < need:
-            raise SlotSpaceError(_space_message(self.directory, free, need, local_ranks))
+        replica_need = REPLICA_SLOTS * replicas * self.file_len
+        if free < (need + replica_need) * local_ranks and free < need + replica_need:
+            raise SlotSpaceError(_space_message(self.directory, free, need, local_ranks, replicas, replica_need))
 
     def _map(self, path: str) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -98,12 +103,18 @@ class SlotFiles:
         self.maps = []
 
 
-def _space_message(directory: str, free: int, need: int, local_ranks: int) -> str:
+def _space_message(directory: str, free: int, need: int, local_ranks: int, replicas: int = 0,
+                   replica_need: int = 0) -> str:
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
-    return (f"megatron-pec: node memory {directory} has {mib(free)} free, but {NUM_SLOTS} snapshot slots of "
+    total = (need + replica_need) * local_ranks
+    text = (f"megatron-pec: node memory {directory} has {mib(free)} free, but {NUM_SLOTS} snapshot slots of "
             f"{mib(need // NUM_SLOTS)} for each of {local_ranks} local rank(s) need {mib(need * local_ranks)}. "
-            f"Enlarge the tmpfs (for Docker: --shm-size={max(1, -(-need * local_ranks * 5 // 4 // 2**30))}g) "
-            f"or point --pec-shm-dir at a larger tmpfs.")
+            f"Enlarge the tmpfs (for Docker: --shm-size={max(1, -(-total * 5 // 4 // 2**30))}g) "
+            f"or point --pec-shm-dir at a larger tmpfs")
+    if replicas:
+        text += (f", or lower --pec-replicas {replicas}: the replicas this node keeps of peer nodes' snapshots "
+                 f"need {mib(replica_need * local_ranks)} more")
+    return text + "."
 
 
 class SlotGrants:

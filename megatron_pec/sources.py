@@ -37,6 +37,7 @@ class Source:
     rank_file: RankFile | None = None       # storage: the manifest's entry
     header: SlotHeader | None = None        # memory: known up front; storage: once read
     carried_tokens: dict[str, int] = field(default_factory=dict)  # memory: experts carried forward
+    origin: int | None = None               # memory pulled from that node's replica
     _buffer: object = field(default=None, repr=False)
     _layout: Header | None = field(default=None, repr=False)
     _verified: set[str] = field(default_factory=set, repr=False)
@@ -106,6 +107,11 @@ class Source:
                 crcs[e.item] = zlib.crc32(memoryview(buffer)[offset:offset + e.end - e.begin], crcs[e.item])
         self._check(crcs)
 
+    @property
+    def described(self) -> str:
+        """Where it comes from, as the restore log says it."""
+        return f"peer memory (node {self.origin})" if self.origin is not None else self.kind
+
     def tokens_at_version(self, item: str) -> int:
         """Cumulative tokens ``item`` had processed at the version this source holds."""
         if item in self.carried_tokens:
@@ -168,7 +174,7 @@ def memory_sources(node_dir: str, rank: int, job: JobKey) -> list[Source]:
     for reason in foreign:
         print(f"megatron-pec: rank {rank}: ignoring node-memory slot {reason}", file=sys.stderr, flush=True)
     return [Source("memory", record.iteration, record.items, path, record.crcs, header=header,
-                   carried_tokens=record.tokens) for path, record, header in restorable]
+                   carried_tokens=record.tokens, origin=record.origin) for path, record, header in restorable]
 
 
 def storage_source(root: str, iteration: int, entry: RankFile) -> Source:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -29,10 +30,11 @@ ALL = ("dense", "L1.E0", "L1.E1", "L1.E2", "L1.E3")
 class Trainer:
     """One rank speaking the agent protocol as the engine does: hello, begin, snapshots into granted slots."""
 
-    def __init__(self, directory, rank, root, nodes=2, keep=0, job="t", run="run-1", resumed_from=None):
+    def __init__(self, directory, rank, root, nodes=2, keep=0, job="t", run="run-1", resumed_from=None, replicas=0,
+                 fingerprint="f"):
         self.directory, self.rank, self.root, self.run = directory, rank, root, run
-        self.job = JobInfo(job_id=job, fingerprint="f", save=root, local_world_size=1, node_rank=rank,
-                           num_nodes=nodes, topology={"ep": 2}, keep=keep)
+        self.job = JobInfo(job_id=job, fingerprint=fingerprint, save=root, local_world_size=1, node_rank=rank,
+                           num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas)
         ensure_agent(directory, rank, idle_timeout=60, keep_shm=False)
         self.files = SlotFiles(directory, rank, ENTRIES, 1)
         self.client = AgentClient(directory, rank)
@@ -54,7 +56,7 @@ class Trainer:
         for name, view in self.files.views[slot].items():
             if name.split("/")[0] in written:
                 view.fill_(iteration + 0.5)
-        header = SlotHeader(job_id=self.job.job_id, fingerprint="f", save=self.root, rank=self.rank, world_size=2,
+        header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank, world_size=2,
                             iteration=iteration, items=dict.fromkeys(written, iteration),
                             tokens={f"L1.E{e}": 100 * iteration + e for e in range(4)}, small="{}", pec="{}",
                             run=self.run)
@@ -82,7 +84,7 @@ def trainers(shm_dir, tmp_path):
     made = []
 
     def make(rank, **kw):
-        t = Trainer(node_dir(shm_dir, kw.pop("job", "t"), rank), rank, str(tmp_path / "ckpt"), **kw)
+        t = Trainer(node_dir(shm_dir, kw.get("job", "t"), rank), rank, str(tmp_path / "ckpt"), **kw)
         made.append(t)
         return t
 
@@ -263,3 +265,86 @@ def test_too_long_socket_path_is_refused_with_the_fix():
     with pytest.raises(AgentUnavailable, match="use a shorter --pec-shm-dir or --pec-job-id"):
         check_socket_path("/dev/shm/" + "x" * 100)
     check_socket_path("/dev/shm/megatron_pec/job/node0")
+
+
+# ---- replication between node agents ---------------------------------------------------------------
+def replica(node_dir, node, rank, iteration, timeout=30.0):
+    """The entry of ``node``'s replica of ``rank`` held in ``node_dir``, once it holds ``iteration``."""
+    from megatron_pec.agent.replicas import INDEX, REPLICA_DIR
+    from megatron_pec.protocol import ReplicaIndex
+
+    path = os.path.join(node_dir, REPLICA_DIR, INDEX)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            entry = ReplicaIndex.loads(open(path, "rb").read()).entries.get(f"{node}.{rank}")
+            if entry is not None and entry.record.iteration == iteration:
+                return entry
+        time.sleep(0.05)
+    raise AssertionError(f"no replica of node {node} rank {rank} at iteration {iteration} in {node_dir}")
+
+
+def item_bytes(path, item):
+    mapping, header = open_slot(path)
+    try:
+        return b"".join(mapping[header.data_start + e.begin:header.data_start + e.end]
+                        for e in header.tensors if e.item == item)
+    finally:
+        mapping.close()
+
+
+def test_replicas_carry_what_a_snapshot_did_not_write_and_a_replacement_pulls_them(trainers, shm_dir):
+    """Node 1's snapshots go to node 0's agent: the first whole, then only what each one wrote; the
+    replica equals node 1's slot item for item. Node 1 is lost; a replacement's agent pulls the replica,
+    verifies it and records it as its own slot, marked with the node it came from."""
+    t0, t1 = trainers(0, replicas=1), trainers(1, replicas=1)
+    t1.snapshot(1, persist=False)
+    slot, _ = t1.snapshot(2, written=("dense", "L1.E0"), persist=False)
+    entry = replica(t0.directory, 1, 1, 2)
+    assert entry.record.items == {"dense": 2, "L1.E0": 2, "L1.E1": 1, "L1.E2": 1, "L1.E3": 1}
+    held = os.path.join(t0.directory, "replicas", f"node1.rank1.slot{entry.slot}")
+    for item in ALL:
+        assert item_bytes(held, item) == item_bytes(os.path.join(t1.directory, f"rank1.slot{slot}"), item), item
+
+    # Node 1 lost: its agent and memory gone; a replacement trainer starts a new agent on empty memory.
+    os.kill(agent_pid(t1.directory), 9)
+    t1.files.close()
+    subprocess.run(["rm", "-rf", t1.directory], check=True)
+    t1.client.close(detach=False)
+    fresh = trainers(1, replicas=1, run="run-2", resumed_from=None)
+    memory = fresh.memory()  # Begin(from scratch) abandons it for *this* run, but the pull recorded it
+    logs = open(os.path.join(fresh.directory, "agent.log")).read()
+    assert "pulled iteration 2 from node 0's memory" in logs, logs
+    assert memory.slots[1][0].origin == 0 and memory.slots[1][0].items == entry.record.items
+    for item in ALL:
+        assert item_bytes(os.path.join(fresh.directory, "rank1.slot0"), item) == item_bytes(held, item), item
+
+
+def test_a_corrupt_or_foreign_replica_is_never_pulled(trainers, shm_dir):
+    t0, t1 = trainers(0, replicas=1), trainers(1, replicas=1)
+    t1.snapshot(1, persist=False)
+    entry = replica(t0.directory, 1, 1, 1)
+    held = os.path.join(t0.directory, "replicas", f"node1.rank1.slot{entry.slot}")
+    os.kill(agent_pid(t1.directory), 9)
+    t1.files.close()
+    t1.client.close(detach=False)
+    subprocess.run(["rm", "-rf", t1.directory], check=True)
+
+    with open(held, "r+b") as f:  # a flipped byte in the replica's data
+        f.seek(-7, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-7, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x01]))
+    damaged = trainers(1, replicas=1, run="run-y")
+    logs = open(os.path.join(damaged.directory, "agent.log")).read()
+    assert "replica fails its checksum" in logs and "it restores from storage" in logs, logs
+    assert not damaged.memory().slots.get(1), "a corrupt replica became restorable"
+    damaged.files.close()
+    damaged.client.close(detach=False)
+    os.kill(agent_pid(damaged.directory), 9)
+    subprocess.run(["rm", "-rf", damaged.directory], check=True)
+
+    foreign = trainers(1, replicas=1, run="run-z", fingerprint="g")  # another configuration of the job
+    logs = open(os.path.join(foreign.directory, "agent.log")).read()
+    assert "no replica of that rank for this job" in logs, logs
+    assert not foreign.memory().slots.get(1)

@@ -102,6 +102,11 @@ class NodeMemory:
     def record(self, rank: int, slot: int, record: SlotRecord) -> None:
         self.slots.setdefault(rank, {})[slot] = record
 
+    def adopt(self, rank: int, slot: int, record: SlotRecord, lineage: list[Segment]) -> None:
+        """A snapshot pulled from a peer's replica becomes this rank's slot, with the timeline it had."""
+        self.lineage[rank] = list(lineage)
+        self.record(rank, slot, record)
+
     def begin(self, rank: int, run: str, resumed_from: int | None) -> None:
         """``run`` continues from ``resumed_from`` (None: from scratch): every other run's snapshots
         after that iteration are abandoned. Repeating it (a reconnect) changes nothing."""

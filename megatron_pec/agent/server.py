@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 from megatron_pec import faults, manifest
 from megatron_pec.agent.carry import carry_forward
 from megatron_pec.agent.memory import INDEX, JobKey, NodeMemory
+from megatron_pec.agent import peers
 from megatron_pec.agent.persist import check_and_persist
-from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Hello, JobInfo, NodeMarker, ProtocolError,
-                                   RankFile, Ready, Record, Released, SlotRecord, SnapshotReady, Stop,
+from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
+from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Hello, JobInfo, NodeMarker, PeerAddress,
+                                   ProtocolError, RankFile, Ready, Record, Released, SlotRecord, SnapshotReady, Stop,
                                    decode_message)
 from megatron_pec.slots import slot_path
 from megatron_pec.stformat import FormatError
@@ -86,6 +88,9 @@ class Agent:
         self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
         self.detached: set[int] = set()
         self.planned_exit = False                       # every trainer detached cleanly
+        self.replicator: Replicator | None = None       # replication to peers, once a job asks for it
+        self.replica_store: ReplicaStore | None = None
+        self.replica_server: ReplicaServer | None = None
         self.memory = NodeMemory.read(directory)        # touched only by the worker thread
         self.in_flight: dict[int, set[int]] = {}        # rank -> slots announced and not yet released
         self.pending: dict[tuple[str, int], dict] = {}  # (save root, iteration) -> {rank: RankFile}
@@ -155,6 +160,8 @@ class Agent:
             for name in os.listdir(self.directory):
                 if ".slot" in name or name == INDEX:
                     os.unlink(os.path.join(self.directory, name))
+            if self.replica_store is not None:
+                self.replica_store.clear()
             log("removed node-memory slots")
 
     def _remove_stale_tmp(self) -> None:
@@ -174,6 +181,11 @@ class Agent:
                         self.links[msg.rank] = link  # a new trainer: grants of the old one are void
                         self.served[msg.rank] = link
                         self.detached.discard(msg.rank)
+                        if msg.job.replicas and msg.job.num_nodes > 1:
+                            self._start_replication(msg.job)
+                            if not self.memory.slots.get(msg.rank):  # e.g. a replacement node: ask the peers
+                                self.pending_work = True
+                                self.jobs.put((link, "pull"))
                     self._send(conn, Ready(os.getpid()))
                 elif link is None and not isinstance(msg, Stop):
                     raise ProtocolError(f"{msg.KIND} before hello")
@@ -217,6 +229,8 @@ class Agent:
                 return
             if job == "carry":
                 self._finish(*carries.popleft())
+            elif job[1] == "pull":
+                self._pull(job[0])
             elif isinstance(job[1], SnapshotReady):
                 link, msg = job
                 self.in_flight.setdefault(link.rank, set()).add(msg.slot)
@@ -246,9 +260,43 @@ class Agent:
         if link.run is None or self.links.get(link.rank) is not link:
             return []  # a trainer that has not begun, or has been replaced, gets nothing
         busy = self.in_flight.get(link.rank, set()) | link.granted | self._newest_committed(link)
+        if self.replicator is not None:
+            busy |= self.replicator.busy(link.rank)  # being sent to a peer
         grants = self.memory.grantable(link.rank, busy)
         link.granted.update(grants)
         return grants
+
+    # ---- replication ------------------------------------------------------------------------------
+    def _start_replication(self, job: JobInfo) -> None:
+        """Once per agent (under the lock): accept peers' replicas, publish where, send ours."""
+        if self.replicator is not None:
+            return
+        self.replica_store = ReplicaStore(self.directory)
+        self.replica_server = ReplicaServer(self.replica_store, log)
+        address = PeerAddress(job.node_rank, peers.advertised_host(), self.replica_server.port,
+                              job.domain or f"node {job.node_rank}", os.getpid())
+        peers.publish(job.save, job.job_id, address, self.storage)
+        self.replicator = Replicator(self.directory, job, self.storage, log)
+        domains = {n: a.domain for n, a in peers.read_peers(job.save, job.job_id, job.num_nodes, self.storage).items()}
+        log(f"replication: {job.replicas} replica(s) of node {job.node_rank}'s snapshots go to node(s) "
+            f"{peers.holders(job.node_rank, job.num_nodes, job.replicas, domains)} (failure domain "
+            f"{address.domain}; peers publish under {peers.address_path(job.save, job.job_id, job.node_rank)})")
+
+    def _pull(self, link: Link) -> None:
+        """This node's memory has nothing for the rank (a replacement node): take the rank's newest
+        replica from a peer's memory, verified, as this node's own slot 0."""
+        rank = link.rank
+        path = slot_path(self.directory, rank, 0)
+        if self.memory.slots.get(rank) or not os.path.exists(path):
+            return
+        result = pull(self.directory, link.job, rank, path, self.storage)
+        if isinstance(result, str):
+            log(f"rank {rank}: nothing pulled from peer memory ({result}); it restores from storage")
+            return
+        record, lineage = result
+        self.memory.adopt(rank, 0, record, lineage)
+        self.memory.write()
+        log(f"rank {rank}: pulled iteration {record.iteration} from node {record.origin}'s memory")
 
     def _newest_committed(self, link: Link) -> set[int]:
         """The slot of the rank's newest snapshot that is committed on storage: kept, so that after a
@@ -329,6 +377,9 @@ class Agent:
         faults.point("agent_carried", iteration=msg.iteration)
         self.memory.record(rank, msg.slot, record)
         self.memory.write()
+        if self.replicator is not None:
+            self.replicator.offer(rank, slot_path(self.directory, rank, msg.slot), msg.slot, record,
+                                  self.memory.lineage.get(rank, []))
         self._release(link, msg, error)
 
     def _carry(self, rank: int, path: str, record: SlotRecord, job: JobKey) -> SlotRecord:

@@ -46,7 +46,7 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--micro-batch-size", "4", "--global-batch-size", "8", "--log-interval", "1",
                "--eval-iters", "1", "--lr-warmup-iters", "2"]
 
-_RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from (memory|storage)"
+_RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from (memory|storage|peer memory \(node \d+\))"
                        r"(?:; experts from older versions: (.*))?$", re.M)
 _PLT = re.compile(r"megatron-pec: PLT ([0-9.]+)% \((\d+) of (\d+) expert-tokens lost", re.M)
 

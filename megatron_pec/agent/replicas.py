@@ -1,0 +1,376 @@
+"""Replication between node agents: every snapshot kept in R peers' memory, over TCP, off the training path.
+
+Three parts, all in the node agent process (no torch):
+
+* ``Replicator`` (sender): after the agent records a snapshot, a background thread
+  streams it to this node's holders (``peers.holders``). PEC-aware: it sends only the
+  items the snapshot wrote; the holder takes every other item from its previous replica,
+  which must hold exactly the version the sender's record names (else it asks for the
+  whole slot once). Bounded: an unsent snapshot is replaced by a newer one of the same
+  rank. ``--pec-replica-mbps`` caps its bandwidth. Failures are logged; training never waits.
+* ``ReplicaStore`` (holder): two replica slots per (node, rank) under ``<node dir>/replicas``;
+  a push is written into the one not holding the complete replica, every received item is
+  checked against the crc32 the sender computed, and only then is the index (the marker)
+  switched to it. A torn, corrupt or foreign push never becomes the replica.
+* ``pull`` (a replacement node): an agent whose memory has nothing for a rank asks that
+  rank's holders for their replica, verifies every item and records it as its own slot,
+  marked with the node it came from; restore then reads it like local memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+from megatron_pec.agent import peers
+from megatron_pec.agent.memory import JobKey
+from megatron_pec.protocol import (JobInfo, PeerAddress, ProtocolError, ReplicaEntry, ReplicaIndex, ReplicaPull,
+                                   ReplicaPush, ReplicaReply, Segment, SlotRecord)
+from megatron_pec.slots import REPLICA_SLOTS
+from megatron_pec.stformat import FormatError, decode_header, item_checksums
+from megatron_pec.storage import PosixStorage
+
+REPLICA_DIR = "replicas"
+INDEX = "index.json"
+CONNECT_TIMEOUT = 10.0
+NEED_FULL = "need the whole slot"
+
+
+class ReplicaError(RuntimeError):
+    """A replica that could not be sent, received or pulled; the message says why."""
+
+
+def _key_of(job: JobInfo) -> JobKey:
+    return JobKey(job.job_id, job.fingerprint, job.save)
+
+
+def _runs(entries) -> list[tuple[int, int]]:
+    """(offset, length) of adjacent byte ranges of ``entries`` (header order), relative to the data."""
+    runs: list[list[int]] = []
+    for e in entries:
+        if runs and runs[-1][1] == e.begin:
+            runs[-1][1] = e.end
+        else:
+            runs.append([e.begin, e.end])
+    return [(begin, end - begin) for begin, end in runs]
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ReplicaError("the connection closed mid-transfer")
+        got += n
+
+
+def _read_line(sock: socket.socket, limit: int = 64 << 20) -> bytes:
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ReplicaError("the connection closed before a message")
+        data += chunk
+        if len(data) > limit:
+            raise ReplicaError("message too long")
+    return bytes(data)
+
+
+def _map(path: str, length: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != length:
+            os.ftruncate(fd, length)
+        os.posix_fallocate(fd, 0, length)  # a full tmpfs fails here, not with SIGBUS later
+        return mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+
+
+class ReplicaStore:
+    """The replicas one node agent holds for other nodes."""
+
+    def __init__(self, node_dir: str):
+        self.directory = os.path.join(node_dir, REPLICA_DIR)
+        os.makedirs(self.directory, exist_ok=True)
+        self.lock = threading.Lock()  # one transfer at a time touches the store
+        try:
+            with open(os.path.join(self.directory, INDEX), "rb") as f:
+                self.index = ReplicaIndex.loads(f.read())
+        except (OSError, ProtocolError):
+            self.index = ReplicaIndex()
+
+    def path(self, node: int, rank: int, slot: int) -> str:
+        return os.path.join(self.directory, f"node{node}.rank{rank}.slot{slot}")
+
+    def _write_index(self, entries: dict[str, ReplicaEntry]) -> None:
+        self.index = ReplicaIndex(entries)
+        tmp = os.path.join(self.directory, INDEX + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(self.index.dumps())
+        os.replace(tmp, os.path.join(self.directory, INDEX))
+
+    def current(self, job: JobInfo, node: int, rank: int) -> ReplicaEntry | None:
+        entry = self.index.entries.get(f"{node}.{rank}")
+        if entry is None or JobKey(entry.job_id, entry.fingerprint, entry.save) != _key_of(job):
+            return None
+        return entry
+
+    def receive(self, push: ReplicaPush, sock: socket.socket) -> str | None:
+        """Take a pushed snapshot into the free replica slot; None when it is complete and recorded,
+        else why not (the bytes on the socket are consumed either way, or the connection is dropped)."""
+        with self.lock:
+            record, sent = push.record, set(push.sent)
+            base = self.current(push.job, push.node, push.rank)
+            carried = set(record.items) - sent
+            if carried and (base is None
+                            or not any(s.admits(base.record.run, base.record.iteration) for s in push.lineage)
+                            or any(base.record.items.get(i) != record.items[i]
+                                   or base.record.crcs.get(i) != record.crcs.get(i) for i in carried)):
+                return NEED_FULL
+            slot = (base.slot + 1) % REPLICA_SLOTS if base is not None else 0
+            header = bytearray(push.header_len)
+            _recv_into(sock, memoryview(header))
+            try:
+                layout = decode_header(header, file_len=push.file_len)
+            except FormatError as exc:
+                raise ReplicaError(f"bad slot header: {exc}") from None
+            target = _map(self.path(push.node, push.rank, slot), push.file_len)
+            try:
+                view = memoryview(target)
+                view[:push.header_len] = header
+                for begin, length in _runs([e for e in layout.tensors if e.item in sent]):
+                    _recv_into(sock, view[layout.data_start + begin:layout.data_start + begin + length])
+                if carried:
+                    source = _map(self.path(push.node, push.rank, base.slot), push.file_len)
+                    try:
+                        for begin, length in _runs([e for e in layout.tensors if e.item in carried]):
+                            start = layout.data_start + begin
+                            view[start:start + length] = memoryview(source)[start:start + length]
+                    finally:
+                        source.close()
+                actual = item_checksums(target, layout, sent)
+                view.release()
+            finally:
+                target.close()
+            bad = sorted(i for i in sent if actual[i] != record.crcs.get(i))
+            if bad:
+                return f"checksum mismatch for {', '.join(bad[:3])}: the transfer was damaged"
+            entries = dict(self.index.entries)
+            entries[f"{push.node}.{push.rank}"] = ReplicaEntry(
+                push.job.job_id, push.job.fingerprint, push.job.save, push.node, push.rank, slot, record,
+                list(push.lineage))
+            self._write_index(entries)  # the marker, last: the replica is complete
+            return None
+
+    def serve_pull(self, pull: ReplicaPull, sock: socket.socket) -> None:
+        with self.lock:
+            entry = self.current(pull.job, pull.node, pull.rank)
+            if entry is None:
+                sock.sendall((ReplicaReply(False, "no replica of that rank for this job").dumps() + "\n").encode())
+                return
+            path = self.path(pull.node, pull.rank, entry.slot)
+            with open(path, "rb") as f:
+                data = f.read()
+            sock.sendall((ReplicaReply(True, None, entry.record, entry.lineage, len(data)).dumps() + "\n").encode())
+            sock.sendall(data)
+
+    def clear(self) -> None:
+        for name in os.listdir(self.directory):
+            os.unlink(os.path.join(self.directory, name))
+
+
+class ReplicaServer:
+    """Accepts pushes and pulls from other nodes' agents (one request per connection)."""
+
+    def __init__(self, store: ReplicaStore, log: Callable[[str], None]):
+        self.store, self.log = store, log
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(120.0)
+                line = _read_line(conn)
+                kind = ReplicaPush if b'"type":"replica-push"' in line else ReplicaPull
+                request = kind.loads(line)
+                if isinstance(request, ReplicaPull):
+                    self.store.serve_pull(request, conn)
+                    return
+                error = self.store.receive(request, conn)
+                conn.sendall((ReplicaReply(error is None, error).dumps() + "\n").encode())
+                if error is not None and error != NEED_FULL:
+                    self.log(f"replica of node {request.node} rank {request.rank} iteration "
+                             f"{request.record.iteration} refused: {error}")
+            except (OSError, ProtocolError, ReplicaError, ValueError) as exc:
+                self.log(f"replica transfer broke: {exc}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Replicator:
+    """Sends recorded snapshots to this node's holders in a background thread."""
+
+    def __init__(self, node_dir: str, job: JobInfo, storage: PosixStorage, log: Callable[[str], None]):
+        self.node_dir, self.job, self.storage, self.log = node_dir, job, storage, log
+        self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
+        self.sending: dict[int, int] = {}           # rank -> slot being read now (not to be granted)
+        self.synced: set[tuple[int, int]] = set()   # (holder, rank) that hold a base replica
+        self.cond = threading.Condition()
+        self.warned: set[str] = set()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def offer(self, rank: int, slot_path: str, slot: int, record: SlotRecord, lineage: list[Segment]) -> None:
+        with self.cond:
+            self.pending[rank] = (slot_path, slot, record, list(lineage))
+            self.cond.notify()
+
+    def busy(self, rank: int) -> set[int]:
+        with self.cond:
+            return {self.sending[rank]} if rank in self.sending else set()
+
+    def idle(self) -> bool:
+        with self.cond:
+            return not self.pending and not self.sending
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                rank = min(self.pending)
+                path, slot, record, lineage = self.pending.pop(rank)
+                self.sending[rank] = slot
+            try:
+                self._send_to_holders(rank, path, record, lineage)
+            finally:
+                with self.cond:
+                    self.sending.pop(rank, None)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            self.log(message)
+
+    def _send_to_holders(self, rank: int, path: str, record: SlotRecord, lineage: list[Segment]) -> None:
+        job = self.job
+        addresses = peers.read_peers(job.save, job.job_id, job.num_nodes, self.storage)
+        domains = {n: a.domain for n, a in addresses.items()}
+        for holder in peers.holders(job.node_rank, job.num_nodes, job.replicas, domains):
+            address = addresses.get(holder)
+            if address is None:
+                self._warn_once(f"replication: node {holder}'s agent has not published its address yet; "
+                                "its replicas start with a later snapshot")
+                continue
+            try:
+                self._push(address, rank, path, record, lineage, full=(holder, rank) not in self.synced)
+                self.synced.add((holder, rank))
+            except (OSError, ReplicaError, ProtocolError, FormatError) as exc:
+                self.synced.discard((holder, rank))
+                self._warn_once(f"replication of rank {rank} to node {holder} failed ({exc}); training continues, "
+                                "a lost node restores from storage until a replica lands")
+
+    def _push(self, address: PeerAddress, rank: int, path: str, record: SlotRecord, lineage: list[Segment],
+              full: bool) -> None:
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            size = int.from_bytes(mapping[:8], "little")
+            header = mapping[:8 + size]
+            layout = decode_header(header, file_len=len(mapping))
+            sent = sorted(record.items) if full else sorted(i for i, v in record.items.items()
+                                                             if v == record.iteration)
+            push = ReplicaPush(self.job, self.job.node_rank, rank, record, lineage, len(mapping), len(header), sent)
+            reply = self._exchange(address, push, mapping, layout)
+            if not reply.ok and reply.error == NEED_FULL and not full:
+                push = ReplicaPush(self.job, self.job.node_rank, rank, record, lineage, len(mapping), len(header),
+                                   sorted(record.items))
+                reply = self._exchange(address, push, mapping, layout)
+            if not reply.ok:
+                raise ReplicaError(reply.error or "refused")
+        finally:
+            mapping.close()
+
+    def _exchange(self, address: PeerAddress, push: ReplicaPush, mapping, layout) -> ReplicaReply:
+        cap = self.job.replica_mbps
+        with socket.create_connection((address.host, address.port), timeout=CONNECT_TIMEOUT) as sock:
+            sock.settimeout(120.0)
+            sock.sendall((push.dumps() + "\n").encode())
+            sock.sendall(mapping[:push.header_len])
+            started, sent_bytes = time.monotonic(), 0
+            for begin, length in _runs([e for e in layout.tensors if e.item in set(push.sent)]):
+                start = layout.data_start + begin
+                for offset in range(start, start + length, 4 << 20):
+                    piece = memoryview(mapping)[offset:min(offset + (4 << 20), start + length)]
+                    sock.sendall(piece)
+                    sent_bytes += len(piece)
+                    piece.release()
+                    if cap:  # never ahead of the cap
+                        ahead = sent_bytes / (cap * 1e6) - (time.monotonic() - started)
+                        if ahead > 0:
+                            time.sleep(ahead)
+            return ReplicaReply.loads(_read_line(sock))
+
+
+def pull(node_dir: str, job: JobInfo, rank: int, slot_path: str, storage: PosixStorage
+         ) -> tuple[SlotRecord, list[Segment]] | str:
+    """Fetch ``rank``'s replica from this node's holders into ``slot_path`` (a slot file of the same
+    layout), verified item by item; returns its record (``origin`` = the holder) and lineage, or why
+    nothing could be pulled."""
+    addresses = peers.read_peers(job.save, job.job_id, job.num_nodes, storage)
+    domains = {n: a.domain for n, a in addresses.items()}
+    problems = []
+    for holder in peers.holders(job.node_rank, job.num_nodes, job.replicas, domains):
+        address = addresses.get(holder)
+        if address is None or address.node == job.node_rank:
+            problems.append(f"node {holder}: no published address")
+            continue
+        try:
+            with socket.create_connection((address.host, address.port), timeout=CONNECT_TIMEOUT) as sock:
+                sock.settimeout(120.0)
+                sock.sendall((ReplicaPull(job, job.node_rank, rank).dumps() + "\n").encode())
+                reply = ReplicaReply.loads(_read_line(sock))
+                if not reply.ok:
+                    problems.append(f"node {holder}: {reply.error}")
+                    continue
+                if os.path.getsize(slot_path) != reply.file_len:
+                    problems.append(f"node {holder}: its replica is {reply.file_len} bytes, this rank's slot "
+                                    f"{os.path.getsize(slot_path)} (another configuration)")
+                    continue
+                target = _map(slot_path, reply.file_len)
+                try:
+                    view = memoryview(target)
+                    _recv_into(sock, view)
+                    view.release()
+                    layout = decode_header(target[:8 + int.from_bytes(target[:8], "little")], file_len=len(target))
+                    actual = item_checksums(target, layout, set(reply.record.items))
+                finally:
+                    target.close()
+            bad = sorted(i for i, crc in actual.items() if crc != reply.record.crcs.get(i))
+            if bad:
+                problems.append(f"node {holder}: replica fails its checksum for {', '.join(bad[:3])}")
+                continue
+            record = SlotRecord(reply.record.iteration, reply.record.run, reply.record.items, reply.record.crcs,
+                                reply.record.tokens, origin=holder)
+            return record, reply.lineage
+        except (OSError, ReplicaError, ProtocolError, FormatError) as exc:
+            problems.append(f"node {holder}: {exc}")
+    return "; ".join(problems) or "no replica holder for this node"
