@@ -104,6 +104,7 @@ def reference(clusters, tmp_path_factory) -> Reference:
     c.launch(FULL + ["--pec-keep-shm"])
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     assert sorted(manifest.committed_iterations(str(c.save))) == list(range(2, ITERS + 1, 2))
+    c.wait_for(lambda: c.agent_pid(0) is None and c.agent_pid(1) is None, 60, "both agents exited")
     archive = c.workdir / "checkpoints_archive"
     shutil.move(str(c.save), archive)
     c.close(keep_memory=True)
@@ -345,6 +346,75 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     assert_sound(c.save)
 
 
+def test_replica_holder_killed_mid_transfer_then_the_node_is_lost(clusters, reference, tmp_path):
+    """Node 0's agent is SIGKILLed halfway through receiving node 1's third snapshot: the half-received
+    replica never becomes one, training goes on, node 0's trainer starts a new agent, node 1 sends it a
+    whole replica again. Then node 1 is lost and still restores from peer memory, exactly."""
+    c = clusters(tmp_path, "fholder")
+    c.launch(FULL, faults={0: "replica_receive=kill@3:0"})
+    c.wait_for(lambda: "fault injection: kill at replica_receive" in agent_logs(c), LAUNCH_TIMEOUT,
+               "node 0's agent killed mid-transfer")
+    c.wait_iteration(9)
+    c.lose_node(1)
+    assert c.wait_exit(60, nodes=[0])[0] != 0
+    lost_at = c.iteration()
+
+    c.launch(FULL)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(2)
+    assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
+    assert restores[0].iteration == restores[1].iteration and lost_at - restores[0].iteration <= 1, restores
+    assert "connected to a new node agent" in c.log(0, 1)
+    assert reference.assert_same_losses(c) >= ITERS
+    assert_sound(c.save)
+
+
+def _replica_file(c: Cluster, holder: int, node: int, rank: int) -> Path:
+    from megatron_pec.agent.replicas import INDEX, REPLICA_DIR
+    from megatron_pec.protocol import ReplicaIndex
+
+    directory = c.node_dir(holder) / REPLICA_DIR
+    entry = ReplicaIndex.loads((directory / INDEX).read_bytes()).entries[f"{node}.{rank}"]
+    return directory / f"node{node}.rank{rank}.slot{entry.slot}"
+
+
+def test_a_damaged_replica_or_the_loss_of_every_copy_falls_back_to_storage(clusters, reference, tmp_path):
+    """1. node 1 is lost and its replica in node 0's memory has a flipped byte: the replacement refuses
+    it (checksum) and restores from storage, node 0 the same iteration from its memory. 2. later both
+    nodes are lost (the lost node and its only replica holder): everything restores from storage.
+    Training continues exactly each time."""
+    c = clusters(tmp_path, "fcopies")
+    c.launch(FULL)
+    c.wait_iteration(7)
+    c.lose_node(1)
+    assert c.wait_exit(60, nodes=[0])[0] != 0
+    held = _replica_file(c, 0, 1, 1)
+    with open(held, "r+b") as f:
+        f.seek(-9, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-9, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x04]))
+    stored = committed(c.save)[-1]
+
+    c.launch(FULL)
+    c.wait_iteration(10)
+    restores = c.restores(2)
+    assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (stored, "memory"),
+                                                                           1: (stored, "storage")}, restores
+    assert "replica fails its checksum" in agent_logs(c)
+    c.lose_node(0)
+    c.lose_node(1)
+    stored = committed(c.save)[-1]
+
+    c.launch(FULL)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(3)
+    assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (stored, "storage"),
+                                                                           1: (stored, "storage")}, restores
+    assert reference.assert_same_losses(c) > ITERS
+    assert_sound(c.save)
+
+
 # Persisted every 5 iterations, a memory snapshot every iteration: more than three snapshots between two
 # commits, so a three-slot ring alone would have recycled the committed iteration's slot.
 RARE = ["--train-iters", str(ITERS), "--save-interval", "5", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
@@ -352,18 +422,19 @@ RARE = ["--train-iters", str(ITERS), "--save-interval", "5", "--non-persistent-s
 
 def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whatever_the_intervals(
         clusters, reference, tmp_path):
-    """Node 1 is lost after iteration 8: storage holds 5, the survivor's memory 7 and 8 - and 5, because
-    the agent keeps the slot of the newest committed iteration until a newer one commits. The survivor
-    restores 5 from memory, the lost node from storage, and training continues exactly."""
+    """Without replicas, node 1 is lost after iteration 8: storage holds 5, the survivor's memory 7 and 8 -
+    and 5, because the agent keeps the slot of the newest committed iteration until a newer one commits.
+    The survivor restores 5 from memory, the lost node from storage, and training continues exactly."""
     c = clusters(tmp_path, "frare")
-    c.launch(RARE)
+    no_replicas = RARE + ["--pec-replicas", "0"]  # the lost node then has storage only
+    c.launch(no_replicas)
     c.wait_file(manifest.manifest_path(str(c.save), 5), timeout=LAUNCH_TIMEOUT)
     c.wait_iteration(8)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
     assert committed(c.save) == [5]
 
-    c.launch(RARE)
+    c.launch(no_replicas)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(2)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (5, "memory"), 1: (5, "storage")}
@@ -438,7 +509,8 @@ def remount(path, mode: str, timeout: float = 30.0) -> None:
 
 def test_storage_enospc_eio_and_read_only_directory(clusters, reference, tmp_path):
     """ENOSPC (injected, mid-file) on node 0 and EIO (injected, before the rename) on node 1 at iteration
-    2; later the checkpoint directory turns read-only for a while (a read-only bind mount)."""
+    2; later the checkpoint directory turns read-only for a while (a read-only bind mount). Replication
+    keeps going meanwhile (its address was published before)."""
     if not _can_mount():
         pytest.skip("needs root and mount(8) for a read-only bind mount of the checkpoint directory")
     store, ckpt = tmp_path / "store", tmp_path / "checkpoints"
@@ -447,7 +519,9 @@ def test_storage_enospc_eio_and_read_only_directory(clusters, reference, tmp_pat
     subprocess.run(["mount", "--bind", str(store), str(ckpt)], check=True)
     try:
         c = clusters(tmp_path / "job", "fstorage", save=ckpt)
-        c.launch(FULL, faults={0: "persist_write=enospc@2:0", 1: "before_rename=eio@1:1"})
+        # Each agent's first storage write publishes its replication address: the faults hit the second
+        # write (mid-way through iteration 2's rank file) and the second rename (that file's).
+        c.launch(FULL, faults={0: "persist_write=enospc@3:0", 1: "before_rename=eio@2:1"})
         # The trainers are paused while the mount changes, so later saves surely see each state.
         c.wait_file(manifest.manifest_path(str(ckpt), 4), timeout=LAUNCH_TIMEOUT)
         c.pause()

@@ -117,7 +117,7 @@ def lose_node_mid_run(c: Cluster, a) -> dict:
           f"{committed[0] if committed else None}.\n", flush=True)
     code = c.wait_exit(300, nodes=[0])[0]
     print(f"*** node 0 noticed the failure and exited (code {code}); relaunching both nodes\n", flush=True)
-    return {"reached": reached, "relaunched_at": time.monotonic()}
+    return {"reached": reached, "relaunched_at": time.monotonic(), "stored": committed[0] if committed else None}
 
 
 def recovery_report(c: Cluster, loss: dict) -> list[str]:
@@ -133,10 +133,12 @@ def recovery_report(c: Cluster, loss: dict) -> list[str]:
     lines.append(f"iterations lost: {loss['reached'] - target} (reached {loss['reached']}, resumed at {target})")
     plt = parse_plt(c.logs(2))
     if plt is not None:
-        line = f"PLT of this recovery: {100 * plt:.3f}% of expert-token work"
-        if restores[0].source == "memory" and "storage_only_plt" in loss:
-            line += f"; restoring every rank from storage would have cost {100 * loss['storage_only_plt']:.3f}%"
-        lines.append(line)
+        lines.append(f"PLT of this recovery: {100 * plt:.3f}% of expert-token work")
+    lost = restores.get(1)
+    if lost is not None and lost.source != "storage" and "storage_only_plt" in loss:
+        lines.append(f"a restore from storage alone would have resumed at iteration {loss['stored']} "
+                     f"(losing {loss['reached'] - loss['stored']} iterations) with PLT "
+                     f"{100 * loss['storage_only_plt']:.3f}%")
     if "training_again" in loss:
         lines.append(f"from the relaunch to training again (start-up and restore): "
                      f"{loss['training_again'] - loss['relaunched_at']:.1f}s")
@@ -161,9 +163,11 @@ def main(argv=None) -> int:
                 c.launch(train_args(a))
                 c.wait_log(r"^training from iteration", node=0, timeout=600)
                 loss["training_again"] = time.monotonic()
-                restored = c.restores().get(0)
-                if restored is not None:  # now, before retention deletes that iteration
-                    loss["storage_only_plt"] = persist_only_plt(c.save, restored.iteration)
+                if loss["stored"] is not None:  # now, before retention deletes that iteration
+                    try:
+                        loss["storage_only_plt"] = persist_only_plt(c.save, loss["stored"])
+                    except manifest.ManifestError:
+                        pass  # already retired by retention: the comparison is left out
             codes = c.wait_exit(1800)
         if codes != {0: 0, 1: 0}:
             print(f"training failed (exit codes {codes}); logs: {a.workdir}", file=sys.stderr)

@@ -19,6 +19,7 @@ Three parts, all in the node agent process (no torch):
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import socket
@@ -26,6 +27,7 @@ import threading
 import time
 from typing import Callable
 
+from megatron_pec import faults
 from megatron_pec.agent import peers
 from megatron_pec.agent.memory import JobKey
 from megatron_pec.protocol import (JobInfo, PeerAddress, ProtocolError, ReplicaEntry, ReplicaIndex, ReplicaPull,
@@ -143,8 +145,10 @@ class ReplicaStore:
             try:
                 view = memoryview(target)
                 view[:push.header_len] = header
-                for begin, length in _runs([e for e in layout.tensors if e.item in sent]):
+                for i, (begin, length) in enumerate(_runs([e for e in layout.tensors if e.item in sent])):
                     _recv_into(sock, view[layout.data_start + begin:layout.data_start + begin + length])
+                    if i == 0:
+                        faults.point("replica_receive", iteration=record.iteration)
                 if carried:
                     source = _map(self.path(push.node, push.rank, base.slot), push.file_len)
                     try:
@@ -184,6 +188,17 @@ class ReplicaStore:
             os.unlink(os.path.join(self.directory, name))
 
 
+def _decode_request(line: bytes) -> ReplicaPush | ReplicaPull:
+    try:
+        kind = json.loads(line).get("type")
+    except (ValueError, AttributeError):
+        raise ProtocolError("replica request: not a JSON object") from None
+    requests = {ReplicaPush.KIND: ReplicaPush, ReplicaPull.KIND: ReplicaPull}
+    if kind not in requests:
+        raise ProtocolError(f"replica request: field 'type' is {kind!r}, expected one of {', '.join(requests)}")
+    return requests[kind].loads(line)
+
+
 class ReplicaServer:
     """Accepts pushes and pulls from other nodes' agents (one request per connection)."""
 
@@ -208,9 +223,7 @@ class ReplicaServer:
         with conn:
             try:
                 conn.settimeout(120.0)
-                line = _read_line(conn)
-                kind = ReplicaPush if b'"type":"replica-push"' in line else ReplicaPull
-                request = kind.loads(line)
+                request = _decode_request(_read_line(conn))
                 if isinstance(request, ReplicaPull):
                     self.store.serve_pull(request, conn)
                     return

@@ -91,6 +91,8 @@ class Agent:
         self.replicator: Replicator | None = None       # replication to peers, once a job asks for it
         self.replica_store: ReplicaStore | None = None
         self.replica_server: ReplicaServer | None = None
+        self.address: PeerAddress | None = None
+        self.published = False
         self.memory = NodeMemory.read(directory)        # touched only by the worker thread
         self.in_flight: dict[int, set[int]] = {}        # rank -> slots announced and not yet released
         self.pending: dict[tuple[str, int], dict] = {}  # (save root, iteration) -> {rank: RankFile}
@@ -131,6 +133,7 @@ class Agent:
             self.jobs.put(None)
             worker.join(timeout=300)
             server.close()
+            os.unlink(sock_path)  # no longer serving: a trainer must not find a socket to connect to
             if self.planned_exit:
                 self._persist_newest()
             self._cleanup()
@@ -273,14 +276,26 @@ class Agent:
             return
         self.replica_store = ReplicaStore(self.directory)
         self.replica_server = ReplicaServer(self.replica_store, log)
-        address = PeerAddress(job.node_rank, peers.advertised_host(), self.replica_server.port,
-                              job.domain or f"node {job.node_rank}", os.getpid())
-        peers.publish(job.save, job.job_id, address, self.storage)
+        self.address = PeerAddress(job.node_rank, peers.advertised_host(), self.replica_server.port,
+                                   job.domain or f"node {job.node_rank}", os.getpid())
         self.replicator = Replicator(self.directory, job, self.storage, log)
+        self._publish(job)
+
+    def _publish(self, job: JobInfo) -> None:
+        """Tell the peers where this agent takes replicas (again at every snapshot until storage takes it)."""
+        if self.published:
+            return
+        try:
+            peers.publish(job.save, job.job_id, self.address, self.storage)
+        except OSError as exc:
+            log(f"replication: cannot publish this agent's address under {job.save} ({exc}); retrying at the "
+                "next snapshot")
+            return
+        self.published = True
         domains = {n: a.domain for n, a in peers.read_peers(job.save, job.job_id, job.num_nodes, self.storage).items()}
         log(f"replication: {job.replicas} replica(s) of node {job.node_rank}'s snapshots go to node(s) "
             f"{peers.holders(job.node_rank, job.num_nodes, job.replicas, domains)} (failure domain "
-            f"{address.domain}; peers publish under {peers.address_path(job.save, job.job_id, job.node_rank)})")
+            f"{self.address.domain}; address in {peers.address_path(job.save, job.job_id, job.node_rank)})")
 
     def _pull(self, link: Link) -> None:
         """This node's memory has nothing for the rank (a replacement node): take the rank's newest
@@ -329,6 +344,8 @@ class Agent:
         committed = manifest.committed_iterations(root, self.storage)
         if committed and committed[0] >= iteration:
             return
+        if self.storage.exists(manifest.node_marker(root, iteration, link.job.node_rank)):
+            return  # persisted by this node already; another node's agent has yet to commit it
         self.failed.discard((root, iteration))  # a failed persist of it is retried now
         target = manifest.rank_file(root, iteration, rank)
         try:
@@ -378,6 +395,7 @@ class Agent:
         self.memory.record(rank, msg.slot, record)
         self.memory.write()
         if self.replicator is not None:
+            self._publish(link.job)
             self.replicator.offer(rank, slot_path(self.directory, rank, msg.slot), msg.slot, record,
                                   self.memory.lineage.get(rank, []))
         self._release(link, msg, error)

@@ -287,17 +287,23 @@ class Campaign:
         committed_at_loss = max(manifest.committed_iterations(str(c.save)), default=0)
         self._restart_and_finish(c, spec, result, "pec")
         sources, target = result.get("sources", {}), result["restored_iteration"]
-        check(committed_at_loss <= target <= result["reached_iteration"] and target % PEC_SAVE_INTERVAL == 0,
-              f"restored {target}: not the newest persisted iteration (>= {committed_at_loss}, <= "
-              f"{result['reached_iteration']})")
+        lost_from, survivor = sources.get(node), 1 - node
+        check(committed_at_loss <= target <= result["reached_iteration"],
+              f"restored {target}: older than the newest persisted iteration {committed_at_loss} or newer than "
+              f"{result['reached_iteration']}")
         if target:
-            check(sources.get(node) == "storage", f"lost node {node} restored from {sources.get(node)}")
-            survivor = 1 - node
+            # The lost node's ranks: from their replica in the survivor's memory, else storage (a persisted
+            # iteration then, which the survivor restores from its own memory or storage).
+            check(lost_from in ("storage", f"peer memory (node {survivor})"),
+                  f"lost node {node} restored from {lost_from}")
+            if lost_from == "storage":
+                check(target % PEC_SAVE_INTERVAL == 0, f"storage restore of {target}: not a persisted iteration")
             result["survivor_from"] = sources.get(survivor)
-            result["plt_storage_only"] = round(persist_only_plt(c.save, target), 6)
-            if sources.get(survivor) == "memory":  # memory versions are never older than the persisted ones
-                check(result["plt"] <= result["plt_storage_only"],
-                      f"PLT {result['plt']} above storage-only {result['plt_storage_only']}")
+            if target == committed_at_loss:
+                result["plt_storage_only"] = round(persist_only_plt(c.save, target), 6)
+                if sources.get(survivor) == "memory":  # memory versions are never older than the persisted ones
+                    check(result["plt"] <= result["plt_storage_only"],
+                          f"PLT {result['plt']} above storage-only {result['plt_storage_only']}")
         self._common_end_checks(c, result, "pec")
 
     def _storage_error(self, c: Cluster, spec: dict, result: dict) -> None:
