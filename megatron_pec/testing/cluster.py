@@ -191,10 +191,11 @@ class Cluster:
 
     # ---- start ---------------------------------------------------------------------------------
     def launch(self, train_args: list[str], faults: str | dict[int, str] | None = None,
-               env: dict[str, str] | None = None) -> int:
+               env: dict[str, str] | None = None, node_env: dict[int, dict[str, str]] | None = None) -> int:
         """Start every node with ``train_args`` (plus the model, --save/--load, shm dir, job id, metrics).
 
-        ``faults``: one MEGATRON_PEC_FAULT spec for all nodes, or {node: spec}. Agents
+        ``faults``: one MEGATRON_PEC_FAULT spec for all nodes, or {node: spec}; ``node_env``: extra
+        environment per node (e.g. its failure domain). Agents
         started by a node inherit its spec; every point fires at most once per cluster.
         Returns the launch number (names its logs and metrics file).
         """
@@ -207,17 +208,18 @@ class Cluster:
                 "--pec-agent-idle-timeout", "120", "--metrics-file", str(self.metrics_path()), *train_args]
         self.procs = {}
         for node in range(self.nnodes):
-            node_env = dict(self.env, MEGATRON_PEC_FAULT_ONCE=str(self.once_dir), **(env or {}))
+            this_env = {**self.env, "MEGATRON_PEC_FAULT_ONCE": str(self.once_dir), **(env or {}),
+                        **(node_env or {}).get(node, {})}
             spec = faults.get(node) if isinstance(faults, dict) else faults
             if spec:
-                node_env["MEGATRON_PEC_FAULT"] = spec
+                this_env["MEGATRON_PEC_FAULT"] = spec
             log = open(self.log_path(node), "w")
             self._log_files.append(log)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes),
                    "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
                    "--master-port", str(port), "--max-restarts", "0", str(self.script), *args]
             self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                env=node_env, cwd=str(self.workdir), start_new_session=True)
+                                                env=this_env, cwd=str(self.workdir), start_new_session=True)
             self._remember([self.procs[node].pid])
         return self.launches
 
