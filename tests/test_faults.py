@@ -104,7 +104,7 @@ def reference(clusters, tmp_path_factory) -> Reference:
     c.launch(FULL + ["--pec-keep-shm"])
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     assert sorted(manifest.committed_iterations(str(c.save))) == list(range(2, ITERS + 1, 2))
-    c.wait_for(lambda: c.agent_pid(0) is None and c.agent_pid(1) is None, 60, "both agents exited")
+    c.wait_agents_exited()
     archive = c.workdir / "checkpoints_archive"
     shutil.move(str(c.save), archive)
     c.close(keep_memory=True)
@@ -479,7 +479,7 @@ def test_planned_exit_between_persists_loses_nothing(clusters, reference, tmp_pa
     c.launch(RARE + ["--exit-interval", "7"])
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     assert "exiting program at iteration 7" in c.log(0)
-    c.wait_for(lambda: c.agent_pid(0) is None and c.agent_pid(1) is None, 60, "both agents exited")
+    c.wait_agents_exited()
     for node in (0, 1):
         assert f"planned exit: persisted rank {node}'s snapshot of iteration 7" in agent_logs(c)
         assert not list(c.node_dir(node).glob("rank*.slot*")), "a planned exit leaves no node memory behind"

@@ -143,22 +143,15 @@ class ReplicaStore:
                 raise ReplicaError(f"bad slot header: {exc}") from None
             target = _map(self.path(push.node, push.rank, slot), push.file_len)
             try:
-                view = memoryview(target)
-                view[:push.header_len] = header
-                for i, (begin, length) in enumerate(_runs([e for e in layout.tensors if e.item in sent])):
-                    _recv_into(sock, view[layout.data_start + begin:layout.data_start + begin + length])
-                    if i == 0:
-                        faults.point("replica_receive", iteration=record.iteration)
-                if carried:
-                    source = _map(self.path(push.node, push.rank, base.slot), push.file_len)
-                    try:
-                        for begin, length in _runs([e for e in layout.tensors if e.item in carried]):
-                            start = layout.data_start + begin
-                            view[start:start + length] = memoryview(source)[start:start + length]
-                    finally:
-                        source.close()
+                with memoryview(target) as view:
+                    view[:push.header_len] = header
+                    for i, (begin, length) in enumerate(_runs([e for e in layout.tensors if e.item in sent])):
+                        _recv_into(sock, view[layout.data_start + begin:layout.data_start + begin + length])
+                        if i == 0:
+                            faults.point("replica_receive", iteration=record.iteration)
+                    if carried:
+                        self._copy_items(view, self.path(push.node, push.rank, base.slot), layout, carried)
                 actual = item_checksums(target, layout, sent)
-                view.release()
             finally:
                 target.close()
             bad = sorted(i for i in sent if actual[i] != record.crcs.get(i))
@@ -170,6 +163,18 @@ class ReplicaStore:
                 list(push.lineage))
             self._write_index(entries)  # the marker, last: the replica is complete
             return None
+
+    @staticmethod
+    def _copy_items(view: memoryview, source_path: str, layout, items: set[str]) -> None:
+        """The bytes of ``items`` from the previous replica (same layout) into ``view``."""
+        source = _map(source_path, len(view))
+        try:
+            with memoryview(source) as src:
+                for begin, length in _runs([e for e in layout.tensors if e.item in items]):
+                    start = layout.data_start + begin
+                    view[start:start + length] = src[start:start + length]
+        finally:
+            source.close()
 
     def serve_pull(self, pull: ReplicaPull, sock: socket.socket) -> None:
         with self.lock:
@@ -329,17 +334,17 @@ class Replicator:
             sock.sendall((push.dumps() + "\n").encode())
             sock.sendall(mapping[:push.header_len])
             started, sent_bytes = time.monotonic(), 0
-            for begin, length in _runs([e for e in layout.tensors if e.item in set(push.sent)]):
-                start = layout.data_start + begin
-                for offset in range(start, start + length, 4 << 20):
-                    piece = memoryview(mapping)[offset:min(offset + (4 << 20), start + length)]
-                    sock.sendall(piece)
-                    sent_bytes += len(piece)
-                    piece.release()
-                    if cap:  # never ahead of the cap
-                        ahead = sent_bytes / (cap * 1e6) - (time.monotonic() - started)
-                        if ahead > 0:
-                            time.sleep(ahead)
+            with memoryview(mapping) as whole:
+                for begin, length in _runs([e for e in layout.tensors if e.item in set(push.sent)]):
+                    start = layout.data_start + begin
+                    for offset in range(start, start + length, 4 << 20):
+                        with whole[offset:min(offset + (4 << 20), start + length)] as piece:
+                            sock.sendall(piece)
+                            sent_bytes += len(piece)
+                        if cap:  # never ahead of the cap
+                            ahead = sent_bytes / (cap * 1e6) - (time.monotonic() - started)
+                            if ahead > 0:
+                                time.sleep(ahead)
             return ReplicaReply.loads(_read_line(sock))
 
 
@@ -370,9 +375,8 @@ def pull(node_dir: str, job: JobInfo, rank: int, slot_path: str, storage: PosixS
                     continue
                 target = _map(slot_path, reply.file_len)
                 try:
-                    view = memoryview(target)
-                    _recv_into(sock, view)
-                    view.release()
+                    with memoryview(target) as view:
+                        _recv_into(sock, view)
                     layout = decode_header(target[:8 + int.from_bytes(target[:8], "little")], file_len=len(target))
                     actual = item_checksums(target, layout, set(reply.record.items))
                 finally:

@@ -93,7 +93,7 @@ class Agent:
         self.replica_server: ReplicaServer | None = None
         self.address: PeerAddress | None = None
         self.published = False
-        self.memory = NodeMemory.read(directory)        # touched only by the worker thread
+        self.memory = NodeMemory.read(directory)        # changed only by the worker thread
         self.in_flight: dict[int, set[int]] = {}        # rank -> slots announced and not yet released
         self.pending: dict[tuple[str, int], dict] = {}  # (save root, iteration) -> {rank: RankFile}
         self.failed: set[tuple[str, int]] = set()

@@ -54,7 +54,8 @@ AGENT_POINTS = ("agent_carried", "persist_write", "before_rename", "before_node_
                 "before_tracker")
 DAMAGE = ("flip_byte", "truncate", "delete_rank_file", "manifest_missing_file")
 TYPES = ("trainer_kill_point", "trainer_kill_random", "agent_kill_point", "agent_kill_random", "node_loss",
-         "storage_error", "storage_full", "corruption")
+         "storage_error", "storage_full", "corruption", "replica_holder_kill", "replica_link_drop",
+         "replica_corrupt", "two_nodes_lost")
 
 
 class Failure(AssertionError):
@@ -118,6 +119,12 @@ class Campaign:
             spec["delay_s"] = round(self.rng.uniform(0.0, 0.25), 3)
         elif kind == "node_loss":
             spec["iteration"] = self.rng.randrange(PEC_SAVE_INTERVAL + 1, PEC_ITERS - 1)
+        elif kind in ("replica_holder_kill", "replica_link_drop"):
+            spec["nth"] = self.rng.randrange(1, FULL_ITERS - 3)  # the holder's n-th replica transfer
+            spec["iteration"] = self.rng.randrange(spec["nth"] + 2, FULL_ITERS)
+        elif kind in ("replica_corrupt", "two_nodes_lost"):
+            spec["iteration"] = self.rng.randrange(2, FULL_ITERS)
+            spec["offset_fraction"] = round(self.rng.random(), 4)
         elif kind == "storage_error":
             spec["action"] = self.rng.choice(["enospc", "eio"])
             spec["point"] = self.rng.choice(["persist_write", "before_rename"])
@@ -305,6 +312,78 @@ class Campaign:
                     check(result["plt"] <= result["plt_storage_only"],
                           f"PLT {result['plt']} above storage-only {result['plt_storage_only']}")
         self._common_end_checks(c, result, "pec")
+
+    # ---- replication (every expert saved, so every loss after a restore is checked bit-exactly) -------
+    def _replica_holder_kill(self, c: Cluster, spec: dict, result: dict) -> None:
+        """The holder's agent is SIGKILLed mid-way through receiving a replica; later the node is lost."""
+        self._replica_fault(c, spec, result, "kill")
+
+    def _replica_link_drop(self, c: Cluster, spec: dict, result: dict) -> None:
+        """The link between the agents breaks mid-transfer (an I/O error on the holder's side of the
+        socket); later the node is lost."""
+        self._replica_fault(c, spec, result, "eio")
+
+    def _replica_fault(self, c: Cluster, spec: dict, result: dict, action: str) -> None:
+        node, holder = spec["node"], 1 - spec["node"]
+        c.launch(FULL, faults={holder: f"replica_receive={action}@{spec['nth']}:{holder}"})
+        c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
+        result["fired"] = f"fault injection: {action} at replica_receive" in self._agent_logs(c)
+        self._lose(c, [node], spec, result)
+        lost_from = result["sources"].get(node) if result.get("sources") else None
+        check(lost_from in (None, "storage", f"peer memory (node {holder})"), f"node {node} restored from {lost_from}")
+        self._common_end_checks(c, result, "full")
+
+    def _replica_corrupt(self, c: Cluster, spec: dict, result: dict) -> None:
+        """The node is lost and the one replica of it has a flipped byte: it must not be restored."""
+        from megatron_pec.agent.replicas import INDEX, REPLICA_DIR
+        from megatron_pec.protocol import ReplicaIndex
+
+        node, holder = spec["node"], 1 - spec["node"]
+        c.launch(FULL)
+        c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
+
+        def damage() -> None:
+            directory = c.node_dir(holder) / REPLICA_DIR
+            entry = ReplicaIndex.loads((directory / INDEX).read_bytes()).entries.get(f"{node}.{node}")
+            check(entry is not None, f"node {holder} holds no replica of node {node}")
+            path = directory / f"node{node}.rank{node}.slot{entry.slot}"
+            offset = int(spec["offset_fraction"] * (path.stat().st_size - 1))
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([byte ^ 0x10]))
+            result["fired"] = True
+
+        self._lose(c, [node], spec, result, before_restart=damage)
+        if result["restored_iteration"]:
+            check(result["sources"][node] == "storage", f"node {node} restored from a damaged replica")
+        self._common_end_checks(c, result, "full")
+
+    def _two_nodes_lost(self, c: Cluster, spec: dict, result: dict) -> None:
+        """Both nodes lost (the lost node and its only replica holder): storage, the newest commit."""
+        c.launch(FULL)
+        c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
+        result["fired"] = True
+        self._lose(c, [0, 1], spec, result)
+        if result["restored_iteration"]:
+            check(set(result["sources"].values()) == {"storage"}, f"restored from {result['sources']}")
+            check(result["restored_iteration"] == result["newest_committed_before"],
+                  f"restored {result['restored_iteration']}, not the newest commit {result['newest_committed_before']}")
+        self._common_end_checks(c, result, "full")
+
+    def _lose(self, c: Cluster, nodes: list[int], spec: dict, result: dict, before_restart=None) -> None:
+        for node in nodes:
+            c.lose_node(node)
+        c.wait_stopped(TIMEOUT)  # a survivor notices by itself
+        if before_restart is not None:
+            before_restart()
+        self._restart_and_finish(c, spec, result, "full")
+
+    @staticmethod
+    def _agent_logs(c: Cluster) -> str:
+        return "\n".join((c.node_dir(n) / "agent.log").read_text() for n in range(c.nnodes)
+                         if (c.node_dir(n) / "agent.log").exists())
 
     def _storage_error(self, c: Cluster, spec: dict, result: dict) -> None:
         node = spec["node"]

@@ -398,8 +398,21 @@ class Cluster:
         pid = self.agent_pid(node)
         if pid is not None:
             _kill(pid)
-            self.wait_for(lambda: not _alive(pid), timeout, f"agent {pid} dead")
+            self._wait_alone(lambda: not _alive(pid), timeout, f"agent {pid} dead")
         return pid
+
+    def wait_agents_exited(self, timeout: float = 60.0) -> None:
+        """Wait until no node has a living agent (they finish a planned exit after their trainers)."""
+        self._wait_alone(lambda: all(self.agent_pid(n) is None for n in range(self.nnodes)), timeout,
+                         "every node agent exited")
+
+    def _wait_alone(self, condition, timeout: float, what: str) -> None:
+        """Like ``wait_for``, for conditions that do not need the trainers to be running."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise ClusterTimeout(f"not {what} within {timeout:.0f}s; logs in {self.workdir}:\n{self._tails()}")
+            time.sleep(0.05)
 
     def lose_node(self, node: int) -> None:
         """Node loss: the node's trainer processes and agent are SIGKILLed and its memory is gone."""
