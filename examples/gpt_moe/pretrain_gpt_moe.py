@@ -270,8 +270,11 @@ def main(argv=None) -> int:
     model, optimizer, scheduler = setup_model_and_optimizer(args)
     args.consumed_train_samples = args.skipped_train_samples = args.consumed_valid_samples = 0
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
+    load_s = None
     if args.load:
+        started = time.perf_counter()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(model, optimizer, scheduler)
+        load_s = time.perf_counter() - started
     train_ds, valid_ds = build_datasets(
         args.data_path, args.seq_length, args.seed, args.train_iters * args.global_batch_size,
         max(args.eval_iters, 1) * args.global_batch_size * 2, args.split,
@@ -281,6 +284,8 @@ def main(argv=None) -> int:
     flops_per_iteration = 6 * args.global_batch_size * args.seq_length * sum(
         p.numel() for p in model[0].parameters())
     metrics = open(args.metrics_file, "a") if args.metrics_file and args.rank == 0 else None
+    if metrics and load_s is not None:
+        metrics.write(json.dumps({"iteration": args.iteration, "load_s": load_s}) + "\n")
     iteration = args.iteration
     log(args, f"training from iteration {iteration} to {args.train_iters} "
               f"(world {args.world_size}, EP {args.expert_model_parallel_size}, DP {args.data_parallel_size})")

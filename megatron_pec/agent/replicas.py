@@ -33,7 +33,7 @@ from megatron_pec.agent.memory import JobKey
 from megatron_pec.protocol import (JobInfo, PeerAddress, ProtocolError, ReplicaEntry, ReplicaIndex, ReplicaPull,
                                    ReplicaPush, ReplicaReply, Segment, SlotRecord)
 from megatron_pec.slots import REPLICA_SLOTS
-from megatron_pec.stformat import FormatError, decode_header, item_checksums
+from megatron_pec.stformat import MAX_HEADER, FormatError, decode_header, item_checksums
 from megatron_pec.storage import PosixStorage
 
 REPLICA_DIR = "replicas"
@@ -135,6 +135,8 @@ class ReplicaStore:
                                    or base.record.crcs.get(i) != record.crcs.get(i) for i in carried)):
                 return NEED_FULL
             slot = (base.slot + 1) % REPLICA_SLOTS if base is not None else 0
+            if not 8 < push.header_len <= min(push.file_len, MAX_HEADER + 8):
+                raise ReplicaError(f"implausible header length {push.header_len} for a {push.file_len}-byte slot")
             header = bytearray(push.header_len)
             _recv_into(sock, memoryview(header))
             try:
@@ -252,6 +254,7 @@ class Replicator:
         self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
         self.sending: dict[int, int] = {}           # rank -> slot being read now (not to be granted)
         self.synced: set[tuple[int, int]] = set()   # (holder, rank) that hold a base replica
+        self.sent = {"snapshots": 0, "whole": 0, "bytes": 0}  # completed pushes (reported at exit)
         self.cond = threading.Condition()
         self.warned: set[str] = set()
         threading.Thread(target=self._run, daemon=True).start()
@@ -324,6 +327,11 @@ class Replicator:
                 reply = self._exchange(address, push, mapping, layout)
             if not reply.ok:
                 raise ReplicaError(reply.error or "refused")
+            sent = set(push.sent)
+            with self.cond:
+                self.sent["snapshots"] += 1
+                self.sent["whole"] += len(sent) == len(record.items)
+                self.sent["bytes"] += push.header_len + sum(e.end - e.begin for e in layout.tensors if e.item in sent)
         finally:
             mapping.close()
 

@@ -136,6 +136,10 @@ class Agent:
             os.unlink(sock_path)  # no longer serving: a trainer must not find a socket to connect to
             if self.planned_exit:
                 self._persist_newest()
+            if self.replicator is not None:
+                sent = self.replicator.sent
+                log(f"replication: sent {sent['snapshots']} snapshot(s) to peers, {sent['whole']} of them whole, "
+                    f"{sent['bytes']} bytes")
             self._cleanup()
         return 0
 

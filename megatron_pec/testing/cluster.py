@@ -191,11 +191,13 @@ class Cluster:
 
     # ---- start ---------------------------------------------------------------------------------
     def launch(self, train_args: list[str], faults: str | dict[int, str] | None = None,
-               env: dict[str, str] | None = None, node_env: dict[int, dict[str, str]] | None = None) -> int:
+               env: dict[str, str] | None = None, node_env: dict[int, dict[str, str]] | None = None,
+               checkpoint: bool = True) -> int:
         """Start every node with ``train_args`` (plus the model, --save/--load, shm dir, job id, metrics).
 
         ``faults``: one MEGATRON_PEC_FAULT spec for all nodes, or {node: spec}; ``node_env``: extra
-        environment per node (e.g. its failure domain). Agents
+        environment per node (e.g. its failure domain); ``checkpoint=False``: no --save/--load (a
+        baseline without checkpoints). Agents
         started by a node inherit its spec; every point fires at most once per cluster.
         Returns the launch number (names its logs and metrics file).
         """
@@ -203,9 +205,9 @@ class Cluster:
             raise RuntimeError("launch() while the previous launch still runs; wait_exit() or kill_trainers()")
         self.launches += 1
         port = free_port()
-        args = [*self.model_args, "--save", str(self.save), "--load", str(self.save),
-                "--pec-shm-dir", str(self.shm_dir), "--pec-job-id", self.job_id,
-                "--pec-agent-idle-timeout", "120", "--metrics-file", str(self.metrics_path()), *train_args]
+        ckpt = ["--save", str(self.save), "--load", str(self.save), "--pec-shm-dir", str(self.shm_dir),
+                "--pec-job-id", self.job_id, "--pec-agent-idle-timeout", "120"] if checkpoint else []
+        args = [*self.model_args, *ckpt, "--metrics-file", str(self.metrics_path()), *train_args]
         self.procs = {}
         for node in range(self.nnodes):
             this_env = {**self.env, "MEGATRON_PEC_FAULT_ONCE": str(self.once_dir), **(env or {}),
