@@ -9,8 +9,9 @@ empty dict.
 
 Points: trainer ``snapshot_begin``, ``snapshot_mid``, ``snapshot_end``,
 ``optimizer_step``; agent ``agent_carried`` (experts carried into a slot, not yet
-recorded), ``replica_receive`` (a peer's snapshot half received), ``persist_write`` (mid file), ``before_rename``,
-``before_node_marker``, ``before_manifest``, ``before_tracker``.
+recorded), ``replica_receive`` (a peer's snapshot partly received), ``persist_write``
+(mid file), ``before_rename``, ``before_node_marker``, ``before_manifest``,
+``before_tracker``.
 
 ``MEGATRON_PEC_FAULT_ONCE=DIR`` makes every armed point fire at most once across
 all processes that share ``DIR`` (a marker file per point, created with O_EXCL):

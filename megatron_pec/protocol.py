@@ -24,7 +24,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 __all__ = [
     "ProtocolError", "Record", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",

@@ -56,8 +56,8 @@ class Trainer:
         for name, view in self.files.views[slot].items():
             if name.split("/")[0] in written:
                 view.fill_(iteration + 0.5)
-        header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank, world_size=2,
-                            iteration=iteration, items=dict.fromkeys(written, iteration),
+        header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank,
+                            world_size=2, iteration=iteration, items=dict.fromkeys(written, iteration),
                             tokens={f"L1.E{e}": 100 * iteration + e for e in range(4)}, small="{}", pec="{}",
                             run=self.run)
         self.files.write_header(slot, header.to_metadata())

@@ -346,6 +346,22 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     assert_sound(c.save)
 
 
+def lose_node_1_and_restore_from_its_replica(c: Cluster, after: int) -> tuple[int, int]:
+    """Node 1 is lost after iteration ``after``; the relaunch restores it from node 0's memory, node 0
+    from its own, at the same iteration, at most one snapshot interval back. Returns (reached, restored)."""
+    c.wait_iteration(after)
+    c.lose_node(1)
+    assert c.wait_exit(60, nodes=[0])[0] != 0
+    lost_at = c.iteration()
+    c.launch(FULL)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(2)
+    assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
+    target = restores[0].iteration
+    assert restores[1].iteration == target and lost_at - target <= 1, (lost_at, restores)
+    return lost_at, target
+
+
 def test_replica_holder_killed_mid_transfer_then_the_node_is_lost(clusters, reference, tmp_path):
     """Node 0's agent is SIGKILLed halfway through receiving node 1's third snapshot: the half-received
     replica never becomes one, training goes on, node 0's trainer starts a new agent, node 1 sends it a
@@ -354,16 +370,7 @@ def test_replica_holder_killed_mid_transfer_then_the_node_is_lost(clusters, refe
     c.launch(FULL, faults={0: "replica_receive=kill@3:0"})
     c.wait_for(lambda: "fault injection: kill at replica_receive" in agent_logs(c), LAUNCH_TIMEOUT,
                "node 0's agent killed mid-transfer")
-    c.wait_iteration(9)
-    c.lose_node(1)
-    assert c.wait_exit(60, nodes=[0])[0] != 0
-    lost_at = c.iteration()
-
-    c.launch(FULL)
-    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
-    restores = c.restores(2)
-    assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
-    assert restores[0].iteration == restores[1].iteration and lost_at - restores[0].iteration <= 1, restores
+    lose_node_1_and_restore_from_its_replica(c, after=9)
     assert "connected to a new node agent" in c.log(0, 1)
     assert reference.assert_same_losses(c) >= ITERS
     assert_sound(c.save)
@@ -501,17 +508,7 @@ def test_node_loss_lost_node_restores_from_its_replica_in_peer_memory(clusters, 
     node 0 and verifies it, and both ranks restore the newest snapshot before the kill from memory."""
     c = clusters(tmp_path, "fpeer")
     c.launch(FULL)
-    c.wait_iteration(7)
-    c.lose_node(1)
-    assert c.wait_exit(60, nodes=[0])[0] != 0
-    lost_at = c.iteration()
-
-    c.launch(FULL)
-    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
-    restores = c.restores(2)
-    assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
-    target = restores[0].iteration
-    assert restores[1].iteration == target and lost_at - target <= 1, (lost_at, restores)
+    lost_at, target = lose_node_1_and_restore_from_its_replica(c, after=7)
     assert f"pulled iteration {target} from node 0's memory" in agent_logs(c)
     assert reference.assert_same_losses(c) >= lost_at + ITERS - target
     assert target in committed(c.save), "the iteration restored from memory was persisted after the restart"

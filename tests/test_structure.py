@@ -65,8 +65,8 @@ def test_megatron_is_imported_only_by_the_adapter_and_the_test_stand_ins():
 
 
 def test_production_code_never_imports_the_testing_package():
-    users = {relative(p) for p in SOURCES
-             if not relative(p).startswith("testing/") and any(n.startswith("megatron_pec.testing") for n in imports(p))}
+    users = {relative(p) for p in SOURCES if not relative(p).startswith("testing/")
+             and any(n.startswith("megatron_pec.testing") for n in imports(p))}
     assert not users, users
 
 

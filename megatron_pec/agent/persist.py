@@ -14,7 +14,7 @@ from megatron_pec.agent.memory import JobKey, header_problem
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import ProtocolError, SlotHeader, SlotRecord
 from megatron_pec.slots import open_slot
-from megatron_pec.stformat import FormatError, encode_header, item_checksums
+from megatron_pec.stformat import encode_header, item_checksums
 from megatron_pec.storage import PosixStorage
 
 

@@ -5,14 +5,13 @@ Installed once per model on every rank. The hook adds ``routing_map.sum(0)``
 stays on the router's device, so training never waits on it. At save time the
 engine sums every rank's counts in the one small all-reduce a save makes anyway
 (``Engine._agree_and_count``), which makes them global and identical on every
-rank, and keeps the cumulative totals (PEC bookkeeping, not Megatron's). Evaluation passes (``module.training`` False) update no expert and are
-not counted.
+rank, and keeps the cumulative totals (PEC bookkeeping, not Megatron's).
+Evaluation passes (``module.training`` False) update no expert and are not counted.
 """
 
 from __future__ import annotations
 
 import torch
-
 
 
 class TokenCounter:

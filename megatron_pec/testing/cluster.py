@@ -2,7 +2,8 @@
 
 Runs in the test / campaign / demo driver process, never inside training. A
 ``Cluster`` launches a training script (the caller names it: the example's
-``pretrain_gpt_moe.py`` in a checkout) as ``nnodes`` separate ``torchrun --nnodes N --node-rank k --nproc-per-node 1`` processes (one
+``pretrain_gpt_moe.py`` in a checkout) as ``nnodes`` separate
+``torchrun --nnodes N --node-rank k --nproc-per-node 1`` processes (one
 rank per "node"), each in its own session so it can be killed as a unit. Every
 node gets its own node agent and node memory automatically, because node
 memory lives in ``<shm dir>/<job id>/node<k>/``.
@@ -46,8 +47,8 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--micro-batch-size", "4", "--global-batch-size", "8", "--log-interval", "1",
                "--eval-iters", "1", "--lr-warmup-iters", "2"]
 
-_RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from (memory|storage|peer memory \(node \d+\))"
-                       r"(?:; experts from older versions: (.*))?$", re.M)
+_RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from "
+                       r"(memory|storage|peer memory \(node \d+\))(?:; experts from older versions: (.*))?$", re.M)
 _PLT = re.compile(r"megatron-pec: PLT ([0-9.]+)% \((\d+) of (\d+) expert-tokens lost", re.M)
 
 
