@@ -26,6 +26,7 @@ def _read_header(path: str, storage: PosixStorage) -> SlotHeader:
 def inspect(root: str, storage=PosixStorage()) -> dict:
     committed = set(manifest.committed_iterations(root, storage))
     report = {"root": os.path.abspath(root), "tracker": manifest.read_tracker(root, storage), "iterations": []}
+    kept_for: dict[int, list[int]] = {}  # older iteration -> committed ones that read expert versions from it
     for i in manifest.iterations_on_disk(root, storage):
         entry = {"iteration": i, "committed": i in committed}
         if i in committed:
@@ -34,6 +35,8 @@ def inspect(root: str, storage=PosixStorage()) -> dict:
                          bytes_per_rank={r: e.size for r, e in sorted(m.ranks.items(), key=lambda t: int(t[0]))},
                          experts_saved=sorted({x for e in m.ranks.values() for x in e.items if x != "dense"}),
                          expert_versions=m.experts, referenced_iterations=sorted(int(k) for k in m.sources))
+            for k in m.sources:
+                kept_for.setdefault(int(k), []).append(i)
             first = os.path.join(root, m.ranks[min(m.ranks, key=int)].file)
             try:
                 pec = json.loads(_read_header(first, storage).pec)
@@ -45,14 +48,22 @@ def inspect(root: str, storage=PosixStorage()) -> dict:
         else:
             entry["files"] = storage.listdir(manifest.pec_dir(root, i))
         report["iterations"].append(entry)
+    for entry in report["iterations"]:
+        if not entry["committed"] and entry["iteration"] in kept_for:
+            entry["kept_for"] = sorted(kept_for[entry["iteration"]])
     return report
 
 
 def format_inspect(report: dict) -> str:
     lines = [f"checkpoint directory {report['root']}  (tracker: {report['tracker']})"]
     for it in report["iterations"]:
+        if it.get("kept_for"):
+            lines.append(f"  iteration {it['iteration']:>7}: files kept for the expert versions of iteration(s) "
+                         f"{', '.join(map(str, it['kept_for']))} (not a restore point)")
+            continue
         if not it["committed"]:
-            lines.append(f"  iteration {it['iteration']:>7}: NOT committed (partial: {', '.join(it['files']) or 'empty'})")
+            files = ", ".join(it["files"]) or "empty"
+            lines.append(f"  iteration {it['iteration']:>7}: NOT committed (partial: {files})")
             continue
         sizes = it["bytes_per_rank"]
         lines.append(f"  iteration {it['iteration']:>7}: committed, {it['world_size']} ranks on {it['num_nodes']} "

@@ -185,8 +185,9 @@ def _expert_versions(root: str, iteration: int, ranks: dict[str, RankFile], stor
 
 
 def apply_retention(root: str, keep: int, storage=PosixStorage()) -> list[int]:
-    """Delete iterations beyond the newest ``keep`` committed ones, except files a retained
-    manifest still references for expert versions. Returns the iterations removed."""
+    """Keep the newest ``keep`` committed iterations. An older one whose rank files a retained
+    manifest still references for expert versions keeps those files but stops being committed (its
+    own references may go); every other older one is deleted. Returns the iterations deleted."""
     committed = committed_iterations(root, storage)
     if len(committed) <= keep:
         return []
@@ -197,14 +198,17 @@ def apply_retention(root: str, keep: int, storage=PosixStorage()) -> list[int]:
     removed = []
     oldest_retained = retained[-1]
     for i in iterations_on_disk(root, storage):
-        if i >= oldest_retained or i in referenced:
+        if i >= oldest_retained:
             continue
         directory = pec_dir(root, i)
+        names = storage.listdir(directory)
         # The manifest goes first: the iteration stops being valid before its files vanish.
-        for name in ["manifest.json"] + storage.listdir(directory):
+        doomed = ["manifest.json"] + [n for n in names if i not in referenced or _NODE_MARKER.match(n)]
+        for name in doomed:
             storage.remove(os.path.join(directory, name))
-        storage.remove_empty_dirs(iter_dir(root, i))
-        removed.append(i)
+        if i not in referenced:
+            storage.remove_empty_dirs(iter_dir(root, i))
+            removed.append(i)
     return removed
 
 

@@ -175,9 +175,25 @@ def test_retention_keeps_referenced_versions(trainers):
     for iteration in (10, 20, 30):
         for t in (t0, t1):
             t.snapshot(iteration, ["L1.E1"] if iteration > 10 else None)
-    # keep=1 retains 30, and 10 because experts E0/E2/E3 are still at version 10; 20 goes.
+    # keep=1 retains 30, and 10's files because experts E0/E2/E3 are still at version 10; 20 goes.
     assert manifest.iterations_on_disk(t0.root) == [10, 30]
+    assert manifest.committed_iterations(t0.root) == [30]  # 10 holds files for 30, it is no restore point
     assert cli("verify", t0.root).returncode == 0
+
+
+def test_retention_never_leaves_a_committed_iteration_pointing_at_deleted_files(trainers):
+    """30 still needs 20's file (E1 at 20), 20 needed 10's (E0/E2/E3 at 10), 30 does not: 10 goes, and 20,
+    kept for its file, stops being committed - so nothing committed points at a deleted file."""
+    t0, t1 = trainers(0, keep=1), trainers(1, keep=1)
+    for iteration, persisted in ((10, None), (20, ["L1.E1"]), (30, ["L1.E0", "L1.E2", "L1.E3"])):
+        for t in (t0, t1):
+            t.snapshot(iteration, persisted)
+    assert manifest.read_manifest(t0.root, 30).experts == {"L1.E0": 30, "L1.E1": 20, "L1.E2": 30, "L1.E3": 30}
+    assert manifest.iterations_on_disk(t0.root) == [20, 30] and manifest.committed_iterations(t0.root) == [30]
+    result = cli("verify", t0.root)
+    assert result.returncode == 0, result.stdout
+    shown = cli("inspect", t0.root).stdout
+    assert "iteration      20: files kept for the expert versions of iteration(s) 30 (not a restore point)" in shown
 
 
 def test_agent_reports_failed_persist_and_keeps_serving(trainers, monkeypatch):

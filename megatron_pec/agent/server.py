@@ -188,12 +188,15 @@ class Agent:
                         self.links[msg.rank] = link  # a new trainer: grants of the old one are void
                         self.served[msg.rank] = link
                         self.detached.discard(msg.rank)
-                        if msg.job.replicas and msg.job.num_nodes > 1:
-                            self._start_replication(msg.job)
-                            if not self.memory.slots.get(msg.rank):  # e.g. a replacement node: ask the peers
-                                self.pending_work = True
-                                self.jobs.put((link, "pull"))
                     self._send(conn, Ready(os.getpid()))
+                    if msg.job.replicas and msg.job.num_nodes > 1:
+                        # After Ready, before this trainer's next message is read: the pull is the first
+                        # job of this trainer, and a failure here cannot break its handshake.
+                        self._start_replication(msg.job)
+                        if not self.memory.slots.get(msg.rank):  # e.g. a replacement node: ask the peers
+                            with self.lock:
+                                self.pending_work = True
+                            self.jobs.put((link, "pull"))
                 elif link is None and not isinstance(msg, Stop):
                     raise ProtocolError(f"{msg.KIND} before hello")
                 elif isinstance(msg, (Begin, SnapshotReady, Flush)):
@@ -275,15 +278,16 @@ class Agent:
 
     # ---- replication ------------------------------------------------------------------------------
     def _start_replication(self, job: JobInfo) -> None:
-        """Once per agent (under the lock): accept peers' replicas, publish where, send ours."""
-        if self.replicator is not None:
-            return
-        self.replica_store = ReplicaStore(self.directory)
-        self.replica_server = ReplicaServer(self.replica_store, log)
-        self.address = PeerAddress(job.node_rank, peers.advertised_host(), self.replica_server.port,
-                                   job.domain or f"node {job.node_rank}", os.getpid())
-        self.replicator = Replicator(self.directory, job, self.storage, log)
-        self._publish(job)
+        """Once per agent: accept peers' replicas, publish where, send ours."""
+        with self.lock:
+            if self.replicator is not None:
+                return
+            self.replica_store = ReplicaStore(self.directory)
+            self.replica_server = ReplicaServer(self.replica_store, log)
+            self.address = PeerAddress(job.node_rank, peers.advertised_host(), self.replica_server.port,
+                                       job.domain or f"node {job.node_rank}", os.getpid())
+            self.replicator = Replicator(self.directory, job, self.storage, log)
+        self._publish(job)  # storage I/O: outside the lock
 
     def _publish(self, job: JobInfo) -> None:
         """Tell the peers where this agent takes replicas (again at every snapshot until storage takes it)."""

@@ -128,7 +128,8 @@ class Campaign:
         elif kind == "storage_error":
             spec["action"] = self.rng.choice(["enospc", "eio"])
             spec["point"] = self.rng.choice(["persist_write", "before_rename"])
-            spec["nth"] = self.rng.randrange(1, 7 if spec["point"] == "persist_write" else 4)
+            # Each agent's first write and rename publish its replication address: start at the second.
+            spec["nth"] = self.rng.randrange(2, 8 if spec["point"] == "persist_write" else 5)
         elif kind == "storage_full":
             spec["size_mib"] = self.rng.randrange(6, 40)
         elif kind == "corruption":
@@ -580,18 +581,25 @@ def markdown(data: dict) -> str:
         data["table"], "",
         "* **fired**: the injected fault really happened (the fault point was reached, the process was killed, "
         "the file damaged). **recovered**: the job finished and every check of its fault type passed. "
-        "**resumed from**: where the restart restored from (`memory`, `storage`, both for a node loss, or "
-        "`continued` when training never stopped). **iters lost**: iterations completed before the fault and "
+        "**resumed from**: where the restart restored from (`memory`, `peer memory (node K)` for a lost node's "
+        "ranks restored from their replica, `storage`, joined by `+` when ranks differ, or `continued` when "
+        "training never stopped). **iters lost**: iterations completed before the fault and "
         "done again after the restart (the iteration in flight at the kill is not counted). **PLT**: portion "
         "of lost expert-token work logged by the restart (PEC runs only; 0 with every expert saved).",
         "* Every run: a simulated 2-node job (2 `torchrun` launches, one rank each, EP=2, DP=2, gloo on CPU), "
         "`full` = every expert saved, memory snapshot every iteration, persisted every 2 (12 iterations); "
-        "`pec` = snapshot-K 4 of 8 experts per layer every 2 iterations, persist-K 1 every 4 (16 iterations).",
+        "`pec` = snapshot-K 1 of 8 experts per layer every 2 iterations, persist-K 1 every 4 (16 iterations). "
+        "Every snapshot is replicated to the other node's agent (the default on more than one node). Replica "
+        "faults: `replica_holder_kill` (the holder's agent SIGKILLed mid-transfer, then the node lost), "
+        "`replica_link_drop` (an I/O error on the holder's side of the transfer, then the node lost), "
+        "`replica_corrupt` (the node lost and a byte of its only replica flipped), `two_nodes_lost`.",
         "* Checks per run: bounded waits (a wait that runs out is a hang); the restart restores the newest "
         "valid iteration on every rank from the expected source; a trainer kill loses at most one snapshot "
         "interval; with every expert saved each loss logged after a resume equals the uninterrupted "
-        "reference run's loss at that iteration (exact float equality); after a node loss the PLT is at most "
-        "what a storage-only restore would cost; `python -m megatron_pec verify` passes at the end, the "
+        "reference run's loss at that iteration (exact float equality); after a node loss the lost node's ranks "
+        "restore from their replica in the survivor's memory or, when no sound replica is left, from storage "
+        "(never from a damaged replica), and when the restore is the persisted iteration its PLT is at most what "
+        "a storage-only restore would cost; `python -m megatron_pec verify` passes at the end, the "
         "tracker names a committed iteration, an iteration whose persist failed is never committed, and a "
         "damaged iteration is never restored.",
     ]
