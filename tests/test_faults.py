@@ -280,19 +280,20 @@ def test_snapshots_of_an_abandoned_run_are_never_restored(clusters, tmp_path):
     one rank completed before the kill belongs to a run that no longer exists; it must never supply
     state (e.g. an expert version) to a later restore."""
     c = clusters(tmp_path, "ftimeline")
+    pec = with_flag(PEC, "--pec-keep", "0")  # iteration 8's manifest is read at the end
     # 1. rank 0 dies after copying iteration 6, before completing it; rank 1 completes its snapshot 6.
-    c.launch(PEC, faults={0: "snapshot_end=kill@3:0"})
+    c.launch(pec, faults={0: "snapshot_end=kill@3:0"})
     c.wait_exit(LAUNCH_TIMEOUT)
     # 2. both restore 4; rank 1's snapshot 6 is now abandoned. Rank 0 dies before its snapshot 10,
     #    which rank 1 completes: the next restore will be to 8.
-    c.launch(PEC, faults={0: "snapshot_begin=kill@3:0"})
+    c.launch(pec, faults={0: "snapshot_begin=kill@3:0"})
     c.wait_exit(LAUNCH_TIMEOUT)
     assert {r: (x.iteration, x.source) for r, x in c.restores(2).items()} == {0: (4, "memory"), 1: (4, "memory")}
     abandoned = {m["iteration"] for m in _restorable_slots(c.node_dir(1), 1).values()
                  if m["iteration"] > 4 and m["recoveries"] == 0}
     current = {m["iteration"] for m in _restorable_slots(c.node_dir(1), 1).values() if m["recoveries"] == 1}
     # 3. both restore 8; rank 1's experts must come from this run's snapshots or from storage.
-    c.launch(PEC)
+    c.launch(pec)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(3)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (8, "memory"), 1: (8, "memory")}
@@ -312,7 +313,8 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     at its newest snapshot version, so node 1 loses exactly what a trainer crash at that point costs -
     far less than the storage restore (persist-K 1 every 4 iterations) would."""
     c = clusters(tmp_path, "fnode")
-    c.launch(PEC)
+    pec = with_flag(PEC, "--pec-keep", "0")  # the target's manifest is read at the end
+    c.launch(pec)
     c.wait_file(manifest.manifest_path(str(c.save), 8), timeout=LAUNCH_TIMEOUT)
     c.wait_iteration(10)
     c.lose_node(1)
@@ -323,7 +325,7 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     stored = committed(c.save)[-1]
     assert "restored" not in c.logs(1)
 
-    c.launch(PEC)
+    c.launch(pec)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(2)
     assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores

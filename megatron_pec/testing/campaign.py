@@ -293,6 +293,8 @@ class Campaign:
         c.wait_stopped(TIMEOUT)  # the survivor notices by itself
         # The survivor's agent may still commit an iteration both nodes had saved: at least this one.
         committed_at_loss = max(manifest.committed_iterations(str(c.save)), default=0)
+        # What storage alone would cost, now: retention may retire that iteration before the run ends.
+        storage_only = round(persist_only_plt(c.save, committed_at_loss), 6) if committed_at_loss else None
         self._restart_and_finish(c, spec, result, "pec")
         sources, target = result.get("sources", {}), result["restored_iteration"]
         lost_from, survivor = sources.get(node), 1 - node
@@ -308,7 +310,7 @@ class Campaign:
                 check(target % PEC_SAVE_INTERVAL == 0, f"storage restore of {target}: not a persisted iteration")
             result["survivor_from"] = sources.get(survivor)
             if target == committed_at_loss:
-                result["plt_storage_only"] = round(persist_only_plt(c.save, target), 6)
+                result["plt_storage_only"] = storage_only
                 if sources.get(survivor) == "memory":  # memory versions are never older than the persisted ones
                     check(result["plt"] <= result["plt_storage_only"],
                           f"PLT {result['plt']} above storage-only {result['plt_storage_only']}")

@@ -54,7 +54,8 @@ def main():
     save, shm = sys.argv[1], sys.argv[2]
     args, model, optimizer, scheduler, data_from = setup(
         ["--hidden-size", "64", "--train-iters", "40", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "pec",
-         "--pec-snapshot-k", "2", "--pec-persist-k", "1", "--pec-dynamic-k", "--pec-plt-threshold", "0.001"])
+         "--pec-snapshot-k", "2", "--pec-persist-k", "1", "--pec-dynamic-k", "--pec-plt-threshold", "0.001",
+         "--pec-keep", "0"])  # every iteration stays committed: the test reads their manifests
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     result = {}
     train(args, model, optimizer, scheduler, data_from(0), 1, 10)
