@@ -108,6 +108,8 @@ class Loader:
                                           f"rejecting iterations {sorted(excluded)}; see the messages above")
                 if self.rank == 0:
                     say(f"megatron-pec: no checkpoint found under {self.root}; training from scratch")
+                if not manifests:
+                    self._retire_newer(0)  # node markers of an abandoned run must not join a new commit
                 return None
             plan, error = self._plan(target, memory, stored, manifests)
             if not self.coll.all_ok(error is None):

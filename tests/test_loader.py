@@ -1,0 +1,40 @@
+"""The loader on its own: one real gloo process, a checkpoint directory made by hand, no Megatron."""
+
+import subprocess
+import sys
+
+from conftest import REPO, free_port
+
+SCRIPT = r"""
+import argparse, os, sys
+import torch.distributed as dist
+from megatron_pec import manifest
+from megatron_pec.collectives import Collectives
+from megatron_pec.config import PecConfig
+from megatron_pec.loader import LoadContext, Loader
+from megatron_pec.protocol import NodeMarker
+
+root, port = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+# A run that died at iteration 2: one node's marker was written, the other's never; nothing committed.
+os.makedirs(manifest.pec_dir(root, 2))
+manifest.write_node_marker(root, NodeMarker(iteration=2, node=1, job_id="j", fingerprint="f", topology={}, ranks={}))
+config = PecConfig.from_args(argparse.Namespace(save=root, load=root, pec_job_id="j"))
+ctx = LoadContext(rank=0, node_dir=os.path.join(root, "no_memory"), job_id="j", fingerprint="f", topology={},
+                  config=config, slice_items={}, experts_held=(), all_experts=(), num_experts=0,
+                  collectives=Collectives.over_all_ranks())
+assert Loader(ctx, root).load() is None
+left = os.path.exists(manifest.node_marker(root, 2, 1))
+print("stale marker left" if left else "stale marker retired")
+dist.destroy_process_group()
+"""
+
+
+def test_training_from_scratch_retires_node_markers_of_an_abandoned_run(tmp_path):
+    """A restart that finds nothing committed trains from scratch and saves iteration 2 again: the dead
+    run's node marker of 2 must be gone first, or the next commit of 2 would combine it (and its sizes and
+    checksums) with the new run's files."""
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt"), str(free_port())],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no checkpoint found" in result.stdout and "stale marker retired" in result.stdout, result.stdout
