@@ -118,7 +118,8 @@ class Campaign:
             spec["iteration"] = self.rng.randrange(1, FULL_ITERS - 1)
             spec["delay_s"] = round(self.rng.uniform(0.0, 0.25), 3)
         elif kind == "node_loss":
-            spec["iteration"] = self.rng.randrange(PEC_SAVE_INTERVAL + 1, PEC_ITERS - 1)
+            # drawn like a random trainer kill under PEC, so the two PLT distributions compare
+            spec["iteration"] = self.rng.randrange(1, PEC_ITERS - 1)
         elif kind in ("replica_holder_kill", "replica_link_drop"):
             spec["nth"] = self.rng.randrange(1, FULL_ITERS - 3)  # the holder's n-th replica transfer
             spec["iteration"] = self.rng.randrange(spec["nth"] + 2, FULL_ITERS)
@@ -496,6 +497,36 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
     return table
 
 
+def plt_comparison(runs: list[dict]) -> dict:
+    """Node-loss PLT against a trainer crash under PEC: medians, and pairs restoring the same iteration.
+
+    A memory restore of iteration N rebuilds the same expert versions whoever died, so a node loss
+    restored from peer memory should cost exactly what a trainer crash restored at N costs."""
+    def pec_rows(kinds):
+        return [r for r in runs if r["type"] in kinds and r["recovered"] and r.get("plt") is not None
+                and r.get("config", "pec") == "pec"]
+    losses, crashes = pec_rows(("node_loss",)), pec_rows(("trainer_kill_point", "trainer_kill_random"))
+    crash_at = {}
+    for r in crashes:
+        if r["resumed_from"] == "memory":
+            crash_at.setdefault(r["restored_iteration"], set()).add(round(r["plt"], 6))
+    paired = [(r, crash_at[r["restored_iteration"]]) for r in losses if r["restored_iteration"] in crash_at]
+    median = lambda rows: statistics.median(r["plt"] for r in rows) if rows else None  # noqa: E731
+    return {"node_loss_median": median(losses), "node_loss_runs": len(losses),
+            "trainer_crash_median": median(crashes), "trainer_crash_runs": len(crashes),
+            "pairs": len(paired), "pairs_equal": sum(round(r["plt"], 6) in plts for r, plts in paired),
+            "pairs_higher": sum(round(r["plt"], 6) > max(plts) for r, plts in paired)}
+
+
+def format_plt_comparison(c: dict) -> str:
+    if c["node_loss_median"] is None or c["trainer_crash_median"] is None:
+        return "PLT, node loss vs trainer crash (PEC): not enough runs of both types to compare"
+    return (f"PLT, node loss vs trainer crash (PEC): median {100 * c['node_loss_median']:.2f}% "
+            f"({c['node_loss_runs']} runs) vs {100 * c['trainer_crash_median']:.2f}% ({c['trainer_crash_runs']} runs); "
+            f"restoring the same iteration: {c['pairs_equal']} of {c['pairs']} node losses cost exactly a trainer "
+            f"crash's PLT, {c['pairs_higher']} more")
+
+
 def format_table(table: dict[str, dict]) -> str:
     head = ("fault type", "runs", "fired", "recovered", "resumed from", "iters lost med/max", "PLT med/max",
             "failures", "hangs")
@@ -561,6 +592,7 @@ def main(argv=None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
     table = summarize(runs)
     print(format_table(table))
+    print(format_plt_comparison(plt_comparison(runs)))
     _write(a.out, command, a.seed, started, runs)
     print(f"results: {a.out}")
     if a.markdown:
@@ -581,6 +613,7 @@ def markdown(data: dict) -> str:
         f"(seed {data['seed']}). Raw records: `fault_campaign.json` (one per run: the fault drawn, what the "
         "restart restored from where, iterations lost, PLT, and the failure if any).", "",
         data["table"], "",
+        format_plt_comparison(data["plt_comparison"]) + ".", "",
         "* **fired**: the injected fault really happened (the fault point was reached, the process was killed, "
         "the file damaged). **recovered**: the job finished and every check of its fault type passed. "
         "**resumed from**: where the restart restored from (`memory`, `peer memory (node K)` for a lost node's "
@@ -613,7 +646,7 @@ def markdown(data: dict) -> str:
 def _write(path: str, command: str, seed: int, started: float, runs: list[dict]) -> None:
     data = {"command": command, "seed": seed, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
             "duration_s": round(time.time() - started), "machine": f"{os.cpu_count()} CPU cores, CPU-only (gloo)",
-            "summary": summarize(runs), "table": format_table(summarize(runs)) if runs else "", "runs": runs}
+            "summary": summarize(runs), "plt_comparison": plt_comparison(runs), "table": format_table(summarize(runs)) if runs else "", "runs": runs}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
