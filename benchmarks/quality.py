@@ -12,6 +12,14 @@ resumes from node memory. A node-memory loss additionally kills the node agent a
 (several seeds: the noise), a full checkpoint (K = all), PEC K=1 and K=2 with checkpoint
 intervals 1 and 8, each selection policy, and Dynamic-K. Output: JSON, markdown table and plots
 (loss curves with fault markers; final validation loss versus PLT) in ``benchmarks/results/``.
+
+    python -m benchmarks.quality --node-loss --iters 300 --seeds 1234,4321,777   # ~40 minutes
+
+``--node-loss`` runs the same model as two simulated nodes (one rank each, ``torchrun --nnodes 2``,
+every snapshot replicated to the other node's agent). A fault there is a node loss: once rank 0
+reports the iteration, one node's trainer and agent are SIGKILLed and its node memory deleted; the
+restart restores the lost node's rank from its replica in the other node's memory. The lost node
+alternates. Output: ``quality_node_loss.{json,md}`` and its plots.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--seq-length", "128",
          "--micro-batch-size", "4", "--global-batch-size", "16", "--log-interval", "25"]
 VAL_RE = re.compile(r"validation loss at (?:iteration (\d+)|the end of training) \| lm loss: ([0-9.eE+-]+)")
-RESTORE_RE = re.compile(r"restored iteration (\d+) from (memory|storage)")
+RESTORE_RE = re.compile(r"restored iteration (\d+) from (memory|storage|peer memory \(node \d+\))")
 KILL_RE = re.compile(r"fault injection: kill at snapshot_end \{'iteration': (\d+)\}")
 
 
@@ -58,6 +66,83 @@ def configs(several: list[int], single: list[int]) -> list[dict]:
         {"name": "PEC K=1 I=1 Dynamic-K, 3 faults", "k": 1, "interval": 1, "faults": many, "dynamic_k": True},
     ]
     return c
+
+
+def node_loss_configs(several: list[int]) -> list[dict]:
+    """Two simulated nodes; every fault loses a whole node (its memory restored from the peer's replica)."""
+    faults = [(x, True) for x in several]
+    return [
+        {"name": "full checkpoint, 3 node losses", "k": None, "interval": 1, "faults": faults},
+        {"name": "PEC K=1 I=1, 3 node losses", "k": 1, "interval": 1, "faults": faults},
+        {"name": "PEC K=2 I=1, 3 node losses", "k": 2, "interval": 1, "faults": faults},
+        {"name": "PEC K=4 I=1, 3 node losses", "k": 4, "interval": 1, "faults": faults},
+    ]
+
+
+class NodeLossRunner:
+    """One configuration as two simulated nodes (``megatron_pec.testing.cluster``), node losses as faults."""
+
+    def __init__(self, a, stamp: str):
+        self.a, self.stamp = a, stamp
+        self.logs = os.path.join(RESULTS, "logs", "quality_node_loss")
+
+    def run(self, cfg: dict, seed: int) -> dict:
+        from megatron_pec.testing.cluster import Cluster, parse_restores
+
+        a = self.a
+        tag = re.sub(r"[^a-z0-9]+", "_", cfg["name"].lower()).strip("_") + f"_s{seed}"
+        workdir = os.path.join(self.logs, tag)
+        shutil.rmtree(workdir, ignore_errors=True)
+        ckpt = os.path.join(STORAGE_ROOT, f"quality_nl_{self.stamp}", tag)
+        job = "bench_n" + hashlib.sha1(f"{self.stamp}/{tag}".encode()).hexdigest()[:10]
+        shutil.rmtree(ckpt, ignore_errors=True)
+        train = ["--train-iters", str(a.iters), "--seed", str(seed), "--eval-interval", str(a.eval_interval),
+                 "--eval-iters", str(a.eval_iters)]
+        if cfg.get("checkpoint", True):
+            train += ["--save-interval", str(a.save_interval), "--non-persistent-save-interval", str(cfg["interval"]),
+                      "--pec-keep", "0", "--pec-selection", cfg.get("selection", "sequential")]
+            if cfg.get("k"):
+                train += ["--pec-snapshot-k", str(cfg["k"]), "--pec-persist-k", str(cfg["k"])]
+        c = Cluster(workdir, os.path.join(SHM_ROOT, "qn"), job, model_args=MODEL, save=ckpt, script=PRETRAIN)
+        t0, fault_log, restores = time.time(), [], []
+        try:
+            for n, (x, _) in enumerate(cfg.get("faults", [])):
+                node = n % 2
+                c.launch(train)
+                c.wait_iteration(x, timeout=1800)
+                c.lose_node(node)
+                fault_log.append({"iteration": c.iteration(), "requested": x, "node_memory_lost": True,
+                                  "node": node})
+                c.wait_stopped(300)
+            c.launch(train, checkpoint=cfg.get("checkpoint", True))
+            codes = c.wait_exit(3600)
+            if codes != {0: 0, 1: 0}:
+                raise SystemExit(f"{cfg['name']}: the last launch exited with {codes}; see {workdir}")
+            for launch in range(2, c.launches + 1):
+                found = parse_restores(c.logs(launch))
+                if found:
+                    sources = "+".join(sorted({r.source for r in found.values()}))
+                    restores.append({"iteration": found[0].iteration, "source": sources})
+            train_loss, final, plt = {}, None, 0.0
+            for launch in range(1, c.launches + 1):
+                for r in c.metrics(launch):
+                    if "validation loss" in r:
+                        final = r["validation loss"]
+                    elif "lm loss" in r:
+                        train_loss[r["iteration"]] = r["lm loss"]
+                        plt = r.get("plt", plt) or 0.0
+            vals = {}
+            for launch in range(1, c.launches + 1):
+                for i, v in VAL_RE.findall(c.log(0, launch)):
+                    vals[int(i) if i else a.iters] = float(v)
+        finally:
+            c.close()
+            shutil.rmtree(ckpt, ignore_errors=True)
+        return {"name": cfg["name"], "seed": seed, "k": cfg.get("k"), "interval": cfg.get("interval"),
+                "selection": cfg.get("selection", "sequential"), "dynamic_k": False, "faults": fault_log,
+                "restores": restores, "restores_per_restart": 1, "final_validation_loss": final, "plt": plt,
+                "validation_curve": sorted(vals.items()), "train_loss": [train_loss[i] for i in sorted(train_loss)],
+                "wall_s": round(time.time() - t0, 1)}
 
 
 class Runner:
@@ -199,6 +284,14 @@ class Runner:
         return best
 
 
+def _restored(r: dict) -> str:
+    """One entry per restart: iteration and source (m memory, s storage, p0/p1 peer memory of node 0/1)."""
+    short = lambda source: "p" + source[-2] if source.startswith("peer") else source[0]  # noqa: E731
+    step = r.get("restores_per_restart", 2)
+    return ", ".join(f"{x['iteration']} ({'+'.join(short(s) for s in x['source'].split('+'))})"
+                     for x in r["restores"][::step]) or "–"
+
+
 def markdown(result: dict) -> str:
     noise = result["noise"]
     out = ["# PLT versus model quality", "", f"Command: `{result['command']}`", "",
@@ -213,12 +306,16 @@ def markdown(result: dict) -> str:
     base = result["runs"][0]["final_validation_loss"]
     for r in result["runs"]:
         d = r["final_validation_loss"] - base
-        faults = ", ".join(f"{f['iteration']}{' +mem' if f['node_memory_lost'] else ''}" for f in r["faults"]) or "–"
-        restored = ", ".join(f"{x['iteration']} ({x['source'][0]})" for x in r["restores"][::2]) or "–"
+        faults = ", ".join(f"{f['iteration']}" + (f" node {f['node']}" if "node" in f else
+                                                  " +mem" if f["node_memory_lost"] else "")
+                           for f in r["faults"]) or "–"
+        restored = _restored(r)
         ok = abs(d) <= max(noise["spread"], 1e-9) if r["faults"] else None
         out.append(f"| {r['name']} (seed {r['seed']}) | {faults} | {restored} | {r['plt']:.2%} | "
                    f"{r['final_validation_loss']:.4f} | {d:+.4f} | {'–' if ok is None else ('yes' if ok else 'no')} |")
-    out += ["", "Restored from: iteration (m = node memory, s = storage), one entry per restart. PLT = portion of "
+    out += ["", "Restored from: iteration (m = node memory, s = storage, pK = peer memory of node K, joined by + "
+            "when ranks differ), one entry per restart. Faults: `node K` = node K lost (trainer and agent "
+            "SIGKILLed, node memory deleted); `+mem` = node memory lost too. PLT = portion of "
             "lost tokens accumulated over all restarts (megatron_pec.plt_so_far()). Noise = max − min of the "
             "fault-free runs over seeds.", ""]
     return "\n".join(out)
@@ -254,7 +351,7 @@ def plots(result: dict, stem: str) -> list[str]:
     for r in result["runs"]:
         if r["faults"]:
             ax.scatter(r["plt"] * 100, r["final_validation_loss"], s=25)
-            ax.annotate(r["name"].replace(", 3 faults", " ×3").replace(", 1 fault", " ×1"),
+            ax.annotate(r["name"].replace(", 3 node losses", " ×3 nodes").replace(", 3 faults", " ×3").replace(", 1 fault", " ×1"),
                         (r["plt"] * 100, r["final_validation_loss"]), fontsize=6)
     ax.axvline(3.75, color="gray", linestyle="--", linewidth=0.8, label="PLT 3.75%")
     ax.set_xlabel("PLT (%)")
@@ -281,13 +378,16 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="';'-separated substrings: run only matching configurations")
     p.add_argument("--port", type=int, default=29650)
     p.add_argument("--json", default=None)
+    p.add_argument("--node-loss", action="store_true",
+                   help="two simulated nodes; every fault loses a node, restored from the peer's replica")
     p.add_argument("--resume", action="store_true",
                    help="reuse configurations an interrupted invocation finished (their logs and metrics)")
     a = p.parse_args(argv)
     stamp = "resumable" if a.resume else str(os.getpid())
     command = "python -m benchmarks.quality " + " ".join(argv if argv is not None else sys.argv[1:])
     seeds = [int(s) for s in a.seeds.split(",")]
-    runner = Runner(a, stamp)
+    runner = NodeLossRunner(a, stamp) if a.node_loss else Runner(a, stamp)
+    stem = "quality_node_loss" if a.node_loss else "quality"
     loads = [wait_for_quiet(max_wait_s=30)["load_1min_before"]]
     runs = []
     t0 = time.time()
@@ -296,7 +396,8 @@ def main(argv=None) -> int:
         runs.append(runner.run({"name": "fault-free", "checkpoint": False, "interval": None, "faults": []}, seed))
         print(f"[quality]   final val loss {runs[-1]['final_validation_loss']:.4f} ({runs[-1]['wall_s'] or 0:.0f}s)",
               flush=True)
-    cfgs = configs([int(x) for x in a.several.split(",")], [int(x) for x in a.single.split(",")])
+    several = [int(x) for x in a.several.split(",")]
+    cfgs = node_loss_configs(several) if a.node_loss else configs(several, [int(x) for x in a.single.split(",")])
     if a.only:
         cfgs = [c for c in cfgs if any(s in c["name"] for s in a.only.split(";"))]
     for cfg in cfgs:
@@ -306,7 +407,7 @@ def main(argv=None) -> int:
         r = runner.run(cfg, seeds[0])
         runs.append(r)
         print(f"[quality]   final val loss {r['final_validation_loss']:.4f}, PLT {r['plt']:.2%}, restores "
-              f"{[(x['iteration'], x['source']) for x in r['restores'][::2]]} ({r['wall_s'] or 0:.0f}s)", flush=True)
+              f"{_restored(r)} ({r['wall_s'] or 0:.0f}s)", flush=True)
     values = [r["final_validation_loss"] for r in runs if not r["faults"] and r["name"] == "fault-free"]
     result = {"command": command, "machine": machine(), "load_1min_before": loads, "iters": a.iters,
               "seeds": seeds, "model": MODEL, "noise": {"values": values, "spread": max(values) - min(values)},
@@ -316,12 +417,12 @@ def main(argv=None) -> int:
         r["name"]: abs(r["final_validation_loss"] - base) <= result["noise"]["spread"]
         for r in runs if r["faults"] and r["plt"] < 0.0375 and r["name"].startswith("PEC")}
     os.makedirs(RESULTS, exist_ok=True)
-    for path in filter(None, (os.path.join(RESULTS, "quality.json"), a.json)):
+    for path in filter(None, (os.path.join(RESULTS, f"{stem}.json"), a.json)):
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
-    with open(os.path.join(RESULTS, "quality.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
         f.write(markdown(result))
-    print("\n".join(plots(result, "quality")), flush=True)
+    print("\n".join(plots(result, stem)), flush=True)
     print(markdown(result), flush=True)
     return 0
 

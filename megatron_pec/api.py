@@ -1,13 +1,15 @@
 """Megatron-LM's checkpoint entry points, backed by the megatron-pec engine.
 
 Same signatures, return values and ``args`` side effects as
-``megatron.training.checkpointing`` at tag core_v0.16.1. Every rank calls them.
+``megatron.training.checkpointing`` of every supported Megatron-LM release (core_v0.16.1 to
+core_v0.19.0; the keywords added since 0.16.1 are accepted and honoured). Every rank calls them.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import sys
 
 from megatron_pec.errors import CheckpointError
@@ -39,11 +41,41 @@ def _chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
+def _megatron_own(name: str, **kwargs):
+    """Megatron-LM's own ``name`` (save_checkpoint / load_checkpoint) for calls megatron-pec cannot
+    serve (no optimizer: --moe-use-upcycling, --skip-train, the RL loader), with the keywords that
+    release accepts."""
+    from megatron_pec.megatron.adapter import megatron_checkpoint_function
+
+    own = megatron_checkpoint_function(name)
+    if own is None:
+        raise CheckpointError(f"megatron-pec: {name} was called without an optimizer, which megatron-pec "
+                              "cannot serve (it stores the distributed optimizer's shards), and Megatron-LM's own "
+                              "megatron.training.checkpointing is not importable here to serve it")
+    accepted = inspect.signature(own).parameters
+    dropped = sorted(k for k, v in kwargs.items() if k not in accepted and v not in (None, "", False))
+    if dropped:
+        raise CheckpointError(f"megatron-pec: Megatron-LM's own {name} does not accept {dropped}")
+    _say_once(f"megatron-pec: {name} without an optimizer: using Megatron-LM's own {name} (format "
+              f"{getattr(_args(), 'ckpt_format', 'torch_dist')}); megatron-pec serves the calls with an optimizer")
+    return own(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """Print ``line`` once per process, on global rank 0 only."""
+    import torch
+
+    if line not in _said:
+        _said.add(line)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(line, flush=True)
+
+
 def _get_engine(model, optimizer):
     global _engine
-    if optimizer is None:
-        raise CheckpointError("megatron-pec: checkpointing needs the optimizer (it stores the distributed "
-                              "optimizer's shards); loading without an optimizer is not supported")
     if _engine is None or _engine.optimizer is not optimizer:
         from megatron_pec.engine import Engine
 
@@ -91,37 +123,58 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
                     train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
-                    tp_group=None, pp_group=None, dp_cp_group=None):
+                    tp_group=None, pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None,
+                    rng_state_key_prefix=""):
     """Snapshot this rank's state to node memory; persistent saves are also persisted by the agent.
 
     Returns once the snapshot is in memory; persisting and committing continue
     in the node agent.
     """
+    if optimizer is None:
+        return _megatron_own(
+            "save_checkpoint", iteration=iteration, model=model, optimizer=optimizer,
+            opt_param_scheduler=opt_param_scheduler,
+            num_floating_point_operations_so_far=num_floating_point_operations_so_far,
+            checkpointing_context=checkpointing_context, pipeline_rank=pipeline_rank, expert_rank=expert_rank,
+            tensor_rank=tensor_rank, pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
+            non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
+            preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release, tp_group=tp_group,
+            pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group,
+            rng_state_key_prefix=rng_state_key_prefix)
     if release:
         raise CheckpointError("megatron-pec: release checkpoints are not supported; convert a committed "
                               "iteration with Megatron's own tools")
     engine = _get_engine(model, optimizer)
+    engine.adapter.check_groups(tp=tp_group, pp=pp_group, dp_cp=dp_cp_group, dp=dp_group, expt_dp=expt_dp_group)
     engine.save(iteration, opt_param_scheduler, num_floating_point_operations_so_far,
-                persistent=not non_persistent_ckpt)
+                persistent=not non_persistent_ckpt, rng_key_prefix=rng_state_key_prefix)
 
 
 @_keeping_memory_on_error
 def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, load_arg="load", strict=True,
                     checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None, pp_group=None,
-                    dp_cp_group=None, model=None):
+                    dp_cp_group=None, dp_group=None, expt_dp_group=None, rng_state_key_prefix="", model=None):
     """Restore the newest iteration every rank can restore; returns ``(iteration, flops)``, ``(0, 0)`` if none.
 
     Also starts the node agent and allocates the snapshot slots, so the first
     save costs no more than later ones.
     """
     ddp_model = ddp_model if ddp_model is not None else model
+    if optimizer is None:
+        return _megatron_own(
+            "load_checkpoint", ddp_model=ddp_model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
+            load_arg=load_arg, strict=strict, checkpointing_context=checkpointing_context,
+            skip_load_to_model_and_opt=skip_load_to_model_and_opt, tp_group=tp_group, pp_group=pp_group,
+            dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group,
+            rng_state_key_prefix=rng_state_key_prefix)
     if skip_load_to_model_and_opt:
         raise CheckpointError("megatron-pec: skip_load_to_model_and_opt (Megatron FSDP) is not supported")
     engine = _get_engine(ddp_model, optimizer)
+    engine.adapter.check_groups(tp=tp_group, pp=pp_group, dp_cp=dp_cp_group, dp=dp_group, expt_dp=expt_dp_group)
     root = getattr(_args(), load_arg, None)
     if not root:
         return 0, 0
-    return engine.load(root, opt_param_scheduler)
+    return engine.load(root, opt_param_scheduler, rng_key_prefix=rng_state_key_prefix)
 
 
 def plt_so_far() -> float:

@@ -6,6 +6,7 @@ Runs on every rank, once, when the engine is first used.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -43,13 +44,14 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="tmpfs directory for snapshot slots; node memory lives in "
                         "DIR/<job id>/node<node rank>/ (default %(default)s)")
     g.add_argument("--pec-job-id", default=None,
-                   help="job id naming the node memory directory (default: torchrun's "
-                        "TORCHELASTIC_RUN_ID, else 'default')")
+                   help="job id naming the node memory directory (default: torchrun's --rdzv-id "
+                        "(TORCHELASTIC_RUN_ID) when set, else one derived from --save, else 'default')")
     g.add_argument("--pec-keep", type=int, default=2,
                    help="persisted iterations to retain; files still referenced for expert versions "
                         "are always kept (default 2; 0 keeps everything)")
     g.add_argument("--pec-wait-for-slot", action="store_true",
-                   help="when no snapshot slot is free, wait for one instead of skipping the snapshot")
+                   help="when no snapshot slot is free, wait for one instead of skipping the snapshot "
+                        "(persistent saves always wait)")
     g.add_argument("--pec-keep-shm", action="store_true",
                    help="keep node-memory slot files when the agent exits")
     g.add_argument("--pec-replicas", type=int, default=None,
@@ -65,6 +67,20 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds the node agent waits for trainers to come back after they vanished "
                         "(default 600)")
     return parser
+
+
+def default_job_id(directory: str | None) -> str:
+    """The node memory's job id when --pec-job-id is not given.
+
+    torchrun's run id when the launch named one; its static rendezvous says ``none`` for every
+    job, so two jobs sharing a --pec-shm-dir would share node directories: derive the id from the
+    checkpoint directory instead (the same on every restart of the job, distinct between jobs)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    if directory:
+        return "save-" + hashlib.sha1(os.path.realpath(directory).encode()).hexdigest()[:12]
+    return "default"
 
 
 def flags_markdown() -> str:
@@ -138,7 +154,7 @@ class PecConfig:
         """Build from Megatron's args (or the example's); flags absent from ``args`` take their defaults."""
         defaults = vars(add_pec_args(argparse.ArgumentParser()).parse_args([]))
         get = lambda name: getattr(args, name, defaults.get(name))  # noqa: E731
-        job_id = get("pec_job_id") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        job_id = get("pec_job_id") or default_job_id(getattr(args, "save", None) or getattr(args, "load", None))
         return cls(
             save=getattr(args, "save", None), load=getattr(args, "load", None),
             snapshot_k=get("pec_snapshot_k"), persist_k=get("pec_persist_k"), selection=get("pec_selection"),

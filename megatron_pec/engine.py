@@ -166,7 +166,7 @@ class Engine:
             self.grants.add(answer.grants)
 
     # ---- save ----------------------------------------------------------------------------------
-    def save(self, iteration: int, scheduler, flops: float, persistent: bool) -> None:
+    def save(self, iteration: int, scheduler, flops: float, persistent: bool, rng_key_prefix: str = "") -> None:
         if not self.config.save:
             raise CheckpointError("megatron-pec: save_checkpoint was called but --save is not set")
         self.finish_snapshot()
@@ -176,7 +176,7 @@ class Engine:
         slot, why = None, None
         if not self.agent.connected and not self._reconnect():
             why = "the node agent is not running"
-        elif (slot := self._free_slot()) is None:
+        elif (slot := self._free_slot(persistent)) is None:
             why = "all snapshot slots are still being persisted (raise the save interval or pass --pec-wait-for-slot)"
         # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere.
         everyone_can, cumulative = self._agree_and_count(why is None)
@@ -199,7 +199,7 @@ class Engine:
             job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root, rank=self.rank,
             world_size=self.world_size, iteration=iteration, items=dict.fromkeys(sorted(written), iteration),
             tokens=cumulative_to_items(cumulative), small=smallstate.dumps(self.adapter.small_state(
-                scheduler, iteration, flops)), pec=self.pec.dumps(), run=self.run)
+                scheduler, iteration, flops, rng_key_prefix)), pec=self.pec.dumps(), run=self.run)
         persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
         self.pending = (slot, header, SnapshotReady(slot, iteration, persistent, persist_items), done)
         if not self.deferred:
@@ -268,9 +268,11 @@ class Engine:
             budget = int(self.config.budget_mb * 2**20)
         return self.pec.plan(self.config.selection, self.expert_layout, cumulative, persistent, budget)
 
-    def _free_slot(self) -> int | None:
+    def _free_slot(self, persistent: bool) -> int | None:
+        """A granted slot; a persistent save (what the user asked to keep, e.g. the last one of
+        training) waits for one, a memory snapshot waits only with --pec-wait-for-slot."""
         slot = self.grants.take()
-        while slot is None and self.config.wait_for_slot and self.agent.connected:
+        while slot is None and (persistent or self.config.wait_for_slot) and self.agent.connected:
             self._collect_releases(block_s=1.0)
             slot = self.grants.take()
         return slot
@@ -318,7 +320,7 @@ class Engine:
         self._handle(others)
 
     # ---- load ----------------------------------------------------------------------------------
-    def load(self, root: str, scheduler) -> tuple[int, float]:
+    def load(self, root: str, scheduler, rng_key_prefix: str = "") -> tuple[int, float]:
         """Restore the newest state every rank can restore from ``root`` (collective); returns
         ``(iteration, flops)``, ``(0, 0)`` when there is none. Starts this process's timeline."""
         self.flush()
@@ -326,7 +328,7 @@ class Engine:
         if result is None:
             self._begin(None)
             return 0, 0
-        return self._apply(result, scheduler)
+        return self._apply(result, scheduler, rng_key_prefix)
 
     def _load_context(self) -> LoadContext:
         return LoadContext(
@@ -336,12 +338,13 @@ class Engine:
             experts_held=tuple(self.adapter.experts_held), all_experts=tuple(self.all_experts),
             num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll)
 
-    def _apply(self, result: RestoreResult, scheduler) -> tuple[int, float]:
+    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str) -> tuple[int, float]:
         """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state."""
         config = self.config
         load_optim = not (config.no_load_optim or config.finetune)
         self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
-                             load_rng=not (config.no_load_rng or config.finetune), finetune=config.finetune)
+                             load_rng=not (config.no_load_rng or config.finetune), finetune=config.finetune,
+                             rng_key_prefix=rng_key_prefix)
         if result.pec is not None:
             self.pec = result.pec
             self.cumulative.update(result.tokens_at_target)

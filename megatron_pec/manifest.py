@@ -140,6 +140,8 @@ def retire_after(root: str, iteration: int, storage=PosixStorage()) -> list[int]
     Returns the iterations that lost a manifest or marker. Raises OSError.
     """
     retired = []
+    if not storage.exists(root):
+        return retired  # nothing saved yet (the first save creates the directory)
     with _lock(root):
         for i in iterations_on_disk(root, storage):
             directory = pec_dir(root, i)

@@ -29,6 +29,18 @@ def test_defaults_mean_a_full_flash_checkpoint(monkeypatch):
     assert PecConfig.from_args(SimpleNamespace(save="/s")).job_id == "run42"
 
 
+def test_torchrun_static_rendezvous_never_names_the_job_none(monkeypatch, tmp_path):
+    """Without --rdzv-id torchrun says 'none' for every job: two jobs sharing --pec-shm-dir must not
+    share node directories, and a restart of one job must find its own again."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    a = PecConfig.from_args(SimpleNamespace(save=str(tmp_path / "a"), load=None)).job_id
+    b = PecConfig.from_args(SimpleNamespace(save=str(tmp_path / "b"), load=None)).job_id
+    assert a != b and "none" not in (a, b)
+    assert PecConfig.from_args(SimpleNamespace(save=str(tmp_path / "a") + "/", load=None)).job_id == a
+    assert PecConfig.from_args(SimpleNamespace(save=None, load=str(tmp_path / "a"))).job_id == a
+    assert PecConfig.from_args(SimpleNamespace(save="/s", load=None, pec_job_id="mine")).job_id == "mine"
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--pec-snapshot-k", "0"], "--pec-snapshot-k"),
     (["--pec-snapshot-k", "1", "--pec-persist-k", "2"], "--pec-persist-k"),
@@ -64,6 +76,6 @@ def test_a_checkpoint_error_exit_keeps_node_memory(monkeypatch):
     from megatron_pec.errors import CheckpointError
 
     monkeypatch.setattr(api, "_crashed", False)
-    with pytest.raises(CheckpointError, match="needs the optimizer"):
+    with pytest.raises(CheckpointError, match="without an optimizer"):
         api.load_checkpoint([], None, None)
     assert api._crashed

@@ -28,6 +28,23 @@ def training_args():
         return None
 
 
+def megatron_checkpoint_function(name: str):
+    """Megatron-LM's own ``megatron.training.checkpointing.<name>``, or None outside Megatron-LM."""
+    try:
+        from megatron.training import checkpointing
+    except ImportError:
+        return None
+    return getattr(checkpointing, name)
+
+
+def _parallel_state_group(name: str):
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_group, "pp": ps.get_pipeline_model_parallel_group,
+            "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+            "dp": ps.get_data_parallel_group, "expt_dp": ps.get_expert_data_parallel_group}[name]()
+
+
 class MegatronAdapter:
     def __init__(self, args, model_chunks: list, optimizer):
         from megatron.core import parallel_state
@@ -50,6 +67,7 @@ class MegatronAdapter:
         self.experts_held: list[ExpertId] = sorted({s.expert for s in self.slices if s.expert is not None})
         self._live: dict[str, torch.Tensor] | None = None
         self._step_hooks = []
+        self._groups_checked: set[int] = set()
 
     # ---- what the engine asks ------------------------------------------------------------------
     @property
@@ -81,12 +99,34 @@ class MegatronAdapter:
         for opt in self.optimizers:
             self._step_hooks.append(opt.optimizer.register_step_pre_hook(lambda *_: callback()))
 
-    def small_state(self, scheduler, iteration: int, flops: float) -> dict:
-        return collect.small_state(self.optimizer, scheduler, self.args, iteration, flops)
+    def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "") -> dict:
+        small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.model)
+        small["rng_key_prefix"] = rng_key_prefix
+        return small
+
+    def check_groups(self, **groups) -> None:
+        """Refuse process groups that differ from parallel_state's: slices, fingerprint and the
+        agreement collectives are all built on parallel_state's topology.
+
+        ``groups``: tp, pp, dp_cp, dp, expt_dp -> a ProcessGroup or None (None: parallel_state's)."""
+        for name, group in groups.items():
+            if group is None or id(group) in self._groups_checked:
+                continue
+            given = torch.distributed.get_process_group_ranks(group)
+            expected = torch.distributed.get_process_group_ranks(_parallel_state_group(name))
+            if sorted(given) != sorted(expected):
+                from megatron_pec.errors import CheckpointError
+
+                raise CheckpointError(
+                    f"megatron-pec: the {name}_group passed to save/load_checkpoint holds ranks {sorted(given)}, "
+                    f"but megatron-core's parallel_state group of this rank holds {sorted(expected)}; megatron-pec "
+                    "shards checkpoints by parallel_state's groups: pass those (or None), or use Megatron's own "
+                    "checkpointing for this model")
+            self._groups_checked.add(id(group))
 
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, small: dict, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
-                load_rng: bool, finetune: bool) -> None:
+                load_rng: bool, finetune: bool, rng_key_prefix: str = "") -> None:
         """Phase 9 on this rank: saved slices into the optimizer shards, then model params (the DDP
         param all-gather), scheduler, RNG and Megatron's ``args`` side effects.
 
@@ -100,9 +140,16 @@ class MegatronAdapter:
             targets = self._param_views()
         restore.copy_slices(targets, {name: t for name, t in tensors.items() if name in targets})
         restore.sync_model_params(self.model, self.optimizer)
+        restore.restore_buffers(self.model, small.get("buffers"))
         if scheduler is not None and load_optim and small["scheduler"] is not None:
             restore.restore_scheduler(scheduler, small["scheduler"])
-        if load_rng:
+        saved_prefix = small.get("rng_key_prefix", "")
+        if load_rng and saved_prefix != rng_key_prefix:
+            if self.rank == 0:
+                print(f"megatron-pec: WARNING the checkpoint's RNG state was saved under rng_state_key_prefix "
+                      f"{saved_prefix!r}, this load asks for {rng_key_prefix!r}: RNG state not restored",
+                      flush=True)
+        elif load_rng:
             restore.restore_rng(small["rng"])
         restore.restore_args(self.args, small, finetune)
 

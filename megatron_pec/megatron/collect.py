@@ -162,9 +162,23 @@ def rng_state() -> dict:
     return state
 
 
-def small_state(optimizer, scheduler, args, iteration: int, flops: float) -> dict:
+def module_buffers(model_chunks) -> dict[str, torch.Tensor]:
+    """Model state that is not a parameter: every persistent buffer of every chunk (the router's
+    ``expert_bias`` of aux-loss-free balancing, for one), as ``<chunk>/<name>``."""
+    out = {}
+    for index, chunk in enumerate(model_chunks):
+        # by identity: wrappers (DDP, Float16Module) name their state_dict without their own prefix
+        persistent = {id(t) for t in chunk.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)}
+        for name, buffer in chunk.named_buffers():
+            if buffer is not None and id(buffer) in persistent:
+                out[f"{index}/{name}"] = buffer
+    return out
+
+
+def small_state(optimizer, scheduler, args, iteration: int, flops: float, model_chunks=()) -> dict:
     """Everything besides the slices that Megatron's checkpoint holds for this rank."""
     return {
+        "buffers": module_buffers(model_chunks),
         "iteration": iteration,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -177,5 +191,5 @@ def small_state(optimizer, scheduler, args, iteration: int, flops: float) -> dic
     }
 
 
-__all__ = ["Slice", "build_slices", "live_views", "param_view", "small_state", "fingerprint", "topology",
+__all__ = ["Slice", "build_slices", "live_views", "param_view", "small_state", "module_buffers", "fingerprint", "topology",
            "NON_EXPERT", "UnsupportedSetup"]

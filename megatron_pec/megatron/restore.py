@@ -12,7 +12,8 @@ import random
 import numpy
 import torch
 
-from megatron_pec.megatron.collect import distributed_optimizers
+from megatron_pec.errors import CheckpointError
+from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 
 @torch.no_grad()
@@ -28,6 +29,24 @@ def sync_model_params(model_chunks, optimizer) -> None:
         opt._copy_main_params_to_model_params()
     for chunk in model_chunks:
         chunk.start_param_sync(force_sync=True)
+
+
+@torch.no_grad()
+def restore_buffers(model_chunks, saved: dict[str, torch.Tensor] | None) -> None:
+    """Persistent module buffers back into the model (checkpoints written before buffers were
+    saved have none: the model keeps its own)."""
+    if saved is None:
+        return
+    live = module_buffers(model_chunks)
+    if set(saved) != set(live):
+        raise CheckpointError(f"megatron-pec: the checkpoint's module buffers {sorted(saved)} differ from the "
+                              f"model's {sorted(live)}: was it saved with other model flags (for example "
+                              "--moe-router-enable-expert-bias)?")
+    for name, tensor in saved.items():
+        if tensor.shape != live[name].shape:
+            raise CheckpointError(f"megatron-pec: buffer {name} has shape {tuple(tensor.shape)} in the checkpoint, "
+                                  f"{tuple(live[name].shape)} in the model")
+        live[name].copy_(tensor)
 
 
 def restore_optimizer(optimizer, state: dict) -> None:

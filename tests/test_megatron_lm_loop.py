@@ -1,0 +1,143 @@
+"""Megatron-LM's own training loop (``pretrain_gpt.py``), patched by ``patches/apply.sh``, on 2 CPU ranks.
+
+For the oldest and the newest supported release, from the archives in ``../shared/megatron-lm/``
+(skipped with the reason when they are absent). One job of 10 iterations, a snapshot to node
+memory every iteration and a persisted checkpoint every 4, the router's aux-loss-free
+``expert_bias`` on (a module buffer, not a parameter), lives through:
+
+1. a planned exit by ``--exit-interval 3`` between two persists: the restart resumes at 3;
+2. SIGKILL of both trainers while they snapshot iteration 7 (never announced to the agent): the
+   restart restores 6 from memory;
+3. SIGKILL while they snapshot iteration 9, then the node agent killed and node memory deleted:
+   the restart restores the persisted iteration 8 from storage.
+
+Every loss Megatron logs after each restart equals the uninterrupted run's at that iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_pec import manifest
+from megatron_pec.testing import megatron_lm
+
+from conftest import free_port
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 64 "
+         "--max-position-embeddings 64 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
+         "--moe-token-dispatcher-type allgather --moe-router-enable-expert-bias --moe-router-score-function sigmoid "
+         "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+         "--lr-warmup-iters 1 --use-distributed-optimizer --distributed-backend gloo --mock-data "
+         "--tokenizer-type NullTokenizer --vocab-size 256 --transformer-impl local --no-gradient-accumulation-fusion "
+         "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+         "--no-rope-fusion --hidden-dropout 0 --attention-dropout 0 --eval-interval 1000 --eval-iters 1 "
+         "--log-interval 1 --seed 1234 --train-iters 10").split()
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+RESTORED = re.compile(r"megatron-pec: rank (\d): restored iteration (\d+) from (\w+)")
+
+
+@pytest.fixture(params=[megatron_lm.OLDEST, megatron_lm.NEWEST])
+def patched_tree(request, tmp_path) -> Path:
+    tag = request.param
+    if shutil.which("git") is None:
+        pytest.skip("git not found: patches/apply.sh needs it")
+    tree = megatron_lm.copy_tree(tag, tmp_path / f"Megatron-LM-{tag}")
+    if tree is None:
+        pytest.skip(f"no archive Megatron-LM-{tag}.tar.gz in {[str(d) for d in megatron_lm.archive_dirs()]}")
+    applied = subprocess.run([str(REPO / "patches" / "apply.sh"), str(tree)], capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    return tree
+
+
+def pretrain(tree: Path, *extra: str, fault: str | None = None) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "megatron_pec.testing.megatron_lm_cpu",
+           str(tree / "pretrain_gpt.py"), *MODEL, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MEGATRON_PEC_FAULT", None)
+    if fault:
+        env["MEGATRON_PEC_FAULT"] = fault
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def losses(log: str) -> dict[int, float]:
+    return {int(i): float(v) for i, v in LOSS.findall(log)}
+
+
+def restored(log: str) -> set[tuple[int, str]]:
+    found = {(int(rank), int(it), source) for rank, it, source in RESTORED.findall(log)}
+    assert {rank for rank, _, _ in found} == {0, 1}, log[-3000:]
+    return {(it, source) for _, it, source in found}
+
+
+def check_resumed(log: str, reference: dict[int, float], resumed_at: int) -> None:
+    after = {i: v for i, v in losses(log).items() if i > resumed_at}
+    assert after, log[-3000:]
+    # Megatron's training_log keeps its loss accumulator across a restart's first logged line, so
+    # the line after it averages two iterations: compare the first one and those from the third on.
+    skip = {resumed_at + 2}
+    for i, v in after.items():
+        if i not in skip:
+            assert v == reference[i], f"iteration {i}: loss {v!r} after the restore, {reference[i]!r} uninterrupted"
+
+
+def lose_node_memory(shm: Path) -> None:
+    for pidfile in shm.glob("*/node*/agent.pid"):
+        try:
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    time.sleep(0.5)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, tmp_path):
+    shm = Path("/dev/shm") / f"pec-mlm-{os.getpid()}-{tmp_path.name[-12:]}"
+    save = tmp_path / "checkpoints"
+    ckpt = ["--save", str(save), "--load", str(save), "--save-interval", "4", "--non-persistent-save-interval", "1",
+            "--pec-shm-dir", str(shm), "--pec-job-id", "mlm"]
+    try:
+        code, log = pretrain(patched_tree)
+        assert code == 0, log[-4000:]
+        reference = losses(log)
+        assert sorted(reference) == list(range(1, 11))
+
+        code, log = pretrain(patched_tree, *ckpt, "--exit-interval", "3")
+        assert code == 0 and "exiting program at iteration 3" in log, log[-4000:]
+        assert all(reference[i] == v for i, v in losses(log).items())
+
+        # The restart after the planned exit resumes at 3; killed at its 4th snapshot (iteration 7).
+        code, log = pretrain(patched_tree, *ckpt, fault="snapshot_end=kill@4")
+        assert code != 0 and "fault injection: kill at snapshot_end" in log, log[-4000:]
+        assert restored(log) == {(3, "storage")} or restored(log) == {(3, "memory")}
+        check_resumed(log, reference, 3)
+
+        code, log = pretrain(patched_tree, *ckpt, fault="snapshot_end=kill@3")  # iteration 9
+        assert code != 0, log[-4000:]
+        assert restored(log) == {(6, "memory")}, log[-4000:]
+        check_resumed(log, reference, 6)
+
+        deadline = time.monotonic() + 60  # killed at iteration 9: the agent commits the persisted 8
+        while 8 not in manifest.committed_iterations(str(save)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lose_node_memory(shm)
+        code, log = pretrain(patched_tree, *ckpt)
+        assert code == 0, log[-4000:]
+        assert restored(log) == {(8, "storage")}, log[-4000:]
+        check_resumed(log, reference, 8)
+        assert max(losses(log)) == 10
+    finally:
+        lose_node_memory(shm)
