@@ -30,3 +30,15 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
     for root, _, files in os.walk(save):
         assert not any(f.startswith("mp_rank_0") for f in files), root
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
+
+
+def test_save_before_the_first_optimizer_step(tmp_path, shm_dir):
+    """fp16 loss scaling skips the first steps: a save before the optimizer has any state neither
+    fails nor invents state; restored from memory and from storage, training repeats exactly."""
+    torchrun("before_first_step.py", str(tmp_path / "ckpt"), shm_dir, env={"PEC_TEST_OUT": str(tmp_path)})
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"before_first_step.rank{rank}.json").read_text())
+        for leg in ("memory", "storage"):
+            assert r[leg]["returned"] == [1, 0.0], leg
+            assert r[leg]["weights_equal"], leg
+            assert r[leg]["losses"] == r["reference"], f"{leg}: losses after restore differ"

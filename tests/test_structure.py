@@ -24,6 +24,7 @@ ALLOWED_FOREIGN_WRITES = {
     "megatron/restore.py": {"scheduler.num_steps", "args.consumed_train_samples", "args.skipped_train_samples",
                             "args.consumed_valid_samples"},          # Megatron's load_checkpoint side effects
     "testing/cpu.py": None,                                          # the CPU stand-ins patch torch/megatron
+    "testing/megatron_lm_cpu.py": None,                              # ... and Megatron-LM's training loop
 }
 
 

@@ -88,10 +88,13 @@ class MegatronAdapter:
         return max(per_expert.values(), default=0)
 
     def live_views(self) -> dict[str, torch.Tensor]:
-        """Slice name -> view of the optimizer's current tensor; bound once Adam's state exists,
-        again after a restore replaced the optimizer's tensors."""
+        """Slice name -> view of the optimizer's current tensor; bound once the optimizer has state,
+        again after a restore replaced the optimizer's tensors. Before the first step: the main params
+        and zeros for the state (not bound: the first step creates the state tensors)."""
         if self._live is None:
             self._live = collect.live_views(self.slices, self.optimizer)
+            if self._live is None:
+                return collect.stateless_views(self.slices, self.optimizer)
         return self._live
 
     def before_each_step(self, callback) -> None:
@@ -132,9 +135,14 @@ class MegatronAdapter:
 
         Without ``load_optim`` only the main params (the weights) are restored.
         """
-        if load_optim:
+        if load_optim and small["optimizer"] is None:
+            # saved before the first optimizer step: the optimizer goes back to having no state
+            restore.clear_optimizer_state(self.optimizer)
+            self._live = None
+            targets = self._param_views()
+        elif load_optim:
             restore.restore_optimizer(self.optimizer, small["optimizer"])
-            self._live = None  # load_state_dict replaced Adam's tensors
+            self._live = None  # load_state_dict replaced the optimizer's tensors
             targets = self.live_views()
         else:
             targets = self._param_views()

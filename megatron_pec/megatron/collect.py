@@ -22,7 +22,10 @@ from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.megatron.layout import param_pieces
 
-KINDS = ("param", "exp_avg", "exp_avg_sq")
+# Per-element optimizer state by optimizer class name: what each slice kind besides "param" is.
+# Megatron's distributed optimizer takes Adam (torch, apex, TE) and, from core_v0.19, Lion.
+STATE_KINDS = {"Adam": ("exp_avg", "exp_avg_sq"), "AdamW": ("exp_avg", "exp_avg_sq"),
+               "FusedAdam": ("exp_avg", "exp_avg_sq"), "Lion": ("exp_avg",)}
 
 
 class UnsupportedSetup(CheckpointError):
@@ -68,6 +71,16 @@ def distributed_optimizers(optimizer) -> list:
     return inner
 
 
+def state_kinds(opt) -> tuple[str, ...]:
+    """The per-element state tensors ``opt`` (a DistributedOptimizer) keeps per main param."""
+    inner = opt.optimizer
+    name = type(inner).__name__
+    if name not in STATE_KINDS:
+        raise UnsupportedSetup(f"megatron-pec does not know the state of optimizer {type(inner).__module__}.{name} "
+                               f"(it knows {', '.join(sorted(STATE_KINDS))}); use one of those")
+    return STATE_KINDS[name]
+
+
 def main_param(opt, model_param) -> torch.Tensor:
     """The fp32 main-param shard of ``model_param``.
 
@@ -100,7 +113,7 @@ def build_slices(model_chunks, optimizer) -> list[Slice]:
                             if lo >= hi:
                                 continue
                             item = item_name(piece.expert)
-                            for kind in KINDS:
+                            for kind in ("param", *state_kinds(opt)):
                                 offset = lo - owned.start
                                 slices.append(Slice(
                                     f"{item}/o{oi}.g{gi}.b{bi}.p{ei}.x{offset}.{kind}", item, piece.expert,
@@ -109,12 +122,15 @@ def build_slices(model_chunks, optimizer) -> list[Slice]:
     return slices
 
 
-def live_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor]:
-    """Views into the optimizer's current main params and Adam moments, by slice name.
+def live_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor] | None:
+    """Views into the optimizer's current main params and state (Adam's moments, ...), by slice name;
+    None while the optimizer has no state yet (no step taken: fp16 loss scaling skips the first ones).
 
     Valid until the optimizer replaces its state tensors (``load_state_dict`` does);
-    Adam's steps update them in place.
+    the optimizer's steps update them in place.
     """
+    if not has_state(optimizer):
+        return None  # (asking Megatron for the state now would create empty entries it then trips on)
     optimizers = distributed_optimizers(optimizer)
     states = [o.get_parameter_state_dp_reshardable() for o in optimizers]
     views = {}
@@ -122,10 +138,23 @@ def live_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor]:
         oi, gi, dtype, bi, ei, kind, offset = s.locator
         tensors = states[oi][gi][dtype][bi][ei]
         if kind not in tensors:
-            raise RuntimeError("megatron-pec: the optimizer has no Adam state yet; "
-                               "save_checkpoint must run after the first optimizer step")
+            return None
         views[s.name] = tensors[kind].view(-1)[offset: offset + s.numel]
     return views
+
+
+def has_state(optimizer) -> bool:
+    """Whether every inner optimizer has taken a step (holds per-param state). Reads the state
+    dicts without indexing them: they are defaultdicts."""
+    return all(any(state for state in o.optimizer.state.values()) for o in distributed_optimizers(optimizer))
+
+
+def stateless_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor]:
+    """Before the first optimizer step: the main params, and zeros for the state the optimizer does
+    not have yet (a restore of such a save leaves the optimizer without state, as it was)."""
+    optimizers = distributed_optimizers(optimizer)
+    return {s.name: param_view(optimizers, s) if s.kind == "param" else torch.zeros(s.numel, dtype=s.dtype)
+            for s in slices}
 
 
 def param_view(optimizers: list, s: Slice) -> torch.Tensor:
@@ -180,7 +209,8 @@ def small_state(optimizer, scheduler, args, iteration: int, flops: float, model_
     return {
         "buffers": module_buffers(model_chunks),
         "iteration": iteration,
-        "optimizer": optimizer.state_dict(),
+        # None before the first step: Megatron's state_dict needs a step count then missing
+        "optimizer": optimizer.state_dict() if has_state(optimizer) else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_state(),
         "num_floating_point_operations_so_far": flops,

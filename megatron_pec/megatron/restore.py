@@ -49,6 +49,12 @@ def restore_buffers(model_chunks, saved: dict[str, torch.Tensor] | None) -> None
         live[name].copy_(tensor)
 
 
+def clear_optimizer_state(optimizer) -> None:
+    """Back to before the first step: no per-param state (the next step creates it)."""
+    for opt in distributed_optimizers(optimizer):
+        opt.optimizer.state.clear()
+
+
 def restore_optimizer(optimizer, state: dict) -> None:
     optimizer.load_state_dict(state)
     # megatron-core 0.16.1 (torch Adam, no apex/TE) gives every param the same `step`
