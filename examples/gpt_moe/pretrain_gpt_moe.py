@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--eval-interval", type=int, default=0, help="0 = validate only at the end")
     g.add_argument("--eval-iters", type=int, default=4)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--recompute-granularity", choices=("full",), default=None,
+                   help="activation recompute of whole layers (Megatron's flag; uniform, 1 layer per chunk)")
     g.add_argument("--data-path", default=None,
                    help="indexed dataset prefix; default: the standard library's text, built once")
     g.add_argument("--split", default="98,2,0")
@@ -132,6 +134,9 @@ def transformer_config(args):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method="uniform" if args.recompute_granularity else None,
+        recompute_num_layers=1 if args.recompute_granularity else None,
     )
 
 

@@ -7,6 +7,9 @@ engine sums every rank's counts in the one small all-reduce a save makes anyway
 (``Engine._agree_and_count``), which makes them global and identical on every
 rank, and keeps the cumulative totals (PEC bookkeeping, not Megatron's).
 Evaluation passes (``module.training`` False) update no expert and are not counted.
+Activation recompute (``--recompute-*``, ``--moe-layer-recompute``) runs a layer's forward
+twice: first without autograd, again with it during the backward. Only forwards with
+autograd count, so every token counts once per step whatever the recompute settings.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class TokenCounter:
         self._counts.append(torch.zeros(self.num_experts, dtype=torch.int64, device=weight.device))
 
         def count(module, inputs, output):
-            if module.training:
+            if module.training and torch.is_grad_enabled():
                 routing_map = output[1]
                 self._counts[index] += routing_map.sum(0).to(torch.int64)
 
