@@ -172,9 +172,10 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
     engine = _get_engine(ddp_model, optimizer)
     engine.adapter.check_groups(tp=tp_group, pp=pp_group, dp_cp=dp_cp_group, dp=dp_group, expt_dp=expt_dp_group)
     root = getattr(_args(), load_arg, None)
-    if not root:
+    pretrained = getattr(_args(), "pretrained_checkpoint", None) if load_arg == "load" else None
+    if not root and not pretrained:
         return 0, 0
-    return engine.load(root, opt_param_scheduler, rng_key_prefix=rng_state_key_prefix)
+    return engine.load(root, opt_param_scheduler, rng_key_prefix=rng_state_key_prefix, pretrained=pretrained)
 
 
 def plt_so_far() -> float:

@@ -11,6 +11,7 @@ history only through the agent, which grants the slots a snapshot may write.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import sys
@@ -320,11 +321,26 @@ class Engine:
         self._handle(others)
 
     # ---- load ----------------------------------------------------------------------------------
-    def load(self, root: str, scheduler, rng_key_prefix: str = "") -> tuple[int, float]:
+    def load(self, root: str | None, scheduler, rng_key_prefix: str = "",
+             pretrained: str | None = None) -> tuple[int, float]:
         """Restore the newest state every rank can restore from ``root`` (collective); returns
-        ``(iteration, flops)``, ``(0, 0)`` when there is none. Starts this process's timeline."""
+        ``(iteration, flops)``, ``(0, 0)`` when there is none. Starts this process's timeline.
+
+        ``pretrained`` (--pretrained-checkpoint): when ``root`` holds nothing, fine-tune from it,
+        as Megatron does; it must then hold a megatron-pec checkpoint."""
         self.flush()
-        result = Loader(self._load_context(), root).load()
+        result = Loader(self._load_context(), root).load() if root else None
+        if result is None and pretrained:
+            if self.rank == 0:
+                say(f"megatron-pec: no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint "
+                    f"{pretrained} (weights only, iteration 0)")
+            self.config = dataclasses.replace(self.config, finetune=True)
+            result = Loader(self._load_context(), pretrained).load()
+            if result is None:
+                raise CheckpointError(
+                    f"megatron-pec: --pretrained-checkpoint {pretrained} holds no megatron-pec checkpoint; "
+                    "megatron-pec cannot read Megatron's own formats yet: load it once with unpatched Megatron-LM "
+                    "and save with megatron-pec, or point --pretrained-checkpoint at a megatron-pec --save directory")
         if result is None:
             self._begin(None)
             return 0, 0

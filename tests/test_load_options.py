@@ -27,6 +27,18 @@ def test_finetune_loads_weights_only_and_foreign_dirs_are_refused(tmp_path, shm_
     # The trained weights came back: the first fine-tuning step starts far below the untrained loss.
     assert tuned[0]["lm loss"] < first[0] - 0.5
 
+    # --pretrained-checkpoint with nothing under --load: fine-tune from it, as Megatron does.
+    proc = torchrun(PRETRAIN, *SMALL, "--train-iters", "2", "--load", str(tmp_path / "empty"),
+                    "--pretrained-checkpoint", str(ckpt), "--pec-shm-dir", shm_dir, "--pec-job-id", "d",
+                    "--metrics-file", str(tmp_path / "pretrained.jsonl"))
+    assert "fine-tuning from --pretrained-checkpoint" in proc.stdout
+    assert "restored iteration 12 from storage" in proc.stdout and "training from iteration 0 to 2" in proc.stdout
+    pretrained = [r for r in read_jsonl(tmp_path / "pretrained.jsonl") if "lm loss" in r]
+    assert pretrained[0]["lm loss"] < first[0] - 0.5
+    proc = torchrun(PRETRAIN, *SMALL, "--train-iters", "2", "--pretrained-checkpoint", str(tmp_path / "empty"),
+                    "--pec-shm-dir", shm_dir, "--pec-job-id", "e", check=False)
+    assert proc.returncode != 0 and "holds no megatron-pec checkpoint" in proc.stdout + proc.stderr
+
     foreign = tmp_path / "foreign" / "iter_0000005"
     foreign.mkdir(parents=True)
     (foreign / "mp_rank_00").mkdir()

@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="fine-tune from this checkpoint when --load holds none (as Megatron does)")
     megatron_pec.add_pec_args(p)
     args = p.parse_args(argv)
     if args.global_batch_size % args.micro_batch_size:
@@ -276,7 +278,7 @@ def main(argv=None) -> int:
     args.consumed_train_samples = args.skipped_train_samples = args.consumed_valid_samples = 0
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     load_s = None
-    if args.load:
+    if args.load or args.pretrained_checkpoint:
         started = time.perf_counter()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(model, optimizer, scheduler)
         load_s = time.perf_counter() - started

@@ -86,6 +86,7 @@ def restore_rng(state: dict) -> None:
 def restore_args(args, state: dict, finetune: bool) -> None:
     """Megatron's load_checkpoint side effects on ``args``."""
     if finetune:
+        args.finetune = True  # also when --pretrained-checkpoint made it a fine-tune, as Megatron does
         return
     args.consumed_train_samples = state["consumed_train_samples"]
     args.skipped_train_samples = state["skipped_train_samples"]
