@@ -69,6 +69,31 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def megatron_flag_notes(args) -> list[str]:
+    """One line per Megatron checkpoint flag megatron-pec does not follow as Megatron would, and why
+    (printed once when the engine starts). Flags at their defaults say nothing."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    notes = []
+    if get("no_save_optim"):
+        notes.append("--no-save-optim is ignored: megatron-pec always saves the optimizer state (a restore without "
+                     "it cannot continue training exactly); use --no-load-optim when loading")
+    if get("no_save_rng"):
+        notes.append("--no-save-rng is ignored: the RNG state is always saved (it is tiny); use --no-load-rng when "
+                     "loading")
+    if get("async_save"):
+        notes.append("--async-save changes nothing: megatron-pec always saves asynchronously (the node agent persists)")
+    if get("ckpt_format") not in (None, "torch_dist"):
+        notes.append(f"--ckpt-format {get('ckpt_format')} is ignored: megatron-pec writes its own format "
+                     "(safetensors + JSON, see `python -m megatron_pec inspect`)")
+    if get("non_persistent_ckpt_type") not in (None, "global"):
+        notes.append(f"--non-persistent-ckpt-type {get('non_persistent_ckpt_type')} is ignored: non-persistent saves "
+                     "are megatron-pec's node-memory snapshots")
+    if get("save_retain_interval"):
+        notes.append(f"--save-retain-interval {get('save_retain_interval')} is not honoured yet: retention keeps the "
+                     "newest --pec-keep committed iterations; pass --pec-keep 0 to keep every one")
+    return [f"megatron-pec: WARNING {note}" for note in notes]
+
+
 def default_job_id(directory: str | None) -> str:
     """The node memory's job id when --pec-job-id is not given.
 

@@ -22,7 +22,7 @@ import torch
 
 from megatron_pec import faults, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
-from megatron_pec.config import PecConfig, PecConfigError
+from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
@@ -47,6 +47,9 @@ class Engine:
             raise CheckpointError(f"megatron-pec: {exc}") from None
         self.adapter = MegatronAdapter(args, model_chunks, optimizer)
         self.optimizer = optimizer  # the engine serves this optimizer; api rebuilds it for another
+        if self.adapter.rank == 0:
+            for line in megatron_flag_notes(args):
+                print(line, file=sys.stderr, flush=True)
         self.coll = self.adapter.collectives
         self.rank, self.world_size = self.adapter.rank, self.adapter.world_size
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)

@@ -79,3 +79,18 @@ def test_a_checkpoint_error_exit_keeps_node_memory(monkeypatch):
     with pytest.raises(CheckpointError, match="without an optimizer"):
         api.load_checkpoint([], None, None)
     assert api._crashed
+
+
+def test_megatron_checkpoint_flags_megatron_pec_does_not_follow_are_named_once_with_the_reason():
+    from megatron_pec.config import megatron_flag_notes
+
+    quiet = SimpleNamespace(no_save_optim=False, no_save_rng=False, async_save=False, ckpt_format="torch_dist",
+                            non_persistent_ckpt_type="global", save_retain_interval=None)
+    assert megatron_flag_notes(quiet) == [] and megatron_flag_notes(SimpleNamespace()) == []
+    loud = SimpleNamespace(no_save_optim=True, no_save_rng=True, async_save=True, ckpt_format="torch",
+                           non_persistent_ckpt_type="local", save_retain_interval=1000)
+    notes = megatron_flag_notes(loud)
+    for flag in ("--no-save-optim", "--no-save-rng", "--async-save", "--ckpt-format torch",
+                 "--non-persistent-ckpt-type local", "--save-retain-interval 1000"):
+        assert sum(flag in n for n in notes) == 1, flag
+    assert all(n.startswith("megatron-pec: WARNING ") and ":" in n[len("megatron-pec: WARNING "):] for n in notes)
