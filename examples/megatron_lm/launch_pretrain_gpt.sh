@@ -2,7 +2,7 @@
 # Launch Megatron-LM's pretrain_gpt.py with partial-experts flash checkpointing (PEC).
 #
 # The cluster mode of ./run_pretrain.sh: it execs this script when MEGATRON_LM points
-# at a Megatron-LM checkout (tag core_v0.16.1) patched with patches/apply.sh and GPUs
+# at a Megatron-LM checkout (core_v0.16.1 … core_v0.19.0) patched with patches/apply.sh and GPUs
 # are present. Run it once per node (e.g. from srun/mpirun or by hand on each node).
 #
 # Required environment:
@@ -24,7 +24,7 @@ set -euo pipefail
 
 die() { echo "launch_pretrain_gpt.sh: $1" >&2; exit "${2:-2}"; }
 
-[[ -n "${MEGATRON_LM:-}" ]] || die "MEGATRON_LM is not set: point it at a Megatron-LM checkout (tag core_v0.16.1) patched with patches/apply.sh"
+[[ -n "${MEGATRON_LM:-}" ]] || die "MEGATRON_LM is not set: point it at a Megatron-LM checkout (core_v0.16.1 … core_v0.19.0) patched with patches/apply.sh"
 [[ -f "$MEGATRON_LM/pretrain_gpt.py" && -f "$MEGATRON_LM/megatron/training/training.py" ]] \
     || die "MEGATRON_LM=$MEGATRON_LM is not a Megatron-LM checkout (no pretrain_gpt.py / megatron/training/training.py)"
 # Without the patch Megatron would silently write its own checkpoints and reject --pec-* flags.
