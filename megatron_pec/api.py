@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import os
 import sys
 
 from megatron_pec.errors import CheckpointError
@@ -41,24 +42,31 @@ def _chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def _megatron_own(name: str, **kwargs):
-    """Megatron-LM's own ``name`` (save_checkpoint / load_checkpoint) for calls megatron-pec cannot
-    serve (no optimizer: --moe-use-upcycling, --skip-train, the RL loader), with the keywords that
-    release accepts."""
+def _megatron_own(name: str, why: str, **kwargs):
+    """Megatron-LM's own ``name`` (save_checkpoint / load_checkpoint) for a call megatron-pec does not
+    serve (``why``), with the keywords that release accepts."""
     from megatron_pec.megatron.adapter import megatron_checkpoint_function
 
     own = megatron_checkpoint_function(name)
     if own is None:
-        raise CheckpointError(f"megatron-pec: {name} was called without an optimizer, which megatron-pec "
-                              "cannot serve (it stores the distributed optimizer's shards), and Megatron-LM's own "
-                              "megatron.training.checkpointing is not importable here to serve it")
+        raise CheckpointError(f"megatron-pec: {name} {why}, which megatron-pec does not serve, and Megatron-LM's "
+                              "own megatron.training.checkpointing is not importable here to serve it")
     accepted = inspect.signature(own).parameters
     dropped = sorted(k for k, v in kwargs.items() if k not in accepted and v not in (None, "", False))
     if dropped:
         raise CheckpointError(f"megatron-pec: Megatron-LM's own {name} does not accept {dropped}")
-    _say_once(f"megatron-pec: {name} without an optimizer: using Megatron-LM's own {name} (format "
-              f"{getattr(_args(), 'ckpt_format', 'torch_dist')}); megatron-pec serves the calls with an optimizer")
+    _say_once(f"megatron-pec: {name} {why}: using Megatron-LM's own {name}")
     return own(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def _converting(args) -> str | None:
+    """The format of Megatron's ``--ckpt-convert-format`` save in progress: training.py then points
+    --save at <--ckpt-convert-save>/<format> and saves once, to be read by Megatron itself."""
+    fmt, target = getattr(args, "ckpt_convert_format", None), getattr(args, "ckpt_convert_save", None)
+    save = getattr(args, "save", None)
+    if fmt and target and save and os.path.abspath(save) == os.path.abspath(os.path.join(target, fmt)):
+        return fmt
+    return None
 
 
 _said: set[str] = set()
@@ -130,9 +138,11 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     Returns once the snapshot is in memory; persisting and committing continue
     in the node agent.
     """
-    if optimizer is None:
+    fmt = _converting(_args()) if optimizer is not None else None
+    if optimizer is None or fmt:
+        why = f"converts to --ckpt-convert-format {fmt}" if fmt else "was called without an optimizer"
         return _megatron_own(
-            "save_checkpoint", iteration=iteration, model=model, optimizer=optimizer,
+            "save_checkpoint", why, iteration=iteration, model=model, optimizer=optimizer,
             opt_param_scheduler=opt_param_scheduler,
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
             checkpointing_context=checkpointing_context, pipeline_rank=pipeline_rank, expert_rank=expert_rank,
@@ -162,7 +172,7 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
     ddp_model = ddp_model if ddp_model is not None else model
     if optimizer is None:
         return _megatron_own(
-            "load_checkpoint", ddp_model=ddp_model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
+            "load_checkpoint", "was called without an optimizer", ddp_model=ddp_model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
             load_arg=load_arg, strict=strict, checkpointing_context=checkpointing_context,
             skip_load_to_model_and_opt=skip_load_to_model_and_opt, tp_group=tp_group, pp_group=pp_group,
             dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group,

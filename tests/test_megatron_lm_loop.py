@@ -141,3 +141,38 @@ def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, tmp_path):
         assert max(losses(log)) == 10
     finally:
         lose_node_memory(shm)
+
+
+def test_ckpt_convert_format_writes_what_unpatched_megatron_lm_resumes_from(tmp_path):
+    """``--ckpt-convert-format torch_dist`` on a megatron-pec checkpoint writes Megatron's own format
+    through Megatron's own save_checkpoint: the unpatched tree resumes from it exactly as from its
+    own torch_dist save of the same iteration (same losses, iteration by iteration)."""
+    tag = megatron_lm.NEWEST
+    pristine = megatron_lm.pristine_tree(tag)
+    if pristine is None or shutil.which("git") is None:
+        pytest.skip(f"needs git and the archive Megatron-LM-{tag}.tar.gz")
+    tree = megatron_lm.copy_tree(tag, tmp_path / "patched")
+    assert subprocess.run([str(REPO / "patches" / "apply.sh"), str(tree)], capture_output=True).returncode == 0
+    bf16 = ["--bf16"]  # Megatron's own torch_dist load of fp32 main params fails on CPU
+    shm = Path("/dev/shm") / f"pec-mlm-{os.getpid()}-convert"
+    save, converted, own = tmp_path / "pec", tmp_path / "converted", tmp_path / "own"
+    ckpt = ["--save", str(save), "--load", str(save), "--save-interval", "4", "--non-persistent-save-interval", "1",
+            "--pec-shm-dir", str(shm), "--pec-job-id", "conv"]
+    try:
+        code, log = pretrain(tree, *bf16, *ckpt, "--exit-interval", "4")
+        assert code == 0, log[-4000:]
+        code, log = pretrain(tree, *bf16, *ckpt, "--ckpt-convert-format", "torch_dist",
+                             "--ckpt-convert-save", str(converted))
+        assert code == 0 and "converts to --ckpt-convert-format torch_dist" in log, log[-4000:]
+        assert restored(log) == {(4, "storage")} or restored(log) == {(4, "memory")}
+    finally:
+        lose_node_memory(shm)
+    code, log = pretrain(pristine, *bf16, "--load", str(converted / "torch_dist"))
+    assert code == 0, log[-4000:]
+    from_conversion = losses(log)
+    code, log = pretrain(pristine, *bf16, "--save", str(own), "--save-interval", "4", "--exit-interval", "4")
+    assert code == 0, log[-4000:]
+    code, log = pretrain(pristine, *bf16, "--load", str(own))
+    assert code == 0, log[-4000:]
+    assert sorted(from_conversion) == list(range(5, 11))
+    assert from_conversion == losses(log)

@@ -13,6 +13,11 @@ on a machine without CUDA, and runs the script as ``__main__`` with TREE first o
   ``typing_extensions.override``;
 * ``torch.compile``'d fusions (the sigmoid router's, for one) compile for ~20 s on CPU:
   ``TORCHDYNAMO_DISABLE=1`` unless set (eager numerics are the same in every run compared);
+* Megatron's own load of a ``torch_dist`` checkpoint into a fresh DistributedOptimizer asks
+  ``state_dict()`` for the step count, which without apex/TE it reads from the per-param state
+  that torch's Adam creates only at its first step (an ``AssertionError`` on CPU-only machines):
+  before such a load the state is initialised (zeros and step 0, what the first step would
+  create; the load then overwrites it));
 * the dataset index helpers (``megatron.core.datasets.helpers_cpp``) are compiled from the
   tree at start-up (needs pybind11 and a compiler): the prebuilt extension of the installed
   megatron-core wheel is used instead.
@@ -25,8 +30,8 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import runpy
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -96,6 +101,23 @@ def prepare(tree: Path) -> None:
         initialize.fused_kernels.load = lambda *a, **k: None
     initialize._warmup_jit_function = lambda *a, **k: None
     _install_helpers()
+    _initialise_state_before_dist_load()
+
+
+def _initialise_state_before_dist_load() -> None:
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict={}, is_loading: bool = False, *args, **kwargs):
+        if is_loading and not any(self.optimizer.state.values()):
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
 def main() -> None:
@@ -108,7 +130,14 @@ def main() -> None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     prepare(script.parent)
     sys.argv = [str(script), *sys.argv[2:]]
-    runpy.run_path(str(script), run_name="__main__")
+    # The script runs as __main__ but keeps this module's spec: processes Megatron spawns (the
+    # torch_dist writer's multiprocessing Manager) then import this module, not re-run the script
+    # without the stand-ins above.
+    main_module = types.ModuleType("__main__")
+    main_module.__file__ = str(script)
+    main_module.__spec__ = sys.modules["__main__"].__spec__
+    sys.modules["__main__"] = main_module
+    exec(compile(script.read_text(), str(script), "exec"), main_module.__dict__)
 
 
 if __name__ == "__main__":
