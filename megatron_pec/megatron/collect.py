@@ -184,8 +184,12 @@ def topology() -> dict:
 def rng_state() -> dict:
     from megatron.core import tensor_parallel
 
+    # CUDA-graph-safe trackers (--te-rng-tracker, --cuda-graph-impl) hold torch.Generator objects:
+    # their state tensor is what is saved.
+    tracker = {name: value.get_state() if isinstance(value, torch.Generator) else value
+               for name, value in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     state = {"random": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+             "tracker": tracker}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state

@@ -80,7 +80,16 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    live = tracker.get_states()
+    states = {}
+    for name, saved in state["tracker"].items():
+        if isinstance(live.get(name), torch.Generator):  # a CUDA-graph-safe tracker keeps its generators
+            live[name].set_state(saved)
+            states[name] = live[name]
+        else:
+            states[name] = saved
+    tracker.set_states(states)
 
 
 def restore_args(args, state: dict, finetune: bool) -> None:
