@@ -351,7 +351,8 @@ def plots(result: dict, stem: str) -> list[str]:
     for r in result["runs"]:
         if r["faults"]:
             ax.scatter(r["plt"] * 100, r["final_validation_loss"], s=25)
-            ax.annotate(r["name"].replace(", 3 node losses", " ×3 nodes").replace(", 3 faults", " ×3").replace(", 1 fault", " ×1"),
+            short = r["name"].replace(", 3 node losses", " ×3 nodes").replace(", 3 faults", " ×3")
+            ax.annotate(short.replace(", 1 fault", " ×1"),
                         (r["plt"] * 100, r["final_validation_loss"]), fontsize=6)
     ax.axvline(3.75, color="gray", linestyle="--", linewidth=0.8, label="PLT 3.75%")
     ax.set_xlabel("PLT (%)")

@@ -172,8 +172,9 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
     ddp_model = ddp_model if ddp_model is not None else model
     if optimizer is None:
         return _megatron_own(
-            "load_checkpoint", "was called without an optimizer", ddp_model=ddp_model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
-            load_arg=load_arg, strict=strict, checkpointing_context=checkpointing_context,
+            "load_checkpoint", "was called without an optimizer", ddp_model=ddp_model, optimizer=optimizer,
+            opt_param_scheduler=opt_param_scheduler, load_arg=load_arg, strict=strict,
+            checkpointing_context=checkpointing_context,
             skip_load_to_model_and_opt=skip_load_to_model_and_opt, tp_group=tp_group, pp_group=pp_group,
             dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group,
             rng_state_key_prefix=rng_state_key_prefix)

@@ -22,7 +22,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 ALLOWED_FOREIGN_WRITES = {
     "api.py": {"sys.excepthook", "excepthook.megatron_pec"},      # records crashes so exit keeps node memory
     "megatron/restore.py": {"scheduler.num_steps", "args.consumed_train_samples", "args.skipped_train_samples",
-                            "args.consumed_valid_samples", "args.finetune"},          # Megatron's load_checkpoint side effects
+                            "args.consumed_valid_samples", "args.finetune"},  # Megatron's load_checkpoint side effects
     "testing/cpu.py": None,                                          # the CPU stand-ins patch torch/megatron
     "testing/megatron_lm_cpu.py": None,                              # ... and Megatron-LM's training loop
 }

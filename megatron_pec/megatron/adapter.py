@@ -64,6 +64,7 @@ class MegatronAdapter:
         self.slices = collect.build_slices(model_chunks, optimizer)
         self.local_fingerprint = collect.fingerprint(self.slices, self.topology)
         self.tokens = TokenCounter(model_chunks)
+        self.buffers = collect.buffer_refs(model_chunks)
         self.experts_held: list[ExpertId] = sorted({s.expert for s in self.slices if s.expert is not None})
         self._live: dict[str, torch.Tensor] | None = None
         self._step_hooks = []
@@ -103,7 +104,7 @@ class MegatronAdapter:
             self._step_hooks.append(opt.optimizer.register_step_pre_hook(lambda *_: callback()))
 
     def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "") -> dict:
-        small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.model)
+        small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers)
         small["rng_key_prefix"] = rng_key_prefix
         return small
 
@@ -148,7 +149,7 @@ class MegatronAdapter:
             targets = self._param_views()
         restore.copy_slices(targets, {name: t for name, t in tensors.items() if name in targets})
         restore.sync_model_params(self.model, self.optimizer)
-        restore.restore_buffers(self.model, small.get("buffers"))
+        restore.restore_buffers(self.buffers, small.get("buffers"))
         if scheduler is not None and load_optim and small["scheduler"] is not None:
             restore.restore_scheduler(scheduler, small["scheduler"])
         saved_prefix = small.get("rng_key_prefix", "")

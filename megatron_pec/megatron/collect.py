@@ -195,23 +195,30 @@ def rng_state() -> dict:
     return state
 
 
-def module_buffers(model_chunks) -> dict[str, torch.Tensor]:
+def buffer_refs(model_chunks) -> list[tuple[str, torch.nn.Module, str]]:
     """Model state that is not a parameter: every persistent buffer of every chunk (the router's
-    ``expert_bias`` of aux-loss-free balancing, for one), as ``<chunk>/<name>``."""
-    out = {}
+    ``expert_bias`` of aux-loss-free balancing, for one), as (``<chunk>/<name>``, module, attribute).
+    Found once; read through the module at every save (Megatron may rebind a buffer's ``.data``)."""
+    refs = []
     for index, chunk in enumerate(model_chunks):
         # by identity: wrappers (DDP, Float16Module) name their state_dict without their own prefix
         persistent = {id(t) for t in chunk.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)}
-        for name, buffer in chunk.named_buffers():
-            if buffer is not None and id(buffer) in persistent:
-                out[f"{index}/{name}"] = buffer
-    return out
+        for module_name, module in chunk.named_modules():
+            for attr, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and id(buffer) in persistent:
+                    refs.append((f"{index}/{module_name}.{attr}", module, attr))
+    return refs
 
 
-def small_state(optimizer, scheduler, args, iteration: int, flops: float, model_chunks=()) -> dict:
-    """Everything besides the slices that Megatron's checkpoint holds for this rank."""
+def module_buffers(refs) -> dict[str, torch.Tensor]:
+    return {key: getattr(module, attr) for key, module, attr in refs}
+
+
+def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffers=()) -> dict:
+    """Everything besides the slices that Megatron's checkpoint holds for this rank (``buffers``:
+    ``buffer_refs``)."""
     return {
-        "buffers": module_buffers(model_chunks),
+        "buffers": module_buffers(buffers),
         "iteration": iteration,
         # None before the first step: Megatron's state_dict needs a step count then missing
         "optimizer": optimizer.state_dict() if has_state(optimizer) else None,
@@ -225,5 +232,5 @@ def small_state(optimizer, scheduler, args, iteration: int, flops: float, model_
     }
 
 
-__all__ = ["Slice", "build_slices", "live_views", "param_view", "small_state", "module_buffers", "fingerprint", "topology",
-           "NON_EXPERT", "UnsupportedSetup"]
+__all__ = ["Slice", "build_slices", "live_views", "param_view", "small_state", "buffer_refs", "module_buffers",
+           "fingerprint", "topology", "NON_EXPERT", "UnsupportedSetup"]

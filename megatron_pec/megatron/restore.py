@@ -32,12 +32,12 @@ def sync_model_params(model_chunks, optimizer) -> None:
 
 
 @torch.no_grad()
-def restore_buffers(model_chunks, saved: dict[str, torch.Tensor] | None) -> None:
-    """Persistent module buffers back into the model (checkpoints written before buffers were
-    saved have none: the model keeps its own)."""
+def restore_buffers(refs, saved: dict[str, torch.Tensor] | None) -> None:
+    """Persistent module buffers (``collect.buffer_refs``) back into the model (checkpoints written
+    before buffers were saved have none: the model keeps its own)."""
     if saved is None:
         return
-    live = module_buffers(model_chunks)
+    live = module_buffers(refs)
     if set(saved) != set(live):
         raise CheckpointError(f"megatron-pec: the checkpoint's module buffers {sorted(saved)} differ from the "
                               f"model's {sorted(live)}: was it saved with other model flags (for example "

@@ -646,7 +646,8 @@ def markdown(data: dict) -> str:
 def _write(path: str, command: str, seed: int, started: float, runs: list[dict]) -> None:
     data = {"command": command, "seed": seed, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
             "duration_s": round(time.time() - started), "machine": f"{os.cpu_count()} CPU cores, CPU-only (gloo)",
-            "summary": summarize(runs), "plt_comparison": plt_comparison(runs), "table": format_table(summarize(runs)) if runs else "", "runs": runs}
+            "summary": summarize(runs), "plt_comparison": plt_comparison(runs),
+            "table": format_table(summarize(runs)) if runs else "", "runs": runs}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)

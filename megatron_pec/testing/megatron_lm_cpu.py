@@ -27,6 +27,7 @@ Numerics are untouched. Never imported by megatron-pec itself.
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import importlib.util
 import os
@@ -51,7 +52,7 @@ def _install_helpers() -> None:
 
     dataset_utils.compile_helpers = lambda: None
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401  (the tree has a built one)
+        importlib.import_module("megatron.core.datasets.helpers_cpp")  # the tree has a built one
         return
     except ImportError:
         pass
