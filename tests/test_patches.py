@@ -2,7 +2,8 @@
 
 Every supported release is tested from the archives in ``../shared/megatron-lm/`` (or
 ``$MEGATRON_LM_ARCHIVES``), unpacked once and copied per test. ``MEGATRON_LM_DIR`` may point to a
-git checkout of Megatron-LM: the git-checkout path is tested on it (it is never modified).
+git clone of Megatron-LM (a checkout or a bare mirror): the git-checkout path is then tested on
+clones of it at each release's commit (it is never modified).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from megatron_pec.testing import megatron_lm
 REPO = Path(__file__).resolve().parents[1]
 APPLY = REPO / "patches" / "apply.sh"
 TAG_COMMITS = {"core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
+               "core_v0.17.1": "266f1c97dca477ca8b92c16087506da2000b0b84",
+               "core_v0.18.2": "571370c829ca768fe37244f4e2e7f28d8accc4ab",
                "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3"}
 TRAINING = "megatron/training/training.py"
 PRETRAIN = "pretrain_gpt.py"
@@ -71,8 +74,9 @@ def git_source() -> Path:
     if not value:
         pytest.skip("MEGATRON_LM_DIR not set: the git-checkout path needs a Megatron-LM git clone")
     src = Path(value).resolve()
-    if not (src / ".git").exists():
-        pytest.skip(f"MEGATRON_LM_DIR={src} is not a git checkout")
+    probe = subprocess.run(["git", "-C", str(src), "rev-parse", "--git-dir"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"MEGATRON_LM_DIR={src} is not a git repository (a checkout or a bare clone)")
     return src
 
 
