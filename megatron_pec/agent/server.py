@@ -438,7 +438,15 @@ class Agent:
         marker = NodeMarker(iteration=iteration, node=job.node_rank, job_id=job.job_id,
                             fingerprint=job.fingerprint, topology=job.topology, ranks=done)
         manifest.write_node_marker(job.save, marker, self.storage)
-        if manifest.try_commit(job.save, iteration, job.num_nodes, job.keep, self.storage):
+        try:
+            committed = manifest.try_commit(job.save, iteration, job.num_nodes, job.keep, self.storage)
+        except OSError as exc:
+            if not self.storage.exists(manifest.manifest_path(job.save, iteration)):
+                raise
+            # every node's marker was durable and another node's agent wrote the same manifest
+            log(f"could not write the commit of iteration {iteration} ({exc}); another node's agent did")
+            return
+        if committed:
             log(f"committed iteration {iteration}")
 
 
