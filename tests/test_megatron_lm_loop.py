@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,7 +46,7 @@ MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-s
          "--no-rope-fusion --hidden-dropout 0 --attention-dropout 0 --eval-interval 1000 --eval-iters 1 "
          "--log-interval 1 --seed 1234 --train-iters 10").split()
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
-RESTORED = re.compile(r"megatron-pec: rank (\d): restored iteration (\d+) from (\w+)")
+RESTORED = re.compile(r"megatron-pec: rank (\d): restored iteration (\d+) from (memory|storage)")
 
 
 @pytest.fixture(params=[megatron_lm.OLDEST, megatron_lm.NEWEST])
@@ -62,15 +63,22 @@ def patched_tree(request, tmp_path) -> Path:
 
 
 def pretrain(tree: Path, *extra: str, fault: str | None = None) -> tuple[int, str]:
+    """Run the script; returns the exit code and the output, rank by rank (torchrun's merged
+    stream interleaves the two ranks' lines mid-line)."""
+    logs = Path(tempfile.mkdtemp(prefix="mlm-logs-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "megatron_pec.testing.megatron_lm_cpu",
-           str(tree / "pretrain_gpt.py"), *MODEL, *extra]
+           "--master-port", str(free_port()), "--log-dir", str(logs), "--redirects", "3",
+           "-m", "megatron_pec.testing.megatron_lm_cpu", str(tree / "pretrain_gpt.py"), *MODEL, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("MEGATRON_PEC_FAULT", None)
     if fault:
         env["MEGATRON_PEC_FAULT"] = fault
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    return proc.returncode, proc.stdout + proc.stderr
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        per_rank = [f.read_text(errors="replace") for f in sorted(logs.rglob("*.log"), key=lambda f: f.parts[-2:])]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    return proc.returncode, "\n".join(per_rank + [proc.stdout, proc.stderr])
 
 
 def losses(log: str) -> dict[int, float]:
