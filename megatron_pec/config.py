@@ -51,7 +51,7 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "are always kept (default 2; 0 keeps everything)")
     g.add_argument("--pec-wait-for-slot", action="store_true",
                    help="when no snapshot slot is free, wait for one instead of skipping the snapshot "
-                        "(persistent saves always wait)")
+                        "(persistent saves wait up to 10 s)")
     g.add_argument("--pec-keep-shm", action="store_true",
                    help="keep node-memory slot files when the agent exits")
     g.add_argument("--pec-replicas", type=int, default=None,

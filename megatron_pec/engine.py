@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import os
 import sys
+import time
 import uuid
 import warnings
 
@@ -35,6 +36,10 @@ from megatron_pec.stformat import layout as tensor_layout
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
+
+
+# How long a persistent save waits for a slot before it is skipped (warned) like a memory snapshot.
+PERSISTENT_SLOT_WAIT_S = 10.0
 
 
 class Engine:
@@ -273,10 +278,13 @@ class Engine:
         return self.pec.plan(self.config.selection, self.expert_layout, cumulative, persistent, budget)
 
     def _free_slot(self, persistent: bool) -> int | None:
-        """A granted slot; a persistent save (what the user asked to keep, e.g. the last one of
-        training) waits for one, a memory snapshot waits only with --pec-wait-for-slot."""
+        """A granted slot. With --pec-wait-for-slot a save waits for one; without, a persistent save
+        (what the user asked to keep, e.g. the last one of training) waits up to PERSISTENT_SLOT_WAIT_S
+        (a slot freed while none was asked for is granted only with the agent's next message),
+        a memory snapshot not at all."""
         slot = self.grants.take()
-        while slot is None and (persistent or self.config.wait_for_slot) and self.agent.connected:
+        deadline = time.monotonic() + (PERSISTENT_SLOT_WAIT_S if persistent else 0.0)
+        while slot is None and (self.config.wait_for_slot or time.monotonic() < deadline) and self.agent.connected:
             self._collect_releases(block_s=1.0)
             slot = self.grants.take()
         return slot
