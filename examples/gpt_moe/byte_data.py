@@ -18,7 +18,12 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+try:
+    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+except ImportError:  # megatron-core >= 0.19 moved its tokenizers; the datasets need only this interface
+    class MegatronLegacyTokenizer:
+        def __init__(self, *args, **kwargs):
+            self.unique_identifiers = {"class": type(self).__name__}
 
 STDLIB_MODULES = 200  # ~4.7 MB of text
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / "data_cache"
