@@ -1,4 +1,4 @@
-"""``python -m megatron_pec {inspect,verify,agent}``."""
+"""``python -m megatron_pec {inspect,verify,export,agent}``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("verify", help="re-check the size and crc32 of every committed file; exit 0 only if sound")
     p.add_argument("dir")
     p.add_argument("--iteration", type=int, default=None)
+    p = sub.add_parser("export", help="write a committed iteration's model weights as consolidated safetensors")
+    p.add_argument("dir", help="the checkpoint directory (--save)")
+    p.add_argument("out", help="an empty or new directory for model.safetensors and pec_export.json")
+    p.add_argument("--iteration", type=int, default=None, help="default: the newest committed iteration")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into files of at most this size "
+                   "(with model.safetensors.index.json); default %(default)s")
     p = sub.add_parser("agent", help="run a node agent in the foreground")
     p.add_argument("--dir", required=True, help="the node-memory directory: <shm dir>/<job id>/node<k>")
     p.add_argument("--node-rank", type=int, default=0)
@@ -33,6 +39,19 @@ def main(argv=None) -> int:
         return 2
     from megatron_pec import inspection
 
+    if args.command == "export":
+        from megatron_pec.export import ExportError, export, progress_bar
+
+        try:
+            summary = export(args.dir, args.out, args.iteration, int(args.max_shard_gb * 2**30), progress_bar())
+        except ExportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        older = summary["experts_older_than_iteration"]
+        print(f"exported iteration {summary['iteration']} of {summary['source']} to {args.out}: "
+              f"{summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB in {', '.join(summary['files'])}"
+              + (f"; {older} experts at older versions (PLT so far {summary['plt']:.2%})" if older else ""))
+        return 0
     if args.command == "inspect":
         report = inspection.inspect(args.dir)
         print(json.dumps(report, indent=1) if args.json else inspection.format_inspect(report))

@@ -21,13 +21,13 @@ import warnings
 
 import torch
 
-from megatron_pec import faults, policy, smallstate
+from megatron_pec import faults, manifest, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
-from megatron_pec.pec_state import Level, PecState, cumulative_to_items
+from megatron_pec.pec_state import Level, PecState
 from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Hello, JobInfo, Record, Released, SlotHeader,
                                    SnapshotReady)
 from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
@@ -84,6 +84,7 @@ class Engine:
         if self.deferred:
             self.adapter.before_each_step(self.finish_snapshot)
         if self.config.save:
+            self._record_layout()
             self._start_memory_tier()
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -134,12 +135,23 @@ class Engine:
             topology=self.adapter.topology, keep=self.config.keep, replicas=self.replicas,
             domain=self.config.failure_domain or "", replica_mbps=self.config.replica_mbps))
 
+    def _record_layout(self) -> None:
+        """Where this rank's stored tensors lie in the global parameters, once per configuration under
+        --save (what ``export`` and restores onto another topology read)."""
+        error = None
+        try:
+            manifest.write_rank_layout(self.save_root, self.adapter.layout_record(self.fingerprint))
+        except OSError as exc:
+            error = f"megatron-pec: cannot write under --save {self.save_root}: {exc.strerror or exc}"
+        self.coll.raise_if_any(error)
+
     def _start_memory_tier(self) -> None:
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slices])
         error = None
         try:
             check_socket_path(self.node_dir)
-            self.files = SlotFiles(self.node_dir, self.rank, entries, self.local_world_size, self.replicas)
+            self.files = SlotFiles(self.node_dir, self.rank, entries, self.local_world_size, self.replicas,
+                                   reserve=self._header_reserve())
             if torch.cuda.is_available():
                 self._pin_slots()
             ensure_agent(self.node_dir, self.node_rank, self.config.agent_idle_timeout, self.config.keep_shm)
@@ -149,6 +161,14 @@ class Engine:
         except AgentUnavailable as exc:
             error = f"megatron-pec: {exc}"
         self.coll.raise_if_any(error)
+
+    def _header_reserve(self) -> int:
+        """Header room for a save's metadata, sized now so that no save runs out of it: per expert this
+        rank holds its version, token count and PEC versions (each JSON entry at most the item name plus
+        a 20-digit number, escaped once more inside the metadata string), plus the small state."""
+        longest = max((len(name) for name in self.held_names.values()), default=0)
+        per_expert = 6 * (longest + 28)  # items, tokens, 2 levels x (saved_at, tokens_at): \"name\":number,
+        return per_expert * len(self.held_names) + 2 * self.adapter.small_state_bound() + (16 << 10)
 
     def _pin_slots(self) -> None:
         """Page-lock the slot mappings so device-to-host copies run asynchronously at full speed."""
@@ -207,8 +227,9 @@ class Engine:
         header = SlotHeader(
             job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root, rank=self.rank,
             world_size=self.world_size, iteration=iteration, items=dict.fromkeys(sorted(written), iteration),
-            tokens=cumulative_to_items(cumulative), small=smallstate.dumps(self.adapter.small_state(
-                scheduler, iteration, flops, rng_key_prefix)), pec=self.pec.dumps(), run=self.run)
+            tokens={name: cumulative[x] for x, name in self.held_names.items()},
+            small=smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)),
+            pec=self.pec.dumps(self.held_names), run=self.run)
         persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
         self.pending = (slot, header, SnapshotReady(slot, iteration, persistent, persist_items), done)
         if not self.deferred:

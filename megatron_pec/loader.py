@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 from megatron_pec import plt
@@ -26,12 +27,13 @@ from megatron_pec.collectives import Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
-from megatron_pec.pec_state import PecState, cumulative_from_items
+from megatron_pec.pec_state import PecState
 from megatron_pec.smallstate import loads as load_small_state
 from megatron_pec.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
 from megatron_pec.storage import PosixStorage
 
 MAX_CANDIDATES = 32
+LIST_OLDER = 64  # a restore log line names at most this many experts restored from older versions
 NONE = 2**62  # "no version" in MIN reductions
 
 
@@ -72,7 +74,11 @@ class RestoreResult:
     def log_lines(self, rank: int) -> list[str]:
         line = f"megatron-pec: rank {rank}: restored iteration {self.iteration} from {self.source}"
         older = {i: v for i, v in self.versions.items() if i != NON_EXPERT and v < self.iteration}
-        if older:
+        if len(older) > LIST_OLDER:  # thousands of experts: their count per version
+            counts = Counter(older.values())
+            line += f"; experts from older versions: {len(older)} (" + ", ".join(
+                f"{n} at {v}" for v, n in sorted(counts.items(), reverse=True)) + ")"
+        elif older:
             line += "; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
         lines = [line]
         if self.report is not None and rank == 0:
@@ -234,36 +240,38 @@ class Loader:
         for source, names in by_source.values():
             tensors.update(source.tensors(names))
         versions = {item: source.items[item] for item, source in plan.items()}
-        tokens_at_target = cumulative_from_items(dense.header.tokens)
-        pec, report = self._account(target, plan, dense, tokens_at_target)
+        pec, report, tokens_at_target = self._account(target, plan, dense)
         return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
                              tokens_at_target, report)
 
-    def _account(self, target: int, plan: dict[str, Source], dense: Source,
-                 at_target_local: dict[ExpertId, int]) -> tuple[PecState | None, plt.PltReport | None]:
+    def _account(self, target: int, plan: dict[str, Source],
+                 dense: Source) -> tuple[PecState | None, plt.PltReport | None, dict[ExpertId, int]]:
         """PLT of this restore over every expert of the model (identical on every rank), folded
-        into the PEC state. Each rank knows the versions and token counts of the experts it
-        holds; one MAX all-reduce completes them (each expert is held somewhere)."""
+        into the PEC state; and the cumulative token counts at ``target`` of this stage's experts.
+        Each rank's file knows the versions and token counts of the experts it holds; one MAX
+        all-reduce completes them (each expert is held somewhere)."""
         experts = self.ctx.all_experts
         if not experts:
-            return None, None
-        version, at_version, at_target = {}, {}, {}
+            return None, None, {}
+        state = PecState.loads(dense.header.pec)
+        levels = (state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at)
+        known = [{item_name(x): v for x, v in level.items()} for level in levels]
+        version, at_version = {}, {}
         for x in experts:
             source = plan.get(item_name(x))
             if source is not None:
                 version[item_name(x)] = source.items[item_name(x)]
                 at_version[item_name(x)] = source.tokens_at_version(item_name(x))
-            if x in at_target_local:
-                at_target[item_name(x)] = at_target_local[x]
-        merged = self.coll.reduce(self._expert_vector(version, -1) + self._expert_vector(at_version, -1)
-                                  + self._expert_vector(at_target, -1), "max")
+        vectors = [version, at_version, dense.header.tokens, *known]
+        merged = self.coll.reduce([v for values in vectors for v in self._expert_vector(values, -1)], "max")
         n = len(experts)
-        version_of = dict(zip(experts, merged[:n]))
-        tokens_at_version = dict(zip(experts, merged[n:2 * n]))
-        tokens_at_target = dict(zip(experts, merged[2 * n:]))
+        columns = [dict(zip(experts, merged[i * n:(i + 1) * n])) for i in range(len(vectors))]
+        version_of, tokens_at_version, tokens_at_target = columns[:3]
+        stage = {x for x in experts if x.layer in {h.layer for h in self.ctx.experts_held}}
+        for level, column in zip(levels, columns[3:]):
+            level.update({x: v for x, v in column.items() if v >= 0 and x in stage})
         report = plt.lost_tokens(tokens_at_target, tokens_at_version, version_of, target)
-        state = PecState.loads(dense.header.pec)
-        state.recovered(report, version_of, tokens_at_version, set(at_target_local))
+        state.recovered(report, version_of, tokens_at_version, stage)
         config = self.ctx.config
         if config.dynamic_k and self.ctx.num_experts:
             k = plt.next_k(state.snapshot.k, state.plt, config.plt_threshold, self.ctx.num_experts)
@@ -274,4 +282,4 @@ class Loader:
                         f"Dynamic-K raises snapshot K {state.snapshot.k} -> {k}, persist K "
                         f"{state.persist.k} -> {persist_k}")
                 state.set_k(k, persist_k)
-        return state, report
+        return state, report, {x: tokens_at_target[x] for x in stage}

@@ -10,6 +10,7 @@ Layout under ``--save``::
     iter_0000100/pec/rank_00003.safetensors   one per rank: dense + persisted experts
     iter_0000100/pec/node_0001.json           one per node: its rank files, sizes, crc32
     iter_0000100/pec/manifest.json            the commit marker
+    pec_layout/<fingerprint>/rank_00003.json  per configuration: where each stored tensor lies in the model
     latest_checkpointed_iteration.txt         Megatron's tracker
 """
 
@@ -21,7 +22,7 @@ import re
 
 from megatron_pec import faults
 from megatron_pec.items import NON_EXPERT
-from megatron_pec.protocol import Manifest, NodeMarker, ProtocolError, RankFile
+from megatron_pec.protocol import Manifest, NodeMarker, ProtocolError, RankFile, RankLayout
 from megatron_pec.storage import PosixStorage
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -48,6 +49,11 @@ def rank_file(root: str, iteration: int, rank: int) -> str:
 
 def relative(root: str, path: str) -> str:
     return os.path.relpath(path, root)
+
+
+def layout_path(root: str, fingerprint: str, rank: int) -> str:
+    """The ``RankLayout`` of ``rank`` for every iteration saved with configuration ``fingerprint``."""
+    return os.path.join(root, "pec_layout", fingerprint, f"rank_{rank:05d}.json")
 
 
 def node_marker(root: str, iteration: int, node: int) -> str:
@@ -88,6 +94,29 @@ def read_tracker(root: str, storage=PosixStorage()) -> str | None:
         return storage.read(os.path.join(root, TRACKER)).decode().strip()
     except OSError:
         return None
+
+
+def write_rank_layout(root: str, layout: RankLayout) -> None:
+    """Record where rank ``layout.rank``'s tensors lie, once per configuration (by the trainer at
+    start-up; outside the agents' fault points). An existing record of the fingerprint is the same."""
+    path = layout_path(root, layout.fingerprint, layout.rank)
+    if os.path.exists(path):
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(layout.dumps())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_rank_layout(root: str, fingerprint: str, rank: int, storage=PosixStorage()) -> RankLayout:
+    path = layout_path(root, fingerprint, rank)
+    layout = _read_record(path, RankLayout, storage)
+    if (layout.fingerprint, layout.rank) != (fingerprint, rank):
+        raise ManifestError(f"{path} describes rank {layout.rank} of configuration {layout.fingerprint}")
+    return layout
 
 
 def write_node_marker(root: str, marker: NodeMarker, storage=PosixStorage()) -> None:

@@ -2,7 +2,10 @@
 level, cumulative token counts at those versions, current K, and the lost work so far.
 
 Identical on every rank (it is driven only by all-reduced token counts and the
-deterministic policies), so each rank can plan a save without coordination.
+deterministic policies), so each rank can plan a save without coordination. A rank's
+file stores the per-expert part only for the experts it holds (the header grows with
+the rank's share of the model, not with the whole model); a restore merges the ranks'
+parts back into the full state (``Loader``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ class Level:
             self.tokens_at[e] = cumulative.get(e, 0)
         self.checkpoints += 1
 
-    def to_json(self) -> dict:
+    def to_json(self, names: dict[ExpertId, str] | None = None) -> dict:
+        """``names``: the experts to include, with their item names (None: every expert)."""
+        if names is None:
+            names = {e: item_name(e) for e in self.saved_at.keys() | self.tokens_at.keys()}
         return {"k": self.k, "checkpoints": self.checkpoints,
-                "saved_at": {item_name(e): v for e, v in self.saved_at.items()},
-                "tokens_at": {item_name(e): v for e, v in self.tokens_at.items()}}
+                "saved_at": {n: self.saved_at[e] for e, n in names.items() if e in self.saved_at},
+                "tokens_at": {n: self.tokens_at[e] for e, n in names.items() if e in self.tokens_at}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Level":
@@ -76,21 +82,14 @@ class PecState:
     def set_k(self, snapshot_k: int, persist_k: int) -> None:
         self.snapshot.k, self.persist.k = snapshot_k, persist_k
 
-    def dumps(self) -> str:
-        return json.dumps({"snapshot": self.snapshot.to_json(), "persist": self.persist.to_json(),
-                           "lost_tokens": self.lost_tokens, "plt": self.plt, "recoveries": self.recoveries})
+    def dumps(self, names: dict[ExpertId, str] | None = None) -> str:
+        """``names``: the experts whose versions to include, with their item names (None: all)."""
+        return json.dumps({"snapshot": self.snapshot.to_json(names), "persist": self.persist.to_json(names),
+                           "lost_tokens": self.lost_tokens, "plt": self.plt, "recoveries": self.recoveries},
+                          separators=(",", ":"))
 
     @classmethod
     def loads(cls, text: str) -> "PecState":
         d = json.loads(text)
         return cls(Level.from_json(d["snapshot"]), Level.from_json(d["persist"]), d["lost_tokens"], d["plt"],
                    d["recoveries"])
-
-
-def cumulative_to_items(cumulative: dict[ExpertId, int]) -> dict[str, int]:
-    """Cumulative token counts keyed by stored item names (``SlotHeader.tokens``)."""
-    return {item_name(e): n for e, n in cumulative.items()}
-
-
-def cumulative_from_items(items: dict[str, int]) -> dict[ExpertId, int]:
-    return {parse_item(k): v for k, v in items.items()}

@@ -26,7 +26,7 @@ needs initial weights from anywhere else.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from .items import ExpertId
@@ -44,6 +44,7 @@ class ExpertLayout:
     num_experts: int  # experts per MoE layer
     ep_size: int  # EP rank r holds experts [r*E/ep, (r+1)*E/ep), as in Megatron
     expert_bytes: int  # checkpoint bytes per expert (param + exp_avg + exp_avg_sq)
+    _experts: tuple[ExpertId, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers or any(b <= a for a, b in zip(self.layers, self.layers[1:])) or self.layers[0] < 1:
@@ -53,6 +54,9 @@ class ExpertLayout:
                              f"ep_size ({self.ep_size})")
         if self.expert_bytes < 1:
             raise ValueError(f"expert_bytes must be positive, got {self.expert_bytes}")
+        # Built once: every save's selection walks them (58 layers x 256 experts: 15k ids).
+        object.__setattr__(self, "_experts", tuple(ExpertId(layer, e) for layer in self.layers
+                                                   for e in range(self.num_experts)))
 
     def ep_rank_of(self, expert: int) -> int:
         if not 0 <= expert < self.num_experts:
@@ -60,7 +64,7 @@ class ExpertLayout:
         return expert // (self.num_experts // self.ep_size)
 
     def all_experts(self) -> tuple[ExpertId, ...]:
-        return tuple(ExpertId(layer, e) for layer in self.layers for e in range(self.num_experts))
+        return self._experts
 
     def _interleaved_pos(self, expert: int) -> int:
         # Position in the order E0 of rank 0, E0 of rank 1, ..., E1 of rank 0, ...:

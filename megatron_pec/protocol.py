@@ -9,7 +9,8 @@ Three families, one codec:
 * **node memory**: ``SlotHeader`` (the ``__metadata__`` of a slot and of a persisted
   rank file) and ``MemoryIndex`` (the agent's ``slots.json``: ``SlotRecord`` per slot,
   the timeline ``Segment`` list per rank).
-* **storage**: ``NodeMarker`` and ``Manifest`` (the commit marker), each listing ``RankFile``.
+* **storage**: ``NodeMarker`` and ``Manifest`` (the commit marker), each listing ``RankFile``;
+  ``RankLayout`` (where each stored tensor lies in the global parameters).
 
 Each record is encoded with ``type`` and ``v`` (its version). ``decode`` checks both
 and every field's type, and raises ``ProtocolError`` naming the record and the field;
@@ -30,7 +31,7 @@ __all__ = [
     "ProtocolError", "Record", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",
     "Flush", "Flushed", "Detach", "Stop", "SlotHeader", "SlotRecord", "Segment", "RankMemory", "MemoryIndex",
     "RankFile", "NodeMarker", "Manifest", "PeerAddress", "ReplicaPush", "ReplicaPull", "ReplicaReply",
-    "ReplicaEntry", "ReplicaIndex", "decode_message", "LEGACY_FORMAT",
+    "ReplicaEntry", "ReplicaIndex", "GlobalParam", "RankLayout", "decode_message", "LEGACY_FORMAT",
 ]
 
 LEGACY_FORMAT = "megatron-pec/1"  # manifests and markers written before records carried type and v
@@ -259,9 +260,9 @@ class SlotHeader(Record):
     world_size: int
     iteration: int
     items: dict[str, int]     # item -> version held (the items this file holds)
-    tokens: dict[str, int]    # expert item -> cumulative tokens at this iteration
+    tokens: dict[str, int]    # expert item -> cumulative tokens at this iteration (the experts this rank holds)
     small: str                # smallstate JSON (optimizer param_groups, scheduler, RNG, args)
-    pec: str                  # PecState JSON
+    pec: str                  # PecState JSON (expert versions: the experts this rank holds)
     run: str = ""             # the timeline that wrote it ("" in files of megatron-pec before timelines)
 
     WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "1", "state": "writing"}
@@ -414,6 +415,32 @@ class ReplicaIndex(Record):
 
 
 # ---- storage -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GlobalParam(Record):
+    """A parameter of the model as one rank without model parallelism holds it."""
+
+    KIND: ClassVar[str] = "global-param"
+    name: str                 # e.g. decoder.layers.3.mlp.experts.local_experts.17.linear_fc1.weight
+    shape: list[int]
+    dtype: str                # safetensors code of the stored (main) parameter
+
+
+@dataclass(frozen=True, slots=True)
+class RankLayout(Record):
+    """``pec_layout/<fingerprint>/rank_<r>.json``: where every tensor of rank ``rank``'s files lies in
+    the model's global parameters. Written once per configuration (the fingerprint names it); read by
+    ``export`` and resharding. A stored tensor's name ends in its kind (``.param``, ``.exp_avg``, ...)."""
+
+    KIND: ClassVar[str] = "rank-layout"
+    fingerprint: str
+    rank: int
+    topology: dict[str, int]
+    params: list[GlobalParam]
+    slices: dict[str, list[int]]  # stored tensor -> [index into params, global flat begin, global flat end]
+    buffers: dict[str, str]       # small-state buffer key -> global name
+    not_global: str = ""          # why the ranges are not global coordinates ("" when they are)
+
+
 @dataclass(frozen=True, slots=True)
 class RankFile(Record):
     """One persisted rank file and its checksums."""

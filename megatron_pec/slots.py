@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from collections import deque
 
 from megatron_pec.protocol import SlotHeader
-from megatron_pec.stformat import Header, TensorEntry, encode_header, read_header, tensor_table, tensor_view
+from megatron_pec.stformat import (MAX_HEADER, Header, TensorEntry, encode_header, header_tail, read_header,
+                                  tensor_table, tensor_view)
 
 NUM_SLOTS = 3
 REPLICA_SLOTS = 2  # per replicated rank: the complete replica and the one being received
-HEADER_RESERVE = 256 << 10  # room for metadata (small state, token counts) beyond the tensor table
+HEADER_RESERVE = 256 << 10  # default room for metadata (small state, token counts) beyond the tensor table
 
 
 class SlotSpaceError(RuntimeError):
@@ -44,19 +46,30 @@ class SlotFiles:
     """The three slot files of one rank, mapped into the trainer."""
 
     def __init__(self, directory: str, rank: int, entries: tuple[TensorEntry, ...], local_ranks: int,
-                 replicas: int = 0):
+                 replicas: int = 0, reserve: int = HEADER_RESERVE):
+        """``reserve``: header bytes for a save's metadata beyond the tensor table (its bound)."""
         self.directory, self.rank, self.entries = directory, rank, entries
-        self.table = tensor_table(entries)  # encoded once; each save only encodes its metadata
-        self.capacity = len(encode_header(entries, {}, table=self.table)) - 8 + HEADER_RESERVE
-        self.capacity = (self.capacity + 7) // 8 * 8
+        table = tensor_table(entries)
+        self.capacity = (len(encode_header(entries, {}, table=table)) - 8 + reserve + 7) // 8 * 8
+        if self.capacity > MAX_HEADER:
+            raise SlotSpaceError(
+                f"megatron-pec: rank {rank}'s snapshot header would need {self.capacity / 2**20:.1f} MiB "
+                f"({len(entries)} tensor slices, {len(table) / 2**20:.1f} MiB of them the tensor table), more than "
+                f"the {MAX_HEADER >> 20} MiB a header may have; spread the experts over more ranks "
+                "(--expert-model-parallel-size) or more data-parallel ranks")
+        # The length prefix and the tensor table never change: a save rewrites only what follows them.
+        self.prefix = struct.pack("<Q", self.capacity) + table
         self.header = Header(entries, {}, self.capacity)
         self.file_len = self.header.file_len
         self._preflight(local_ranks, replicas)
         self.maps: list[mmap.mmap] = []
         self.views: list[dict[str, object]] = []
+        self._table_written: list[bool] = []  # whether a slot's prefix already holds this table
         for s in range(NUM_SLOTS):
             self.maps.append(self._map(slot_path(directory, rank, s)))
             self.views.append({e.name: tensor_view(self.maps[s], self.header, e) for e in entries})
+            self._table_written.append(self.maps[s][:len(self.prefix)] == self.prefix)
+        self._tail_len = [8 + self.capacity - len(self.prefix)] * NUM_SLOTS  # unknown yet: blank it all once
 
     def _preflight(self, local_ranks: int, replicas: int) -> None:
         """Node memory must hold this node's slots and, with replication, the replicas it keeps of
@@ -90,7 +103,16 @@ class SlotFiles:
             os.close(fd)
 
     def write_header(self, slot: int, metadata: dict[str, str]) -> None:
-        self.maps[slot][:8 + self.capacity] = encode_header(self.entries, metadata, self.capacity, self.table)
+        """Rewrite the slot's metadata (and, the first time, its length prefix and tensor table)."""
+        start = len(self.prefix)
+        tail = header_tail(metadata, 8 + self.capacity - start, after_entries=bool(self.entries))
+        # Blank only what the previous metadata covered beyond this one (the rest is blank already).
+        end = start + max(len(tail), self._tail_len[slot])
+        self.maps[slot][start:end] = tail + b" " * (end - start - len(tail))
+        self._tail_len[slot] = len(tail)
+        if not self._table_written[slot]:
+            self.maps[slot][:start] = self.prefix
+            self._table_written[slot] = True
 
     def invalidate(self, slot: int) -> None:
         """Mark a slot as being written before its bytes change (a kill mid-copy leaves it invalid)."""

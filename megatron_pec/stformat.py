@@ -96,12 +96,22 @@ def encode_header(tensors, metadata: dict[str, str], capacity: int | None = None
     Pass ``table`` (from :func:`tensor_table`) to skip re-encoding the tensor entries.
     """
     table = tensor_table(tensors) if table is None else table
+    size = capacity
+    if size is None:
+        size = (len(table) + len(header_tail(metadata, 1 << 62, len(table) > 1)) + 7) // 8 * 8
+    tail = header_tail(metadata, size - len(table), len(table) > 1)
+    return struct.pack("<Q", size) + table + tail + b" " * (size - len(table) - len(tail))
+
+
+def header_tail(metadata: dict[str, str], room: int, after_entries: bool) -> bytes:
+    """The header bytes that follow the tensor table, unpadded: the metadata and the closing brace.
+    A slot rewrites only these at each save (its table never changes). Raises FormatError when they
+    exceed ``room``."""
     meta = json.dumps(metadata, separators=(",", ":")).encode()
-    raw = table + (b"," if len(table) > 1 else b"") + b'"__metadata__":' + meta + b"}"
-    size = capacity if capacity is not None else (len(raw) + 7) // 8 * 8
-    if len(raw) > size:
-        raise FormatError(f"header needs {len(raw)} bytes but only {size} are reserved")
-    return struct.pack("<Q", size) + raw + b" " * (size - len(raw))
+    tail = (b"," if after_entries else b"") + b'"__metadata__":' + meta + b"}"
+    if len(tail) > room:
+        raise FormatError(f"header needs {len(tail) - room} bytes more than the {room} reserved for its metadata")
+    return tail
 
 
 def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> Header:

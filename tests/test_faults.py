@@ -338,11 +338,12 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
 
     # Exactly a trainer crash's loss: each expert at the newest version its snapshot level recorded at
     # the target (read from the target's checkpoint, which the agents persisted after the restart).
-    entry = manifest.read_manifest(str(c.save), target).ranks["0"]
-    path = os.path.join(str(c.save), entry.file)
-    with open(path, "rb") as f:
-        meta = decode_header(f.read(1 << 20), file_len=os.path.getsize(path)).metadata
-    saved_at = json.loads(SlotHeader.from_metadata(meta).pec)["snapshot"]["saved_at"]
+    saved_at = {}  # each rank's file records the versions of the experts it holds
+    for entry in manifest.read_manifest(str(c.save), target).ranks.values():
+        path = os.path.join(str(c.save), entry.file)
+        with open(path, "rb") as f:
+            meta = decode_header(f.read(1 << 20), file_len=os.path.getsize(path)).metadata
+        saved_at.update(json.loads(SlotHeader.from_metadata(meta).pec)["snapshot"]["saved_at"])
     restored = {**restores[0].older, **restores[1].older}
     assert restored == {item: v for item, v in saved_at.items() if v < target}, (restored, saved_at)
     plt, storage_plt = parse_plt(c.log(0, 2)), persist_only_plt(c.save, stored)

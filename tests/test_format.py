@@ -48,3 +48,36 @@ def test_small_state_round_trip_without_pickle():
     assert back[3] is None and back["nested"] == [(1, "a")] and back["nan"] != back["nan"]
     with pytest.raises(TypeError, match="cannot store a object"):
         smallstate.dumps({"x": object()})
+
+
+def test_slot_header_keeps_its_table_and_blanks_longer_metadata(tmp_path):
+    """A save rewrites only the metadata after the slot's tensor table; shorter metadata after longer
+    leaves no stale bytes behind, and a re-opened slot (another process) finds its table in place."""
+    from megatron_pec.slots import SlotFiles, open_slot
+
+    entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
+    files = SlotFiles(str(tmp_path), 0, entries, 1, reserve=4096)
+    files.write_header(0, {"iteration": "1", "tokens": "x" * 3000})
+    files.write_header(0, {"iteration": "2"})
+    files.close()
+    mapping, header = open_slot(str(tmp_path / "rank0.slot0"))
+    mapping.close()
+    assert header.metadata == {"iteration": "2"} and [e.name for e in header.tensors] == [e.name for e in entries]
+    again = SlotFiles(str(tmp_path), 0, entries, 1, reserve=4096)
+    again.write_header(0, {"iteration": "3"})
+    again.close()
+    mapping, header = open_slot(str(tmp_path / "rank0.slot0"))
+    mapping.close()
+    assert header.metadata == {"iteration": "3"}
+    with pytest.raises(FormatError, match="more than the"):
+        SlotFiles(str(tmp_path), 0, entries, 1, reserve=64).write_header(1, {"tokens": "x" * 100})
+
+
+def test_a_header_beyond_the_limit_is_refused_at_start_up(tmp_path):
+    from megatron_pec.slots import SlotFiles, SlotSpaceError
+    from megatron_pec.stformat import MAX_HEADER
+
+    entries = layout([("dense/w.param", torch.float32, 4)])
+    with pytest.raises(SlotSpaceError, match="spread the experts over more ranks"):
+        SlotFiles(str(tmp_path), 0, entries, 1, reserve=MAX_HEADER)
+    assert not list(tmp_path.iterdir())  # refused before any slot file exists

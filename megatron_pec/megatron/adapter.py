@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from megatron_pec import smallstate
 from megatron_pec.collectives import Collectives
 from megatron_pec.items import ExpertId
-from megatron_pec.megatron import collect, restore
+from megatron_pec.megatron import collect, layout, restore
 from megatron_pec.megatron.tokens import TokenCounter
+from megatron_pec.protocol import GlobalParam, RankLayout
 
 
 def training_args():
@@ -107,6 +109,44 @@ class MegatronAdapter:
         small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers)
         small["rng_key_prefix"] = rng_key_prefix
         return small
+
+    def small_state_bound(self) -> int:
+        """Bytes the JSON of ``small_state`` can reach during training, measured now plus room for
+        what appears only later: the optimizer's param_groups and grad scaler once it has stepped,
+        the scheduler's state (neither holds per-parameter data: Megatron strips the params lists)."""
+        measured = len(smallstate.dumps(self.small_state(None, 0, 0.0)))
+        groups = sum(len(opt.optimizer.param_groups) for opt in self.optimizers)
+        return measured + 4096 * groups + (64 << 10)
+
+    def layout_record(self, fingerprint: str) -> RankLayout:
+        """Where each slice lies in the model's global parameters (``RankLayout``)."""
+        from megatron_pec.stformat import dtype_code
+
+        names, module_names = {}, {}
+        for chunk in self.model:
+            params, modules = layout.global_names(chunk)
+            names.update(params)
+            module_names.update(modules)
+        param_maps = {}  # (optimizer, buffer, dtype, bucket) -> the bucket's params in order
+        index, params, slices = {}, [], {}
+        for s in self.slices:
+            oi, gi, dtype, bi, ei, _, _ = s.locator
+            key = (oi, gi, dtype, bi)
+            if key not in param_maps:
+                param_maps[key] = list(self.optimizers[oi].gbuf_ranges[gi][dtype][bi]["param_map"])
+            param = param_maps[key][ei]
+            if param not in index:
+                index[param] = len(params)
+                main = collect.main_param(self.optimizers[oi], param)
+                params.append(GlobalParam(names[param], list(param.shape), dtype_code(main.dtype)))
+            slices[s.name] = [index[param], s.param_start, s.param_end]
+        buffers = {key: f"{module_names[module]}.{attr}" for key, module, attr in self.buffers}
+        why = ""
+        if self.topology["tp"] > 1:
+            why = "tensor parallelism splits each parameter (TP > 1): the ranges are within each TP rank's part"
+        elif any(layout.parse_expert_param_name(p.name) == ("grouped", None) for p in params):
+            why = "the legacy GroupedMLP holds all local experts in one tensor (--moe-grouped-gemm without TE)"
+        return RankLayout(fingerprint, self.rank, self.topology, params, slices, buffers, why)
 
     def check_groups(self, **groups) -> None:
         """Refuse process groups that differ from parallel_state's: slices, fingerprint and the

@@ -17,7 +17,7 @@ import torch
 
 from megatron_pec.items import ExpertId
 
-__all__ = ["ParamPiece", "parse_expert_param_name", "param_pieces"]
+__all__ = ["ParamPiece", "parse_expert_param_name", "param_pieces", "global_names"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,41 @@ def param_pieces(model_chunk: torch.nn.Module) -> dict[torch.nn.Parameter, tuple
         p: experts_of.get(p) or (ParamPiece(None, 0, p.numel()),)
         for p in module.parameters()
     }
+
+
+_LAYER_INDEX = re.compile(r"^(?P<prefix>decoder\.layers)\.(?P<index>\d+)\.")  # transformer layers only (not MTP)
+
+
+def global_names(model_chunk: torch.nn.Module) -> tuple[dict[torch.nn.Parameter, str], dict[torch.nn.Module, str]]:
+    """Every parameter and module of a chunk -> its name in the model as one rank without model
+    parallelism would hold it: ``decoder.layers.<i>`` numbered by the layer's global number (pipeline
+    stages number their layers from 0) and experts by their global id (each EP rank numbers its own
+    from 0). Parameters of the legacy GroupedMLP, whose one tensor holds all local experts, keep their
+    name."""
+    module = _unwrap(model_chunk)
+    layer_of = {name: m.layer_number for name, m in module.named_modules()
+                if _LAYER_INDEX.match(name + ".") and name.rsplit(".", 1)[-1].isdigit()
+                and isinstance(getattr(m, "layer_number", None), int)}
+
+    def renumbered(name: str) -> str:
+        match = _LAYER_INDEX.match(name + ".")
+        if match and (number := layer_of.get(f"{match['prefix']}.{match['index']}")) is not None:
+            return f"{match['prefix']}.{number - 1}.{name[match.end():]}".rstrip(".")
+        return name
+
+    pieces = param_pieces(model_chunk)
+    params = {}
+    for name, param in module.named_parameters():
+        name = renumbered(name)
+        expert = pieces[param][0].expert if len(pieces[param]) == 1 else None
+        parsed = parse_expert_param_name(name)
+        if expert is not None and parsed is not None and parsed[1] is not None:
+            name = _with_expert_index(name, parsed[0], expert.expert)
+        params[param] = name
+    return params, {m: renumbered(name) for name, m in module.named_modules()}
+
+
+def _with_expert_index(name: str, layout: str, expert: int) -> str:
+    if layout == "sequential":
+        return re.sub(r"local_experts\.\d+\.", f"local_experts.{expert}.", name)
+    return re.sub(r"(weight|bias)\d+$", rf"\g<1>{expert}", name)

@@ -475,12 +475,14 @@ def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     m = manifest.read_manifest(root, iteration)
     tokens_at: dict[int, dict] = {}
 
-    def tokens(version: int) -> dict:  # all-reduced counts: with PP=1 any rank's file has every expert
+    def tokens(version: int) -> dict:  # each rank's file has the counts of the experts it holds
         if version not in tokens_at:
-            path = os.path.join(root, next(iter(m.ranks.values() if version == iteration
-                                                else m.sources[str(version)].values())).file)
-            _, layout = read_header(lambda offset, n: storage.read_range(path, offset, n), storage.size(path))
-            tokens_at[version] = {parse_item(k): v for k, v in SlotHeader.from_metadata(layout.metadata).tokens.items()}
+            tokens_at[version] = {}
+            for entry in (m.ranks if version == iteration else m.sources[str(version)]).values():
+                path = os.path.join(root, entry.file)
+                _, layout = read_header(lambda offset, n: storage.read_range(path, offset, n), storage.size(path))
+                tokens_at[version].update({parse_item(k): v for k, v in
+                                           SlotHeader.from_metadata(layout.metadata).tokens.items()})
         return tokens_at[version]
 
     at_target = tokens(iteration)

@@ -1,0 +1,339 @@
+"""``python -m megatron_pec export``: a committed iteration's model weights as consolidated safetensors.
+
+Reads storage only (no process group, no GPU, no Megatron). The manifest names each
+expert's version and the rank file holding it; the rank layouts (``RankLayout``) say
+where each stored slice lies in the global parameters. Every item that is read is
+first checked against the manifest's crc32 (streamed, a bounded buffer at a time);
+then each global tensor is assembled from its slices and written, one at a time, so
+memory stays at the largest tensor. Exported are the optimizer's main parameters
+(fp32 under mixed precision: the model's bf16/fp16 weights are their rounding) and the
+model's persistent buffers, under the names a model without model parallelism has.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+from megatron_pec import manifest
+from megatron_pec.items import NON_EXPERT
+from megatron_pec.protocol import Manifest, ProtocolError, RankFile, RankLayout, SlotHeader
+from megatron_pec.stformat import ITEMSIZE, FormatError, Header, read_header
+from megatron_pec.storage import PosixStorage
+
+READ_CHUNK = 8 << 20
+SIDECAR = "pec_export.json"
+
+
+class ExportError(RuntimeError):
+    """Why the iteration cannot be exported (the message says what to do)."""
+
+
+@dataclass
+class StoredFile:
+    """A committed rank file and the items an export reads from it."""
+
+    entry: RankFile
+    path: str
+    header: Header
+    items: set[str] = field(default_factory=set)
+    by_name: dict = field(default_factory=dict)
+
+
+@dataclass
+class GlobalTensor:
+    name: str
+    shape: list[int]
+    dtype: str
+    pieces: list[tuple[int, int, str, int]] = field(default_factory=list)  # (begin, end, path, file offset)
+    raw: bytes | None = None  # a buffer's bytes (from the small state)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+def export(root: str, out_dir: str, iteration: int | None = None, max_shard_bytes: int = 5 << 30,
+           progress=None, storage=PosixStorage()) -> dict:
+    """Write iteration ``iteration`` (default: the newest committed) of ``root`` to ``out_dir``; returns
+    the summary also written to ``out_dir/pec_export.json``. ``progress(done_bytes, total_bytes)``."""
+    root = os.path.abspath(root)
+    m = _manifest(root, iteration, storage)
+    layouts = _layouts(root, m, storage)
+    files = _files(root, m, layouts, storage)
+    tensors = _tensors(m, layouts, files)
+    small = _small_states(files, m)
+    _add_buffers(tensors, layouts, small)
+    shards = _shards(sorted(tensors.values(), key=lambda t: t.name), max_shard_bytes)
+    _prepare(out_dir, [name for name, _ in shards])
+    total = sum(t.nbytes for t in tensors.values())
+    for file in files.values():  # every item read is verified before any byte is exported
+        _verify(file)
+    done = 0
+    with _OpenFiles() as handles:
+        for file_name, entries in shards:
+            done = _write_shard(os.path.join(out_dir, file_name), entries, handles, done, total, progress)
+    pec = json.loads(next(iter(small.values())).pec) if small else {}
+    summary = {
+        "source": root, "iteration": m.iteration, "fingerprint": m.fingerprint, "topology": m.topology,
+        "world_size": m.world_size, "expert_versions": m.experts,
+        "experts_older_than_iteration": sum(1 for v in m.experts.values() if v < m.iteration),
+        "plt": pec.get("plt"), "lost_tokens": pec.get("lost_tokens"), "recoveries": pec.get("recoveries"),
+        "tensors": len(tensors), "bytes": total, "files": [name for name, _ in shards],
+        "weights": "main parameters as the optimizer holds them (fp32 under mixed precision) and persistent buffers",
+    }
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t.name: name for name, entries in shards for t in entries}}
+        _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
+    _write_json(os.path.join(out_dir, SIDECAR), summary)
+    return summary
+
+
+# ---- what to read ----------------------------------------------------------------------------------
+def _manifest(root: str, iteration: int | None, storage) -> Manifest:
+    committed = manifest.committed_iterations(root, storage)
+    if not committed:
+        raise ExportError(f"no committed megatron-pec checkpoint under {root}")
+    if iteration is None:
+        iteration = committed[0]
+    elif iteration not in committed:
+        raise ExportError(f"iteration {iteration} is not committed under {root}; committed: "
+                          f"{', '.join(map(str, sorted(committed)))}")
+    try:
+        return manifest.read_manifest(root, iteration, storage)
+    except manifest.ManifestError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _layouts(root: str, m: Manifest, storage) -> dict[int, RankLayout]:
+    layouts = {}
+    for rank in sorted(map(int, m.ranks)):
+        try:
+            layouts[rank] = manifest.read_rank_layout(root, m.fingerprint, rank, storage)
+        except manifest.ManifestError as exc:
+            raise ExportError(
+                f"iteration {m.iteration} has no readable layout record ({exc}); checkpoints written before "
+                "megatron-pec recorded layouts cannot be exported: restore one with this megatron-pec and save "
+                "again") from None
+        if layouts[rank].not_global:
+            raise ExportError(f"cannot export iteration {m.iteration}: {layouts[rank].not_global}")
+    return layouts
+
+
+def _files(root: str, m: Manifest, layouts: dict[int, RankLayout], storage) -> dict[tuple[int, int], StoredFile]:
+    """(version, rank) -> the file holding rank's items at the versions the manifest names."""
+    files = {}
+    for rank, layout in layouts.items():
+        for item in {name.split("/", 1)[0] for name in layout.slices}:
+            version = m.iteration if item == NON_EXPERT else m.experts.get(item)
+            entry = m.file_of(version, rank) if version is not None else None
+            if entry is None or item not in entry.items:
+                raise ExportError(f"iteration {m.iteration}: no committed file of rank {rank} holds {item}"
+                                  + (f" at version {version}" if version is not None else ""))
+            key = (version, rank)
+            if key not in files:
+                path = os.path.join(root, entry.file)
+                header = _header(path, entry, storage)
+                files[key] = StoredFile(entry, path, header, by_name={e.name: e for e in header.tensors})
+            files[key].items.add(item)
+    return files
+
+
+def _header(path: str, entry: RankFile, storage) -> Header:
+    try:
+        size = storage.size(path)
+        if size != entry.size:
+            raise ExportError(f"{path} is {size} bytes, the manifest says {entry.size} (truncated?)")
+        head, header = read_header(lambda offset, n: storage.read_range(path, offset, n), size)
+    except FileNotFoundError:
+        raise ExportError(f"{path} is missing") from None
+    except (OSError, FormatError) as exc:
+        raise ExportError(f"{path} is unreadable: {exc}") from None
+    if zlib.crc32(head) != entry.header_crc32:
+        raise ExportError(f"{path} fails its header checksum: the file is corrupt")
+    return header
+
+
+def _tensors(m: Manifest, layouts: dict[int, RankLayout], files: dict) -> dict[str, GlobalTensor]:
+    tensors: dict[str, GlobalTensor] = {}
+    for rank, layout in layouts.items():
+        for name, (index, begin, end) in layout.slices.items():
+            if not name.endswith(".param"):
+                continue  # optimizer state
+            param = layout.params[index]
+            tensor = tensors.setdefault(param.name, GlobalTensor(param.name, param.shape, param.dtype))
+            if (tensor.shape, tensor.dtype) != (param.shape, param.dtype):
+                raise ExportError(f"{param.name}: rank {rank} records shape {param.shape} {param.dtype}, another "
+                                  f"rank {tensor.shape} {tensor.dtype}")
+            item = name.split("/", 1)[0]
+            version = m.iteration if item == NON_EXPERT else m.experts[item]
+            file = files[(version, rank)]
+            stored = file.by_name.get(name)
+            if stored is None:
+                raise ExportError(f"{file.path} lacks tensor {name}, which its layout record names")
+            tensor.pieces.append((begin, end, file.path, file.header.data_start + stored.begin))
+    for tensor in tensors.values():
+        _check_coverage(tensor)
+    return tensors
+
+
+def _check_coverage(tensor: GlobalTensor) -> None:
+    numel, position = math.prod(tensor.shape), 0
+    tensor.pieces.sort()
+    for begin, end, path, _ in tensor.pieces:
+        if begin != position:
+            what = "overlaps" if begin < position else f"leaves elements {position}..{begin} unsaved before"
+            raise ExportError(f"{tensor.name}: the slice from {path} {what} (elements {begin}..{end})")
+        position = end
+    if position != numel:
+        raise ExportError(f"{tensor.name}: the saved slices cover {position} of its {numel} elements")
+
+
+def _small_states(files: dict, m: Manifest) -> dict[int, SlotHeader]:
+    """Each rank's header at the iteration (small state: buffers; PEC state: PLT)."""
+    out = {}
+    for (version, rank), file in sorted(files.items()):
+        if version == m.iteration:
+            try:
+                out[rank] = SlotHeader.from_metadata(file.header.metadata)
+            except ProtocolError as exc:
+                raise ExportError(f"{file.path}: {exc}") from None
+    return out
+
+
+def _add_buffers(tensors: dict[str, GlobalTensor], layouts: dict[int, RankLayout],
+                 small: dict[int, SlotHeader]) -> None:
+    """Persistent buffers (the router's expert bias, ...) from the first rank that holds each."""
+    for rank, header in small.items():
+        names = layouts[rank].buffers
+        if not names:
+            continue
+        for key, value in json.loads(header.small)["__dict__"]["buffers"]["__dict__"].items():
+            name = names.get(key)
+            if name is None or name in tensors or not isinstance(value, dict) or "__tensor__" not in value:
+                continue
+            tensors[name] = GlobalTensor(name, value["shape"], value["__tensor__"], raw=base64.b64decode(value["b64"]))
+
+
+# ---- verify and write ------------------------------------------------------------------------------
+def _verify(file: StoredFile) -> None:
+    """Stream the items to be read and compare each one's crc32 with the manifest's."""
+    crcs = dict.fromkeys(file.items, 0)
+    with open(file.path, "rb") as f:
+        for e in file.header.tensors:  # header order, as the agent computed them
+            if e.item not in file.items:
+                continue
+            f.seek(file.header.data_start + e.begin)
+            for offset in range(e.begin, e.end, READ_CHUNK):
+                crcs[e.item] = zlib.crc32(f.read(min(READ_CHUNK, e.end - offset)), crcs[e.item])
+    for item in sorted(file.items):
+        if crcs[item] != file.entry.item_crc32.get(item):
+            raise ExportError(f"{file.path} fails its checksum for {item} (crc32 {crcs[item]:08x}, recorded "
+                              f"{file.entry.item_crc32.get(item, 0):08x}): the file is corrupt")
+
+
+def _shards(tensors: list[GlobalTensor], max_bytes: int) -> list[tuple[str, list[GlobalTensor]]]:
+    groups: list[list[GlobalTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    if len(groups) == 1:
+        return [("model.safetensors", groups[0])]
+    n = len(groups)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _prepare(out_dir: str, names: list[str]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    taken = [n for n in names + ["model.safetensors.index.json", SIDECAR] if os.path.exists(os.path.join(out_dir, n))]
+    if taken:
+        raise ExportError(f"{out_dir} already holds {', '.join(taken)}; export into an empty directory (nothing "
+                          "was overwritten)")
+
+
+class _OpenFiles(dict):
+    """Rank files kept open while tensors are assembled from their slices."""
+
+    def get_file(self, path: str):
+        if path not in self:
+            self[path] = open(path, "rb")  # buffered: readinto fills the whole view
+        return self[path]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self.values():
+            f.close()
+
+
+def _write_shard(path: str, tensors: list[GlobalTensor], handles: _OpenFiles, done: int, total: int,
+                 progress) -> int:
+    body, offset = {}, 0
+    for t in tensors:
+        body[t.name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    body["__metadata__"] = {"format": "pt"}
+    head = json.dumps(body, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as out:
+        out.write(len(head).to_bytes(8, "little") + head)
+        for t in tensors:
+            out.write(_assemble(t, handles))
+            done += t.nbytes
+            if progress is not None:
+                progress(done, total)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    return done
+
+
+def _assemble(tensor: GlobalTensor, handles: _OpenFiles) -> bytes | bytearray:
+    if tensor.raw is not None:
+        if len(tensor.raw) != tensor.nbytes:
+            raise ExportError(f"buffer {tensor.name} holds {len(tensor.raw)} bytes for shape {tensor.shape}")
+        return tensor.raw
+    size = ITEMSIZE[tensor.dtype]
+    out = bytearray(tensor.nbytes)
+    view = memoryview(out)
+    for begin, end, path, offset in tensor.pieces:
+        f = handles.get_file(path)
+        f.seek(offset)
+        if f.readinto(view[begin * size:end * size]) != (end - begin) * size:
+            raise ExportError(f"{path} ended while reading {tensor.name}")
+    return out
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def progress_bar(stream=sys.stderr):
+    """A progress callback drawing a bar on a terminal (nothing when ``stream`` is not one)."""
+    if not stream.isatty():
+        return None
+
+    def draw(done: int, total: int) -> None:
+        share = done / total if total else 1.0
+        bar = "#" * int(share * 40)
+        stream.write(f"\rexporting [{bar:<40}] {share:6.1%}  {done / 2**20:,.0f}/{total / 2**20:,.0f} MiB")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return draw

@@ -1,0 +1,104 @@
+"""Issue 14: ``python -m megatron_pec export`` - a committed iteration as consolidated safetensors."""
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import torchrun
+from megatron_pec import manifest
+from megatron_pec.stformat import torch_dtype
+from megatron_pec.testing.cluster import run_megatron_pec
+
+pytestmark = pytest.mark.multiprocess
+
+
+def read_safetensors(path) -> dict[str, torch.Tensor]:
+    """An independent reader (plain JSON + bytes) for the test's comparisons."""
+    data = open(path, "rb").read()
+    size = int.from_bytes(data[:8], "little")
+    body = json.loads(data[8:8 + size])
+    body.pop("__metadata__", None)
+    out = {}
+    for name, spec in body.items():
+        begin, end = spec["data_offsets"]
+        raw = bytearray(data[8 + size + begin:8 + size + end])
+        out[name] = torch.frombuffer(raw, dtype=torch_dtype(spec["dtype"])).reshape(spec["shape"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The small model (EP=2 over 2 ranks, every expert saved) committed at iteration 4, and each rank's
+    live state dict at that iteration."""
+    out = tmp_path_factory.mktemp("export")
+    shm = Path("/dev/shm") / f"pec-test-{uuid.uuid4().hex[:8]}"
+    try:
+        torchrun("export_state.py", str(out / "ckpt"), str(shm), env={"PEC_TEST_OUT": str(out)})
+        yield out
+    finally:
+        for pidfile in shm.glob("*/node*/agent.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text()), 9)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_export_equals_the_live_model(trained, tmp_path):
+    result = run_megatron_pec("export", trained / "ckpt", tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    assert "exported iteration 4" in result.stdout, result.stdout
+    exported = read_safetensors(tmp_path / "hf" / "model.safetensors")
+    live = {}
+    for rank in (0, 1):
+        for name, tensor in read_safetensors(trained / f"live.rank{rank}.safetensors").items():
+            if name in live:  # dense state: every data-parallel rank holds all of it, identically
+                assert torch.equal(live[name], tensor), name
+            live[name] = tensor
+    assert sorted(exported) == sorted(live)
+    assert any("local_experts.7." in name for name in exported)  # global expert ids: 8 experts, 4 per EP rank
+    for name, tensor in live.items():
+        assert exported[name].shape == tensor.shape, name
+        assert torch.equal(exported[name], tensor), name
+    summary = json.loads((tmp_path / "hf" / "pec_export.json").read_text())
+    assert summary["iteration"] == 4 and summary["experts_older_than_iteration"] == 0
+    assert summary["tensors"] == len(live) and summary["files"] == ["model.safetensors"]
+    assert summary["topology"]["ep"] == 2 and summary["world_size"] == 2
+
+
+def test_export_shards_and_refuses_to_overwrite(trained, tmp_path):
+    out = tmp_path / "sharded"
+    result = run_megatron_pec("export", trained / "ckpt", out, "--max-shard-gb", str(64 / 2**30 * 1024))
+    assert result.returncode == 0, result.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((out / f).exists() for f in files)
+    whole = {}
+    for f in files:
+        whole.update(read_safetensors(out / f))
+    assert sorted(whole) == sorted(index["weight_map"])
+    again = run_megatron_pec("export", trained / "ckpt", out)
+    assert again.returncode == 1 and "already holds" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_export_refuses_a_corrupt_file_and_a_missing_iteration(trained, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained / "ckpt", ckpt)
+    missing = run_megatron_pec("export", ckpt, tmp_path / "a", "--iteration", "3")
+    assert missing.returncode == 1 and "iteration 3 is not committed" in missing.stderr, missing.stderr
+    entry = manifest.read_manifest(str(ckpt), 4).ranks["1"]
+    path = ckpt / entry.file
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # the last tensor's bytes
+    path.write_bytes(bytes(data))
+    corrupt = run_megatron_pec("export", ckpt, tmp_path / "b")
+    assert corrupt.returncode == 1 and "fails its checksum" in corrupt.stderr, corrupt.stderr
+    assert "Traceback" not in corrupt.stderr
+    assert not (tmp_path / "b" / "model.safetensors").exists()
+    shutil.rmtree(ckpt / "pec_layout")
+    old = run_megatron_pec("export", ckpt, tmp_path / "c")
+    assert old.returncode == 1 and "no readable layout record" in old.stderr, old.stderr

@@ -1,0 +1,78 @@
+"""Trains the small EP=2 model, commits iteration N, and writes this rank's live model state under
+global names (computed here independently of megatron-pec) as safetensors, for the export test.
+
+argv: SAVE_DIR SHM_DIR [extra example flags...].
+"""
+
+import json
+import re
+import sys
+
+import torch
+
+import megatron_pec
+from common import example, report, setup
+from megatron_pec import api
+
+N = 4
+
+
+def global_state(model) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict, experts numbered by global id (EP rank * local experts + j)."""
+    from megatron.core import parallel_state
+
+    module = model[0]
+    while hasattr(module, "module"):
+        module = module.module
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    out = {}
+    for name, tensor in module.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        match = re.search(r"local_experts\.(\d+)\.", name)
+        if match:
+            local = int(match.group(1))
+            experts = module.decoder.layers[0].mlp.experts.num_local_experts
+            name = name.replace(match.group(0), f"local_experts.{ep_rank * experts + local}.")
+        out[name] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    codes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+    body, offset, blobs = {}, 0, []
+    for name, t in sorted(tensors.items()):
+        raw = t.view(-1).view(torch.uint8).numpy().tobytes()
+        body[name] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(body).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def main():
+    import os
+
+    save, shm = sys.argv[1], sys.argv[2]
+    args, model, optimizer, scheduler, data_from = setup(
+        ["--train-iters", "20", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "export"]
+        + sys.argv[3:])
+    megatron_pec.load_checkpoint(model, optimizer, scheduler)
+    data = data_from(0)
+    for i in range(1, N + 1):
+        example.train_step(args, model, optimizer, scheduler, data)
+        args.consumed_train_samples += args.global_batch_size
+        megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i != N)
+    api._engine.flush()  # iteration N persisted and committed
+    torch.distributed.barrier()
+    rank = torch.distributed.get_rank()
+    state = global_state(model)
+    write_safetensors(os.path.join(os.environ["PEC_TEST_OUT"], f"live.rank{rank}.safetensors"), state)
+    report("export_state", {"names": sorted(state)})
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
