@@ -70,6 +70,8 @@ class Engine:
         self.node_dir = node_dir(self.config.shm_dir, self.config.job_id, self.node_rank)
         self.save_root = os.path.abspath(self.config.save) if self.config.save else ""
         self.replicas = self._replicas()
+        self.layout = self.adapter.layout_record(self.fingerprint)
+        self.rewrite_all = False  # restored from another layout: the next saves write every expert
         self.agent = AgentClient(self.node_dir, self.rank)
         self.files: SlotFiles | None = None
         self.grants = SlotGrants()
@@ -140,7 +142,7 @@ class Engine:
         --save (what ``export`` and restores onto another topology read)."""
         error = None
         try:
-            manifest.write_rank_layout(self.save_root, self.adapter.layout_record(self.fingerprint))
+            manifest.write_rank_layout(self.save_root, self.layout)
         except OSError as exc:
             error = f"megatron-pec: cannot write under --save {self.save_root}: {exc.strerror or exc}"
         self.coll.raise_if_any(error)
@@ -293,6 +295,10 @@ class Engine:
     def _plan(self, persistent: bool, cumulative) -> tuple[frozenset, frozenset]:
         if self.expert_layout is None:
             return frozenset(), frozenset()
+        if self.rewrite_all:
+            every = frozenset(self.expert_layout.all_experts())
+            self.rewrite_all = not persistent
+            return every, every if persistent else frozenset()
         budget = None
         if self.config.budget_mb is not None:
             budget = int(self.config.budget_mb * 2**20)
@@ -384,7 +390,8 @@ class Engine:
             topology=self.adapter.topology, config=self.config,
             slice_items={s.name: s.item for s in self.adapter.slices},
             experts_held=tuple(self.adapter.experts_held), all_experts=tuple(self.all_experts),
-            num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll)
+            num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll,
+            layout=self.layout)
 
     def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str) -> tuple[int, float]:
         """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state."""
@@ -393,6 +400,9 @@ class Engine:
         self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
                              load_rng=not (config.no_load_rng or config.finetune), finetune=config.finetune,
                              rng_key_prefix=rng_key_prefix)
+        # No older file of this layout holds this rank's experts: until a persistent save has written
+        # them all, a partial one would leave versions only the other layout's files hold.
+        self.rewrite_all = result.resharded
         if result.pec is not None:
             self.pec = result.pec
             self.cumulative.update(result.tokens_at_target)

@@ -17,16 +17,15 @@ import json
 import math
 import os
 import sys
-import zlib
 from dataclasses import dataclass, field
 
 from megatron_pec import manifest
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Manifest, ProtocolError, RankFile, RankLayout, SlotHeader
-from megatron_pec.stformat import ITEMSIZE, FormatError, Header, read_header
+from megatron_pec.sources import SourceError, read_checked_header, verify_items
+from megatron_pec.stformat import ITEMSIZE, Header
 from megatron_pec.storage import PosixStorage
 
-READ_CHUNK = 8 << 20
 SIDECAR = "pec_export.json"
 
 
@@ -147,17 +146,9 @@ def _files(root: str, m: Manifest, layouts: dict[int, RankLayout], storage) -> d
 
 def _header(path: str, entry: RankFile, storage) -> Header:
     try:
-        size = storage.size(path)
-        if size != entry.size:
-            raise ExportError(f"{path} is {size} bytes, the manifest says {entry.size} (truncated?)")
-        head, header = read_header(lambda offset, n: storage.read_range(path, offset, n), size)
-    except FileNotFoundError:
-        raise ExportError(f"{path} is missing") from None
-    except (OSError, FormatError) as exc:
-        raise ExportError(f"{path} is unreadable: {exc}") from None
-    if zlib.crc32(head) != entry.header_crc32:
-        raise ExportError(f"{path} fails its header checksum: the file is corrupt")
-    return header
+        return read_checked_header(path, entry, storage)
+    except SourceError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _tensors(m: Manifest, layouts: dict[int, RankLayout], files: dict) -> dict[str, GlobalTensor]:
@@ -223,19 +214,10 @@ def _add_buffers(tensors: dict[str, GlobalTensor], layouts: dict[int, RankLayout
 
 # ---- verify and write ------------------------------------------------------------------------------
 def _verify(file: StoredFile) -> None:
-    """Stream the items to be read and compare each one's crc32 with the manifest's."""
-    crcs = dict.fromkeys(file.items, 0)
-    with open(file.path, "rb") as f:
-        for e in file.header.tensors:  # header order, as the agent computed them
-            if e.item not in file.items:
-                continue
-            f.seek(file.header.data_start + e.begin)
-            for offset in range(e.begin, e.end, READ_CHUNK):
-                crcs[e.item] = zlib.crc32(f.read(min(READ_CHUNK, e.end - offset)), crcs[e.item])
-    for item in sorted(file.items):
-        if crcs[item] != file.entry.item_crc32.get(item):
-            raise ExportError(f"{file.path} fails its checksum for {item} (crc32 {crcs[item]:08x}, recorded "
-                              f"{file.entry.item_crc32.get(item, 0):08x}): the file is corrupt")
+    try:
+        verify_items(file.path, file.header, file.items, file.entry.item_crc32)
+    except SourceError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _shards(tensors: list[GlobalTensor], max_bytes: int) -> list[tuple[str, list[GlobalTensor]]]:

@@ -21,13 +21,14 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
-from megatron_pec import plt
+from megatron_pec import manifest, plt, reshard
 from megatron_pec.agent.memory import JobKey
 from megatron_pec.collectives import Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.pec_state import PecState
+from megatron_pec.protocol import Manifest, RankLayout
 from megatron_pec.smallstate import loads as load_small_state
 from megatron_pec.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
 from megatron_pec.storage import PosixStorage
@@ -56,6 +57,7 @@ class LoadContext:
     all_experts: tuple[ExpertId, ...]   # every expert of the model: the index space of the vectors below
     num_experts: int                    # per MoE layer (Dynamic-K's ceiling); 0 without MoE
     collectives: Collectives
+    layout: RankLayout | None = None    # where this rank's slices lie globally (restores onto another layout)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class RestoreResult:
     pec: PecState | None                    # with this restore's PLT folded in; None without MoE
     tokens_at_target: dict[ExpertId, int]   # cumulative token counts at the iteration, this stage's experts
     report: plt.PltReport | None
+    resharded: bool = False                 # saved by another layout: no older file holds this rank's slices
 
     def log_lines(self, rank: int) -> list[str]:
         line = f"megatron-pec: rank {rank}: restored iteration {self.iteration} from {self.source}"
@@ -100,9 +103,17 @@ class Loader:
         error, memory, stored, manifests = None, [], {}, {}
         try:
             memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root))
-            stored, manifests = storage_sources(self.root, self.rank, ctx.fingerprint, ctx.topology, self.storage)
         except SourceError as exc:
             error = f"megatron-pec: {exc}"
+        other = self._newest_of_another_layout()
+        if other is not None and self.coll.all_ok(error is None and not memory):
+            return self._reshard(other)
+        if error is None:
+            try:
+                stored, manifests = storage_sources(self.root, self.rank, ctx.fingerprint, ctx.topology,
+                                                    self.storage)
+            except SourceError as exc:
+                error = f"megatron-pec: {exc}"
         self.coll.raise_if_any(error)
         self._warn_stale_tracker(manifests)
         excluded: set[int] = set()
@@ -125,6 +136,44 @@ class Loader:
                 continue
             self._retire_newer(target)
             return self._decide(target, plan)
+
+    # ---- another layout -------------------------------------------------------------------------
+    def _newest_of_another_layout(self) -> Manifest | None:
+        """The newest committed iteration, if another configuration (parallel layout) saved it."""
+        committed = manifest.committed_iterations(self.root, self.storage)
+        if not committed:
+            return None
+        try:
+            newest = manifest.read_manifest(self.root, committed[0], self.storage)
+        except manifest.ManifestError:
+            return None  # the normal path skips it with its warning
+        return newest if newest.fingerprint != self.ctx.fingerprint else None
+
+    def _reshard(self, m: Manifest) -> RestoreResult:
+        """Iteration ``m`` onto this rank's slices from the files of another layout (``reshard.py``)."""
+        ctx, error, done = self.ctx, None, None
+        where = f"checkpoint {self.root} iteration {m.iteration}"
+        why = reshard.refusal(m.topology, ctx.topology)
+        if why is None and m.topology == ctx.topology:
+            why = ("the same parallel sizes but a different model (its parameters or their layout differ): "
+                   "restart with the model flags it was saved with")
+        if why is None and (ctx.layout is None or ctx.layout.not_global):
+            why = f"this run cannot place it: {ctx.layout.not_global if ctx.layout else 'no layout'}"
+        if why is not None:
+            error = f"megatron-pec: {where} was saved with another configuration ({reshard.change(m.topology, ctx.topology)}): {why}"
+        else:
+            stage = {x for x in ctx.all_experts if x.layer in {h.layer for h in ctx.experts_held}}
+            try:
+                done = reshard.Resharder(self.root, m, ctx.layout, self.rank, stage, self.storage).restore()
+            except (reshard.ReshardError, SourceError) as exc:
+                error = f"megatron-pec: cannot restore {where} onto this layout: {exc}"
+        self.coll.raise_if_any(error)
+        if done.pec is not None:
+            self._dynamic_k(done.pec)
+        self._retire_newer(m.iteration)
+        return RestoreResult(m.iteration, f"storage (resharded: {reshard.change(m.topology, ctx.topology)})",
+                             done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
+                             resharded=True)
 
     def _retire_newer(self, target: int) -> None:
         """Rank 0: de-commit what an abandoned run left after ``target`` in the --save directory
@@ -272,6 +321,11 @@ class Loader:
             level.update({x: v for x, v in column.items() if v >= 0 and x in stage})
         report = plt.lost_tokens(tokens_at_target, tokens_at_version, version_of, target)
         state.recovered(report, version_of, tokens_at_version, stage)
+        self._dynamic_k(state)
+        return state, report, {x: tokens_at_target[x] for x in stage}
+
+    def _dynamic_k(self, state: PecState) -> None:
+        """Dynamic-K: raise K when the accumulated PLT passed the threshold."""
         config = self.ctx.config
         if config.dynamic_k and self.ctx.num_experts:
             k = plt.next_k(state.snapshot.k, state.plt, config.plt_threshold, self.ctx.num_experts)
@@ -282,4 +336,3 @@ class Loader:
                         f"Dynamic-K raises snapshot K {state.snapshot.k} -> {k}, persist K "
                         f"{state.persist.k} -> {persist_k}")
                 state.set_k(k, persist_k)
-        return state, report, {x: tokens_at_target[x] for x in stage}

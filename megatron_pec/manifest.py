@@ -140,8 +140,8 @@ def try_commit(root: str, iteration: int, num_nodes: int, keep: int, storage=Pos
         ranks: dict[str, RankFile] = {}
         for node in nodes:
             ranks.update(node.ranks)
-        experts, sources = _expert_versions(root, iteration, ranks, storage)
         first = nodes[0]
+        experts, sources = _expert_versions(root, iteration, ranks, first.fingerprint, storage)
         manifest = Manifest(iteration=iteration, job_id=first.job_id, fingerprint=first.fingerprint,
                             topology=first.topology, num_nodes=num_nodes, world_size=len(ranks), ranks=ranks,
                             experts=experts, sources=sources)
@@ -195,15 +195,17 @@ def retire_after(root: str, iteration: int, storage=PosixStorage()) -> list[int]
     return retired
 
 
-def _expert_versions(root: str, iteration: int, ranks: dict[str, RankFile], storage) -> tuple[dict, dict]:
-    """Latest persisted version of every expert, merged from the previous committed manifest.
+def _expert_versions(root: str, iteration: int, ranks: dict[str, RankFile], fingerprint: str,
+                     storage) -> tuple[dict, dict]:
+    """Latest persisted version of every expert, merged from the previous committed manifest of the
+    same configuration (another layout's files hold other ranges: never referenced).
 
     Returns (expert item -> iteration, iteration -> rank files of older iterations still referenced).
     """
     older = [i for i in committed_iterations(root, storage) if i < iteration]
     experts, sources = {}, {}
-    if older:
-        previous = read_manifest(root, older[0], storage)
+    previous = read_manifest(root, older[0], storage) if older else None
+    if previous is not None and previous.fingerprint == fingerprint:
         experts = dict(previous.experts)
         sources = {int(k): v for k, v in previous.sources.items()}
         sources[older[0]] = previous.ranks

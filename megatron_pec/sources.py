@@ -156,6 +156,43 @@ def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
     return buffer, layout
 
 
+def read_checked_header(path: str, entry: RankFile, storage: PosixStorage) -> Header:
+    """The header of a committed rank file, checked against its manifest entry (size, header crc32);
+    raises SourceError."""
+    try:
+        size = storage.size(path)
+        if size != entry.size:
+            raise SourceError(f"{path} is {size} bytes, the manifest says {entry.size} (truncated?)")
+        head, header = read_header(lambda offset, n: storage.read_range(path, offset, n), size)
+    except FileNotFoundError:
+        raise SourceError(f"{path} is missing") from None
+    except (OSError, FormatError) as exc:
+        raise SourceError(f"{path} is unreadable: {exc}") from None
+    if zlib.crc32(head) != entry.header_crc32:
+        raise SourceError(f"{path} fails its header checksum: the file is corrupt")
+    return header
+
+
+def verify_items(path: str, header: Header, items: set[str], expected: dict[str, int],
+                 chunk: int = 8 << 20) -> None:
+    """Stream ``items`` of a file (a bounded buffer at a time) and compare each one's crc32 with
+    ``expected``; raises SourceError."""
+    crcs = dict.fromkeys(items, 0)
+    try:
+        with open(path, "rb") as f:
+            for e in header.tensors:  # header order, as the agent computed them
+                if e.item in crcs:
+                    f.seek(header.data_start + e.begin)
+                    for offset in range(e.begin, e.end, chunk):
+                        crcs[e.item] = zlib.crc32(f.read(min(chunk, e.end - offset)), crcs[e.item])
+    except OSError as exc:
+        raise SourceError(f"{path} is unreadable: {exc.strerror or exc}") from None
+    for item in sorted(items):
+        if crcs[item] != expected.get(item):
+            raise SourceError(f"{path} fails its checksum for {item} (crc32 {crcs[item]:08x}, recorded "
+                              f"{expected.get(item, 0):08x}): the file is corrupt")
+
+
 def _runs(entries):
     """Entries (in header order) grouped into runs of adjacent byte ranges: one read per run."""
     runs = []
@@ -224,7 +261,8 @@ def _mismatch(root: str, iteration: int, saved: dict, current: dict) -> str:
     diffs = [f"{k} {saved.get(k)} -> {current.get(k)}" for k in sorted(current) if saved.get(k) != current.get(k)]
     what = ", ".join(diffs) if diffs else "the model's parameter layout differs"
     return (f"checkpoint {root} iteration {iteration} was saved with a different configuration ({what}). "
-            "Resharding restore is not supported yet: restart with the saved parallel sizes and model shape.")
+            "Restart with the saved model shape; a restore onto other data-parallel sizes reads storage and needs "
+            "node memory of this configuration cleared (--pec-shm-dir).")
 
 
 def expert_source_for(item: str, version: int, memory: list[Source], storage: dict[int, Source],

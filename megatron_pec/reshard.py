@@ -1,0 +1,200 @@
+"""Restore a persisted iteration onto another data-parallel layout (storage only).
+
+Used when the newest committed iteration was saved by another configuration. Each
+rank reads, from whichever old rank files hold them, the global element ranges its
+own slices now cover: the rank layouts (``RankLayout``) of both sides place every
+byte by global parameter name, kind and flat range. Every old item touched is first
+checked against the manifest's crc32 (streamed, a bounded buffer at a time); then
+only the overlapping ranges are read. No gather to one rank, no collective beyond
+the loader's agreement. The PEC state (expert versions, token counts, K) is merged
+from every old rank's header, so it carries over.
+
+Supported: a different data-parallel size (world size) with the same tensor,
+pipeline, context and expert parallel sizes; anything else is refused with a message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from megatron_pec import manifest, plt
+from megatron_pec.items import NON_EXPERT, ExpertId, parse_item
+from megatron_pec.pec_state import PecState
+from megatron_pec.protocol import Manifest, ProtocolError, RankFile, RankLayout, SlotHeader
+from megatron_pec.smallstate import loads as load_small_state
+from megatron_pec.sources import SourceError, read_checked_header, verify_items
+from megatron_pec.stformat import ITEMSIZE, Header, torch_dtype
+from megatron_pec.storage import PosixStorage
+
+KEEP_SAME = ("tp", "pp", "cp", "ep")  # parallel sizes a resharding restore cannot change yet
+
+
+class ReshardError(RuntimeError):
+    """Why the checkpoint cannot be restored onto this layout (the message says what to do)."""
+
+
+def change(old: dict, new: dict) -> str:
+    """``world 4 → 2, EP 2 → 2, DP 2 → 1``."""
+    return ", ".join(f"{label} {old.get(key)} → {new.get(key)}"
+                     for label, key in (("world", "world_size"), ("EP", "ep"), ("DP", "dp")))
+
+
+def refusal(old: dict, new: dict) -> str | None:
+    """Why a checkpoint of topology ``old`` cannot be resharded onto ``new`` (None: it can)."""
+    differing = [f"{k} {old.get(k)} -> {new.get(k)}" for k in KEEP_SAME if old.get(k) != new.get(k)]
+    if differing:
+        return (f"megatron-pec restores onto another data-parallel size only; this checkpoint also differs in "
+                f"{', '.join(differing)}. Restart with the saved {', '.join(k.upper() for k in KEEP_SAME)} sizes")
+    return None
+
+
+@dataclass
+class _File:
+    entry: RankFile
+    path: str
+    header: Header
+    by_name: dict
+    items: set[str] = field(default_factory=set)  # items this rank reads from it (verified first)
+
+
+@dataclass
+class Resharded:
+    """What one rank restores from a checkpoint of another layout."""
+
+    tensors: dict                       # slice name -> tensor
+    small: dict
+    pec: PecState | None
+    tokens_at_target: dict[ExpertId, int]
+    versions: dict[str, int]
+    report: plt.PltReport | None
+
+
+class Resharder:
+    def __init__(self, root: str, m: Manifest, mine: RankLayout, rank: int, stage: set[ExpertId],
+                 storage=PosixStorage()):
+        self.root, self.m, self.mine, self.rank, self.stage, self.storage = root, m, mine, rank, stage, storage
+        self.old = {}
+        for r in sorted(map(int, m.ranks)):
+            try:
+                self.old[r] = manifest.read_rank_layout(root, m.fingerprint, r, storage)
+            except manifest.ManifestError as exc:
+                raise ReshardError(
+                    f"iteration {m.iteration} was saved with another parallel layout and has no readable layout "
+                    f"record ({exc}); checkpoints written before megatron-pec recorded layouts restore only onto "
+                    "the layout that wrote them") from None
+        self.files: dict[tuple[int, int], _File] = {}
+
+    def restore(self) -> Resharded:
+        pieces = self._pieces()
+        for file in self.files.values():
+            verify_items(file.path, file.header, file.items, file.entry.item_crc32)
+        tensors = {name: self._assemble(dtype, spans, self.mine.slices[name]) for name, (dtype, spans) in pieces.items()}
+        headers = self._headers(self.m.iteration)
+        small = load_small_state(headers[self.rank % len(headers)].small)
+        pec, report, at_target = self._account(headers)
+        versions = {item: (self.m.iteration if item == NON_EXPERT else self.m.experts[item])
+                    for item in {name.split("/", 1)[0] for name in self.mine.slices}}
+        return Resharded(tensors, small, pec, at_target, versions, report)
+
+    # ---- where each byte comes from --------------------------------------------------------------
+    def _pieces(self) -> dict[str, tuple[str, list[tuple[int, int, _File, int]]]]:
+        """New slice -> (stored dtype, [(begin, end) elements of it, old file, file offset])."""
+        index: dict[tuple[str, str], list] = {}
+        for r, layout in self.old.items():
+            for name, (p, begin, end) in layout.slices.items():
+                index.setdefault((layout.params[p].name, _kind(name)), []).append((begin, end, r, name))
+        out = {}
+        for name, (p, lo, hi) in self.mine.slices.items():
+            param = self.mine.params[p]
+            spans, covered, dtypes = [], 0, set()
+            for begin, end, r, old_name in index.get((param.name, _kind(name)), ()):
+                a, b = max(lo, begin), min(hi, end)
+                if a >= b:
+                    continue
+                file = self._file(old_name.split("/", 1)[0], r)
+                entry = file.by_name.get(old_name)
+                if entry is None:
+                    raise ReshardError(f"{file.path} lacks {old_name}, which its layout record names")
+                file.items.add(entry.item)
+                dtypes.add(entry.dtype)
+                size = ITEMSIZE[entry.dtype]
+                spans.append((a - lo, b - lo, file, file.header.data_start + entry.begin + (a - begin) * size))
+                covered += b - a
+            if covered != hi - lo or len(dtypes) > 1:
+                raise ReshardError(f"{param.name} ({_kind(name)}): the checkpoint holds {covered} of the {hi - lo} "
+                                   f"elements [{lo}, {hi}) rank {self.rank} owns now"
+                                   + (f", in differing dtypes {sorted(dtypes)}" if len(dtypes) > 1 else ""))
+            out[name] = (dtypes.pop() if dtypes else self.mine.params[p].dtype, spans)
+        return out
+
+    def _file(self, item: str, old_rank: int) -> _File:
+        version = self.m.iteration if item == NON_EXPERT else self.m.experts.get(item)
+        entry = self.m.file_of(version, old_rank) if version is not None else None
+        if entry is None or item not in entry.items:
+            raise ReshardError(f"iteration {self.m.iteration}: no committed file of old rank {old_rank} holds {item}")
+        key = (version, old_rank)
+        if key not in self.files:
+            path = os.path.join(self.root, entry.file)
+            header = _read_header(path, entry, self.storage)
+            self.files[key] = _File(entry, path, header, {e.name: e for e in header.tensors})
+        return self.files[key]
+
+    def _assemble(self, dtype: str, spans, where: list[int]):
+        import torch
+
+        _, lo, hi = where
+        out = torch.empty(hi - lo, dtype=torch_dtype(dtype))
+        raw = memoryview(out.view(torch.uint8).numpy())
+        size = out.element_size()
+        for a, b, file, offset in spans:
+            raw[a * size:b * size] = self.storage.read_range(file.path, offset, (b - a) * size)
+        return out
+
+    # ---- PEC state ---------------------------------------------------------------------------------
+    def _headers(self, version: int) -> dict[int, SlotHeader]:
+        files = self.m.ranks if version == self.m.iteration else self.m.sources.get(str(version), {})
+        out = {}
+        for r, entry in files.items():
+            path = os.path.join(self.root, entry.file)
+            try:
+                out[int(r)] = SlotHeader.from_metadata(_read_header(path, entry, self.storage).metadata)
+            except ProtocolError as exc:
+                raise ReshardError(f"{path}: {exc}") from None
+        return out
+
+    def _account(self, headers: dict[int, SlotHeader]):
+        """The PEC state merged from every old rank's part, this restore's PLT folded in."""
+        if not self.stage:
+            return None, None, {}
+        state = PecState.loads(headers[min(headers)].pec)
+        at_target: dict[ExpertId, int] = {}
+        for h in headers.values():
+            part = PecState.loads(h.pec)
+            for mine, theirs in ((state.snapshot, part.snapshot), (state.persist, part.persist)):
+                mine.saved_at.update(theirs.saved_at)
+                mine.tokens_at.update(theirs.tokens_at)
+            at_target.update({parse_item(k): v for k, v in h.tokens.items()})
+        version_of = {x: self.m.experts[str(x)] for x in at_target if str(x) in self.m.experts}
+        at_version = {}
+        for version in set(version_of.values()):
+            tokens = at_target if version == self.m.iteration else {
+                parse_item(k): v for h in self._headers(version).values() for k, v in h.tokens.items()}
+            at_version.update({x: tokens[x] for x, v in version_of.items() if v == version})
+        report = plt.lost_tokens(at_target, at_version, version_of, self.m.iteration)
+        state.recovered(report, version_of, at_version, self.stage)
+        return state, report, {x: at_target[x] for x in self.stage if x in at_target}
+
+
+def _kind(slice_name: str) -> str:
+    return slice_name.rsplit(".", 1)[-1]
+
+
+def _read_header(path: str, entry: RankFile, storage) -> Header:
+    try:
+        return read_checked_header(path, entry, storage)
+    except SourceError as exc:
+        raise ReshardError(str(exc)) from None
+
+
+__all__ = ["Resharder", "Resharded", "ReshardError", "change", "refusal"]

@@ -1,0 +1,75 @@
+"""Saves on one data-parallel layout or restores onto another, and writes this rank's optimizer shards
+in global coordinates (parameter name, kind, element range) for the resharding test.
+
+argv: SAVE_DIR SHM_DIR JOB_ID save|restore [extra example flags...]. ``save`` trains N iterations
+(persistent save at N), dumps its shards, then trains MORE iterations (the uninterrupted losses);
+``restore`` loads, dumps its shards, then trains MORE iterations.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+import megatron_pec
+from common import example, report, setup
+from megatron_pec import api
+from megatron_pec.megatron import collect
+
+N, MORE = 4, 2
+
+
+def dump(path: str) -> None:
+    """This rank's live slices, named ``<global param>#<kind>#<first element>``."""
+    engine = api._engine
+    live = collect.live_views(engine.adapter.slices, engine.optimizer)
+    layout = engine.layout
+    body, offset, blobs = {}, 0, []
+    for name, (p, lo, hi) in sorted(layout.slices.items()):
+        raw = live[name].detach().contiguous().view(torch.uint8).numpy().tobytes()
+        key = f"{layout.params[p].name}#{name.rsplit('.', 1)[1]}#{lo}"
+        body[key] = {"dtype": "F32", "shape": [hi - lo], "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(body).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def train(args, model, optimizer, scheduler, data, n) -> list[float]:
+    losses = []
+    for _ in range(n):
+        losses.append(example.train_step(args, model, optimizer, scheduler, data)[0])
+        args.consumed_train_samples += args.global_batch_size
+    return losses
+
+
+def main():
+    save, shm, job, mode = sys.argv[1:5]
+    args, model, optimizer, scheduler, data_from = setup(
+        ["--train-iters", "20", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", job]
+        + sys.argv[5:])
+    loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
+    rank, out = torch.distributed.get_rank(), os.environ["PEC_TEST_OUT"]
+    if mode == "save":
+        data = data_from(0)
+        for i in range(1, N + 1):
+            train(args, model, optimizer, scheduler, data, 1)
+            megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i != N)
+        api._engine.flush()
+        dump(os.path.join(out, f"{job}.rank{rank}.safetensors"))
+        losses = train(args, model, optimizer, scheduler, data, MORE)
+    else:
+        dump(os.path.join(out, f"{job}.rank{rank}.safetensors"))
+        losses = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
+        torch.distributed.barrier()
+        megatron_pec.save_checkpoint(N + MORE, model, optimizer, scheduler, 0.0)  # the new layout saves on
+        api._engine.flush()
+    report(job, {"loaded": list(loaded), "losses": losses, "consumed": args.consumed_train_samples})
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
