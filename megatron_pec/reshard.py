@@ -27,7 +27,7 @@ from megatron_pec.sources import SourceError, read_checked_header, verify_items
 from megatron_pec.stformat import ITEMSIZE, Header, torch_dtype
 from megatron_pec.storage import PosixStorage
 
-KEEP_SAME = ("tp", "pp", "cp", "ep")  # parallel sizes a resharding restore cannot change yet
+KEEP_SAME = ("tp", "pp", "cp")  # parallel sizes a resharding restore cannot change yet
 
 
 class ReshardError(RuntimeError):
@@ -44,7 +44,8 @@ def refusal(old: dict, new: dict) -> str | None:
     """Why a checkpoint of topology ``old`` cannot be resharded onto ``new`` (None: it can)."""
     differing = [f"{k} {old.get(k)} -> {new.get(k)}" for k in KEEP_SAME if old.get(k) != new.get(k)]
     if differing:
-        return (f"megatron-pec restores onto another data-parallel size only; this checkpoint also differs in "
+        return (f"megatron-pec restores onto other data- and expert-parallel sizes only; this checkpoint also "
+                f"differs in "
                 f"{', '.join(differing)}. Restart with the saved {', '.join(k.upper() for k in KEEP_SAME)} sizes")
     return None
 

@@ -1,6 +1,7 @@
-"""Issue 14: restore a persisted iteration onto another data-parallel size (real processes, real
-megatron-core): 4 ranks (EP=2, DP=2) -> 2 ranks (EP=2) and 2 -> 4. Every restored optimizer shard equals
-the saved one bit for bit in global coordinates; the weights equal ``export`` of the source iteration."""
+"""Issue 14: restore a persisted iteration onto other data- and expert-parallel sizes (real processes,
+real megatron-core): 4 ranks (EP=2, DP=2) -> 2 ranks (EP=2), -> 2 ranks (EP=1), and 2 -> 4. Every restored
+optimizer shard equals the saved one bit for bit in global coordinates; the weights equal ``export`` of
+the source iteration."""
 
 import json
 import shutil
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from conftest import torchrun
+from megatron_pec import manifest
 from megatron_pec.testing.cluster import run_megatron_pec
 from test_export import read_safetensors
 
@@ -36,16 +38,24 @@ def global_state(files) -> dict[tuple[str, str], torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("before,after", [(4, 2), (2, 4)], ids=["4to2", "2to4"])
-def test_restore_onto_another_data_parallel_size(tmp_path, shm_dir, before, after):
+@pytest.mark.parametrize("before,after,ep,pec", [(4, 2, 2, False), (2, 4, 2, False), (4, 2, 1, False),
+                                                (4, 2, 2, True)], ids=["4to2", "2to4", "4to2_ep1", "4to2_pec"])
+def test_restore_onto_another_parallel_layout(tmp_path, shm_dir, before, after, ep, pec):
+    """``pec``: one expert per layer persisted per save, so most experts come from older iterations'
+    files (their weights are checked against export, which reads the recorded versions)."""
     ckpt = tmp_path / "ckpt"
     env = {"PEC_TEST_OUT": str(tmp_path)}
-    torchrun("reshard_state.py", str(ckpt), shm_dir, "a", "save", nproc=before, env=env, timeout=400)
+    # (megatron-core 0.16.1 on CPU cannot train biased experts with EP = 1: that case runs without biases)
+    model = ["--disable-bias-linear"] if ep == 1 else []
+    if pec:
+        model += ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]
+    torchrun("reshard_state.py", str(ckpt), shm_dir, "a", "save", *model, nproc=before, env=env, timeout=400)
     exported = run_megatron_pec("export", ckpt, tmp_path / "source")
     assert exported.returncode == 0, exported.stderr
     shutil.rmtree(shm_dir, ignore_errors=True)
-    proc = torchrun("reshard_state.py", str(ckpt), shm_dir, "b", "restore", nproc=after, env=env, timeout=400)
-    ranks = f"world {before} → {after}, EP 2 → 2, DP {before} → {after}"
+    proc = torchrun("reshard_state.py", str(ckpt), shm_dir, "b", "restore", "--expert-model-parallel-size", str(ep), *model,
+                    nproc=after, env=env, timeout=400)
+    ranks = f"world {before} → {after}, EP 2 → {ep}, DP {before} → {after}"
     for rank in range(after):
         assert f"rank {rank}: restored iteration 4 from storage (resharded: {ranks})" in proc.stdout, proc.stdout
 
@@ -53,7 +63,10 @@ def test_restore_onto_another_data_parallel_size(tmp_path, shm_dir, before, afte
     restored = global_state(tmp_path / f"b.rank{r}.safetensors" for r in range(after))
     assert sorted(saved) == sorted(restored)
     for key in saved:
-        assert torch.equal(saved[key], restored[key]), key
+        if not (pec and "local_experts" in key[0]):  # (PEC: experts at their recorded versions)
+            assert torch.equal(saved[key], restored[key]), key
+    if pec:
+        assert "experts from older versions" in proc.stdout and "PLT" in proc.stdout
     weights = read_safetensors(tmp_path / "source" / "model.safetensors")
     for (name, kind), tensor in restored.items():
         if kind == "param":
@@ -65,8 +78,10 @@ def test_restore_onto_another_data_parallel_size(tmp_path, shm_dir, before, afte
     b = json.loads((tmp_path / "b.rank0.json").read_text())
     assert b["loaded"][0] == 4 and b["consumed"] == a["consumed"]
     for x, y in zip(a["losses"], b["losses"]):
-        assert abs(x - y) < 1e-3 * abs(x), (a["losses"], b["losses"])
+        assert abs(x - y) < (2e-2 if pec else 1e-3) * abs(x), (a["losses"], b["losses"])
     print(f"losses after the resume: uninterrupted {a['losses']}, resharded {b['losses']}")
     # The new layout saves on and its commit stands alone (no reference into the old layout's files).
     verified = run_megatron_pec("verify", ckpt, "--iteration", "6")
     assert verified.returncode == 0, verified.stdout
+    first = manifest.read_manifest(str(ckpt), 6)
+    assert not first.sources and set(first.experts.values()) == {6}, (first.sources, first.experts)

@@ -39,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in linear layers (megatron-core 0.16.1 on CPU fails in the expert MLP's "
+                        "bias update with EP = 1 otherwise)")
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -128,6 +131,7 @@ def transformer_config(args):
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_token_dispatcher_type="allgather",  # alltoall's all_to_all_single fails on gloo
         expert_model_parallel_size=args.expert_model_parallel_size,
+        add_bias_linear=not args.disable_bias_linear,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         use_cpu_initialization=not torch.cuda.is_available(),

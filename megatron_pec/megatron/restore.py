@@ -55,6 +55,40 @@ def clear_optimizer_state(optimizer) -> None:
         opt.optimizer.state.clear()
 
 
+def fit_optimizer_state(saved, optimizers: list):
+    """The saved optimizer state_dict (Megatron's: a dict for one inner optimizer, a list for several)
+    shaped for ``optimizers`` (``distributed_optimizers``) when another expert-parallel size split the
+    parameters differently (EP > 1 keeps experts in an optimizer of their own; EP = 1 does not).
+    Each live param group takes the hyperparameters of the saved group with the same identity apart
+    from ``is_expert_parallel``; the scheduler's restore then sets lr and weight decay by its step."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    parts = saved if isinstance(saved, list) else [saved]
+    if len(parts) == len(optimizers):
+        return saved
+
+    def identity(group: dict) -> tuple:
+        return tuple(repr(group.get(k)) for k in param_group_identifier_keys if k != "is_expert_parallel")
+
+    saved_groups = {}
+    for part in parts:
+        for group in part["optimizer"]["param_groups"]:
+            saved_groups.setdefault(identity(group), group)
+    fitted = []
+    for opt in optimizers:
+        groups = []
+        for live in opt.optimizer.param_groups:
+            match = saved_groups.get(identity(live))
+            if match is None:
+                raise CheckpointError("megatron-pec: the checkpoint's optimizer has no param group like "
+                                      f"{ {k: live.get(k) for k in param_group_identifier_keys} }: it was saved "
+                                      "with other optimizer settings (weight-decay or lr multipliers)")
+            groups.append({**{k: v for k, v in match.items() if k != "params"},
+                           "is_expert_parallel": live.get("is_expert_parallel")})
+        fitted.append({**parts[0], "optimizer": {**parts[0]["optimizer"], "param_groups": groups}})
+    return fitted[0] if len(fitted) == 1 else fitted
+
+
 def restore_optimizer(optimizer, state: dict) -> None:
     optimizer.load_state_dict(state)
     # megatron-core 0.16.1 (torch Adam, no apex/TE) gives every param the same `step`

@@ -2,7 +2,7 @@
 in global coordinates (parameter name, kind, element range) for the resharding test.
 
 argv: SAVE_DIR SHM_DIR JOB_ID save|restore [extra example flags...]. ``save`` trains N iterations
-(persistent save at N), dumps its shards, then trains MORE iterations (the uninterrupted losses);
+(persistent saves at 2 and N), dumps its shards, then trains MORE iterations (the uninterrupted losses);
 ``restore`` loads, dumps its shards, then trains MORE iterations.
 """
 
@@ -57,7 +57,7 @@ def main():
         data = data_from(0)
         for i in range(1, N + 1):
             train(args, model, optimizer, scheduler, data, 1)
-            megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i != N)
+            megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i % 2 == 1)
         api._engine.flush()
         dump(os.path.join(out, f"{job}.rank{rank}.safetensors"))
         losses = train(args, model, optimizer, scheduler, data, MORE)
