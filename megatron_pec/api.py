@@ -186,6 +186,25 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
     pretrained = getattr(_args(), "pretrained_checkpoint", None) if load_arg == "load" else None
     if not root and not pretrained:
         return 0, 0
+    found = engine.megatron_checkpoint(root) if root else None
+    if found:
+        from megatron_pec.megatron.adapter import megatron_checkpoint_function
+
+        if megatron_checkpoint_function("load_checkpoint") is None:
+            raise CheckpointError(
+                f"megatron-pec: --{load_arg} {root} holds {found}: it is not a megatron-pec checkpoint. megatron-pec "
+                "switches a job to its format only inside Megatron-LM, whose own loader reads Megatron's formats; "
+                "here, point --load at a megatron-pec checkpoint or at an empty directory")
+        # Switching a job to megatron-pec: Megatron's own loader reads its format, megatron-pec saves on.
+        iteration, flops = _megatron_own(
+            "load_checkpoint", f"found {found} under --{load_arg} {root} and no megatron-pec checkpoint (switching "
+            "to megatron-pec: every later save is megatron-pec's)", ddp_model=ddp_model, optimizer=optimizer,
+            opt_param_scheduler=opt_param_scheduler, load_arg=load_arg, strict=strict,
+            checkpointing_context=checkpointing_context, tp_group=tp_group, pp_group=pp_group,
+            dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group,
+            rng_state_key_prefix=rng_state_key_prefix)
+        engine.adopt(iteration)
+        return iteration, flops
     return engine.load(root, opt_param_scheduler, rng_key_prefix=rng_state_key_prefix, pretrained=pretrained)
 
 

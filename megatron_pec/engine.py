@@ -31,6 +31,7 @@ from megatron_pec.pec_state import Level, PecState
 from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Hello, JobInfo, Record, Released, SlotHeader,
                                    SnapshotReady)
 from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
+from megatron_pec.sources import megatron_format
 from megatron_pec.stformat import layout as tensor_layout
 
 
@@ -383,6 +384,24 @@ class Engine:
             self._begin(None)
             return 0, 0
         return self._apply(result, scheduler, rng_key_prefix)
+
+    def megatron_checkpoint(self, root: str) -> str | None:
+        """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:
+        every rank must see the same)."""
+        found = megatron_format(root)
+        if self.coll.all_ok(found is None):
+            return None
+        self.coll.raise_if_any(None if found else f"megatron-pec: rank {self.rank} does not see {root}'s "
+                                                  "Megatron checkpoint that others see: is --load on a shared file system?")
+        return found
+
+    def adopt(self, iteration: int) -> None:
+        """Megatron's own loader restored ``iteration`` (switching to megatron-pec mid-run): continue
+        from it; every later save is megatron-pec's, the first persistent one writes every expert."""
+        self.flush()
+        self.adapter.state_replaced()
+        self.rewrite_all = True
+        self._begin(iteration)
 
     def _load_context(self) -> LoadContext:
         return LoadContext(

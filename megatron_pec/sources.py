@@ -249,12 +249,25 @@ def storage_sources(root: str, rank: int, fingerprint: str, topology: dict,
 
 
 def _refuse_foreign(root: str, storage: PosixStorage) -> None:
-    for i in manifest.iterations_on_disk(root, storage):
+    found = megatron_format(root, storage)
+    if found is not None:
+        raise SourceError(
+            f"--load {root} holds {found}: it is not a megatron-pec checkpoint. megatron-pec switches to its own "
+            "format from it only inside Megatron-LM (its own loader reads it); otherwise point --load elsewhere.")
+
+
+def megatron_format(root: str, storage: PosixStorage = PosixStorage()) -> str | None:
+    """What ``root`` holds when it is a checkpoint of Megatron's own formats and not megatron-pec's
+    (``"Megatron's torch_dist checkpoint of iteration 4"``), else None."""
+    if manifest.committed_iterations(root, storage):
+        return None
+    for i in reversed(manifest.iterations_on_disk(root, storage)):
         names = storage.listdir(manifest.iter_dir(root, i))
         if names and "pec" not in names:
-            raise SourceError(
-                f"--load {root} holds iteration {i} in another format ({', '.join(names[:3])}): it is not a "
-                "megatron-pec checkpoint. Load it with Megatron's own checkpointing, or point --load elsewhere.")
+            fmt = ("torch_dist" if "metadata.json" in names or ".metadata" in names
+                   else "torch" if any(n.startswith("mp_rank_") for n in names) else "unknown-format")
+            return f"Megatron's {fmt} checkpoint of iteration {i}"
+    return None
 
 
 def _mismatch(root: str, iteration: int, saved: dict, current: dict) -> str:

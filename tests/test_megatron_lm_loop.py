@@ -151,10 +151,13 @@ def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, tmp_path):
         lose_node_memory(shm)
 
 
-def test_ckpt_convert_format_writes_what_unpatched_megatron_lm_resumes_from(tmp_path):
-    """``--ckpt-convert-format torch_dist`` on a megatron-pec checkpoint writes Megatron's own format
+def test_megatron_formats_in_and_out(tmp_path):
+    """Out: ``--ckpt-convert-format torch_dist`` on a megatron-pec checkpoint writes Megatron's own format
     through Megatron's own save_checkpoint: the unpatched tree resumes from it exactly as from its
-    own torch_dist save of the same iteration (same losses, iteration by iteration)."""
+    own torch_dist save of the same iteration (same losses, iteration by iteration).
+    In: a job switches to megatron-pec mid-run: the patched tree given unpatched Megatron-LM's torch_dist
+    checkpoint loads it with Megatron's own loader and saves megatron-pec checkpoints, and a restart from
+    those resumes exactly (the losses equal the unpatched tree's own resume)."""
     tag = megatron_lm.NEWEST
     pristine = megatron_lm.pristine_tree(tag)
     if pristine is None or shutil.which("git") is None:
@@ -183,4 +186,28 @@ def test_ckpt_convert_format_writes_what_unpatched_megatron_lm_resumes_from(tmp_
     code, log = pretrain(pristine, *bf16, "--load", str(own))
     assert code == 0, log[-4000:]
     assert sorted(from_conversion) == list(range(5, 11))
-    assert from_conversion == losses(log)
+    reference = losses(log)
+    assert from_conversion == reference
+
+    switched = tmp_path / "switched"
+    ckpt = ["--save", str(switched), "--save-interval", "2", "--non-persistent-save-interval", "1",
+            "--pec-shm-dir", str(shm), "--pec-job-id", "switch"]
+    try:
+        code, log = pretrain(tree, *bf16, "--load", str(own))  # switched, uninterrupted
+        assert code == 0 and "found Megatron's torch_dist checkpoint of iteration 4 under --load" in log, log[-4000:]
+        assert "using Megatron-LM's own load_checkpoint" in log
+        uninterrupted = losses(log)
+        # The loss before the first step equals unpatched Megatron-LM's resume. (Later ones need not: on CPU
+        # without apex/TE, Megatron's own load gives all params one shared Adam step tensor, which torch's
+        # foreach Adam then advances once per param per step; megatron-pec gives each param its own.)
+        assert sorted(uninterrupted) == list(range(5, 11)) and uninterrupted[5] == reference[5]
+        code, log = pretrain(tree, *bf16, *ckpt, "--load", str(own), "--exit-interval", "6")
+        assert code == 0, log[-4000:]
+        assert {i: v for i, v in losses(log).items()} == {i: uninterrupted[i] for i in (5, 6)}
+        assert manifest.committed_iterations(str(switched))[0] == 6
+        code, log = pretrain(tree, *bf16, *ckpt, "--load", str(switched))
+        assert code == 0, log[-4000:]
+        assert restored(log) in ({(6, "storage")}, {(6, "memory")}), log[-4000:]
+        check_resumed(log, uninterrupted, 6)
+    finally:
+        lose_node_memory(shm)

@@ -100,6 +100,11 @@ class MegatronAdapter:
                 return collect.stateless_views(self.slices, self.optimizer)
         return self._live
 
+    def state_replaced(self) -> None:
+        """Someone else (Megatron's own loader) replaced the optimizer's state tensors."""
+        restore.untie_steps(self.optimizer)
+        self._live = None
+
     def before_each_step(self, callback) -> None:
         """Call ``callback()`` before every optimizer step (before the step mutates the state)."""
         for opt in self.optimizers:

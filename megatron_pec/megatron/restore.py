@@ -91,8 +91,13 @@ def fit_optimizer_state(saved, optimizers: list):
 
 def restore_optimizer(optimizer, state: dict) -> None:
     optimizer.load_state_dict(state)
-    # megatron-core 0.16.1 (torch Adam, no apex/TE) gives every param the same `step`
-    # tensor; torch's foreach Adam then increments it once per param per step.
+    untie_steps(optimizer)
+
+
+def untie_steps(optimizer) -> None:
+    """After Megatron's DistributedOptimizer.load_state_dict (ours, or Megatron's own loader's): without
+    apex/TE it gives every param the same ``step`` tensor, which torch's foreach Adam then increments
+    once per param per step; each param gets its own again."""
     for opt in distributed_optimizers(optimizer):
         for param_state in opt.optimizer.state.values():
             if "step" in param_state:
