@@ -265,7 +265,11 @@ class SlotHeader(Record):
     pec: str                  # PecState JSON (expert versions: the experts this rank holds)
     run: str = ""             # the timeline that wrote it ("" in files of megatron-pec before timelines)
 
-    WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "1", "state": "writing"}
+    # v2: ``tokens`` and the PEC state's expert versions cover only the experts of this rank (v1: every
+    # expert); a restore merges them over ranks, which reads v1 files too. An older megatron-pec would
+    # take a v2 file's partial counts for the whole model: the version makes it refuse instead.
+    VERSION: ClassVar[int] = 2
+    WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "2", "state": "writing"}
     _JSON_FIELDS: ClassVar[tuple[str, ...]] = ("items", "tokens")
 
     def to_metadata(self) -> dict[str, str]:

@@ -1,0 +1,180 @@
+"""Metadata at scale: what a save costs besides its copy, against the experts per layer.
+
+    python -m benchmarks.metadata_scale [--experts 8,64,256] [--iters 5] [--repo PATH]   # ~5 min on 2 cores
+
+The example trainer at DeepSeek-V3's expert topology (58 MoE layers, top-8, EP=2 on 2 CPU ranks;
+hidden 32 and expert FFN 16 so that it runs on CPU) with E experts per layer, a snapshot every
+iteration (snapshot K=8, persisted every 2nd iteration with K=4). Per E:
+
+* blocking time of a save on rank 0 (median of saves 2..N: the first one binds the optimizer views);
+* the bytes that save copies (its items in the slot's tensor table) and the memcpy time of as many
+  bytes on this machine: the difference is the fixed per-save cost (planning, the agreement
+  all-reduce, small state, header);
+* the slot header (its tensor table and the metadata a save rewrites) and the persisted rank file's
+  header.
+
+``--repo`` runs another checkout of megatron-pec (e.g. ``git worktree add /tmp/old <commit>``) for a
+before/after table. Prints a table and writes ``benchmarks/results/metadata_scale{,_<label>}.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, RESULTS, machine, wait_for_quiet
+
+SHM = Path("/dev/shm/bench_helper/metadata_scale")
+WORK = Path("/tmp/bench_helper_metadata_scale")
+MODEL = ["--num-layers", "58", "--moe-router-topk", "8", "--expert-model-parallel-size", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--moe-ffn-hidden-size", "16", "--ffn-hidden-size", "64", "--seq-length", "32",
+         "--micro-batch-size", "1", "--global-batch-size", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
+         "--eval-iters", "1", "--eval-interval", "1000", "--pec-snapshot-k", "8", "--pec-persist-k", "4",
+         "--non-persistent-save-interval", "1", "--save-interval", "2", "--pec-keep-shm"]
+
+
+def run(repo: Path, experts: int, iters: int) -> dict:
+    shutil.rmtree(SHM, ignore_errors=True)
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    metrics = WORK / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", "29655", str(repo / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"), *MODEL,
+           "--num-experts", str(experts), "--train-iters", str(iters), "--save", str(WORK / "ckpt"),
+           "--pec-shm-dir", str(SHM), "--pec-job-id", "scale", "--metrics-file", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(repo))
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, timeout=1800)
+    row = {"experts": experts, "wall_s": round(time.monotonic() - started, 1)}
+    if proc.returncode != 0:
+        error = next((line.strip() for line in reversed((proc.stdout + proc.stderr).splitlines())
+                      if "Error" in line and "ChildFailed" not in line), "failed")
+        _stop_agents()
+        return {**row, "error": error[-200:]}
+    saves = [r["save_blocking_s"] for r in map(json.loads, metrics.read_text().splitlines())
+             if r.get("save_blocking_s") is not None]
+    row["blocking_ms"] = round(1000 * statistics.median(saves[1:]), 2)
+    row.update(_slot_facts())
+    row.update(_rank_file_facts(WORK / "ckpt"))
+    row["memcpy_ms"] = round(1000 * _memcpy_s(row["bytes_per_save"]), 2)
+    row["fixed_ms"] = round(row["blocking_ms"] - row["memcpy_ms"], 2)
+    _stop_agents()
+    return row
+
+
+def _slot_facts() -> dict:
+    """Rank 0's newest complete slot: its header and the bytes its snapshot wrote."""
+    from megatron_pec.slots import open_slot
+
+    best = None
+    for path in SHM.glob("scale/node0/rank0.slot*"):
+        mapping, header = open_slot(str(path))
+        mapping.close()
+        if header.metadata.get("state") == "complete":
+            it = int(header.metadata["iteration"])
+            if best is None or it > best[0]:
+                best = (it, header)
+    _, header = best
+    written = set(json.loads(header.metadata["items"]))
+    table = sum(1 for _ in header.tensors)
+    meta = len(json.dumps(header.metadata, separators=(",", ":")))
+    return {"tensors_per_rank": table, "slot_header_bytes": 8 + header.header_len, "metadata_bytes": meta,
+            "bytes_per_save": sum(e.end - e.begin for e in header.tensors if e.item in written)}
+
+
+def _rank_file_facts(root: Path) -> dict:
+    from megatron_pec import manifest
+
+    newest = manifest.committed_iterations(str(root))[0]
+    path = Path(manifest.rank_file(str(root), newest, 0))
+    with open(path, "rb") as f:
+        return {"rank_file_header_bytes": 8 + int.from_bytes(f.read(8), "little")}
+
+
+def _memcpy_s(nbytes: int) -> float:
+    """One copy of ``nbytes`` into a mapped tmpfs file, as a snapshot writes its slot (pages touched once
+    before, as the slots' are)."""
+    import mmap
+
+    import torch
+
+    n = max(1, nbytes // 4)
+    path = SHM.parent / "memcpy_floor"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w+b") as f:
+        f.truncate(4 * n)
+        mapping = mmap.mmap(f.fileno(), 4 * n)
+    try:
+        dst, src = torch.frombuffer(mapping, dtype=torch.float32, count=n), torch.rand(n)
+        dst.copy_(src)
+        times = []
+        for _ in range(7):
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+        del dst
+    finally:
+        mapping.close()
+        path.unlink()
+    return statistics.median(times)
+
+
+def _stop_agents() -> None:
+    for pidfile in SHM.glob("*/node*/agent.pid"):
+        try:
+            os.kill(int(pidfile.read_text()), 9)
+        except (OSError, ValueError):
+            pass
+    shutil.rmtree(SHM, ignore_errors=True)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| E per layer | tensors per rank | slot header | metadata per save | persisted header | bytes per save "
+            "| blocking | memcpy of those bytes | fixed per save |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['experts']} | failed: {r['error']} |||||||| ")
+            continue
+        lines.append(f"| {r['experts']} | {r['tensors_per_rank']:,} | {r['slot_header_bytes'] / 2**20:.2f} MiB | "
+                     f"{r['metadata_bytes'] / 2**10:.0f} KiB | {r['rank_file_header_bytes'] / 2**10:.0f} KiB | "
+                     f"{r['bytes_per_save'] / 2**20:.2f} MiB | {r['blocking_ms']:.1f} ms | {r['memcpy_ms']:.2f} ms | "
+                     f"{r['fixed_ms']:.1f} ms |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", default="8,64,256")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repo", type=Path, default=REPO, help="the megatron-pec checkout to run (default: this one)")
+    p.add_argument("--label", default="", help="suffix of the result files (e.g. before)")
+    args = p.parse_args(argv)
+    quiet = wait_for_quiet()
+    commit = subprocess.run(["git", "-C", str(args.repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    rows = []
+    for e in map(int, args.experts.split(",")):
+        print(f"[metadata_scale] E={e} ({args.repo}, {commit}) ...", flush=True)
+        rows.append(run(args.repo.resolve(), e, args.iters))
+        print(f"[metadata_scale] {rows[-1]}", flush=True)
+    text = (f"# Metadata at scale (58 MoE layers, top-8, EP=2, 2 CPU ranks; megatron-pec {commit})\n\n"
+            f"`python -m benchmarks.metadata_scale {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
+    print(text)
+    name = "metadata_scale" + (f"_{args.label}" if args.label else "")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine(), "load": quiet, "commit": commit,
+                                                      "rows": rows}, indent=1))
+    (RESULTS / f"{name}.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
