@@ -75,6 +75,7 @@ class Engine:
         self.rewrite_all = False  # restored from another layout: the next saves write every expert
         self.agent = AgentClient(self.node_dir, self.rank)
         self.files: SlotFiles | None = None
+        self.pinning = None  # SlotPinning on GPU
         self.grants = SlotGrants()
         self.run: str | None = None            # this process's timeline, from its first Begin
         self.resumed_from: int | None = None
@@ -176,11 +177,12 @@ class Engine:
         return per_expert * len(self.held_names) + 2 * self.adapter.small_state_bound() + (16 << 10)
 
     def _pin_slots(self) -> None:
-        """Page-lock the slot mappings so device-to-host copies run asynchronously at full speed."""
-        cudart = torch.cuda.cudart()
-        for m in self.files.maps:
-            ptr = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
-            cudart.cudaHostRegister(ptr, len(m), 0)
+        """Page-lock the slot mappings so device-to-host copies run asynchronously at full speed (a
+        failure is one warning; copies are then synchronous)."""
+        from megatron_pec.pinning import SlotPinning, TorchCudart, slot_ranges
+
+        self.pinning = SlotPinning(TorchCudart(), self.rank)
+        self.pinning.pin(slot_ranges(self.files.maps))
 
     def _begin(self, resumed_from: int | None) -> None:
         """Start this process's next timeline (after every restore, or from scratch): snapshots of
@@ -462,3 +464,19 @@ class Engine:
             if detach:
                 self.flush()
             self.agent.close(detach=detach)
+        self._release_slots()
+
+    def _release_slots(self) -> None:
+        """Unpin and unmap the slots (a rebuilt engine maps them anew); the files stay for the agent."""
+        if self.files is None:
+            return
+        self.pending = None
+        self._slot_views.clear()
+        self._live_views = (None, {})
+        if self.pinning is not None:
+            self.pinning.unpin_all()
+        try:
+            self.files.close()
+        except BufferError:
+            pass  # a view of a slot is still referenced somewhere: the mapping stays until exit
+        self.files = None

@@ -83,6 +83,13 @@ class SlotFiles:
         replica_need = REPLICA_SLOTS * replicas * self.file_len
         if free < (need + replica_need) * local_ranks and free < need + replica_need:
             raise SlotSpaceError(_space_message(self.directory, free, need, local_ranks, replicas, replica_need))
+        # tmpfs pages (page-locked or not) are charged to the container's memory cgroup: a limit below
+        # them is an OOM kill mid-training, so it is checked here too.
+        limit = cgroup_memory()
+        if limit is not None:
+            room = limit[0] - limit[1] + reusable
+            if room < (need + replica_need) * local_ranks and room < need + replica_need:
+                raise SlotSpaceError(_cgroup_message(limit, room, free, need + replica_need, local_ranks, replicas))
 
     def _map(self, path: str) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -137,6 +144,55 @@ def _space_message(directory: str, free: int, need: int, local_ranks: int, repli
         text += (f", or lower --pec-replicas {replicas}: the replicas this node keeps of peer nodes' snapshots "
                  f"need {mib(replica_need * local_ranks)} more")
     return text + "."
+
+
+def cgroup_memory() -> tuple[int, int, str] | None:
+    """(limit, usage, where) of this process's memory cgroup (v2 ``memory.max``/``memory.current``, v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None without a limit.
+    ``MEGATRON_PEC_CGROUP_DIR`` points the check at another directory holding those files."""
+    for directory in _cgroup_dirs():
+        for limit_name, usage_name in (("memory.max", "memory.current"),
+                                       ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+            try:
+                with open(os.path.join(directory, limit_name)) as f:
+                    limit = f.read().strip()
+                with open(os.path.join(directory, usage_name)) as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+                return None
+            return int(limit), usage, os.path.join(directory, limit_name)
+    return None
+
+
+def _cgroup_dirs() -> list[str]:
+    override = os.environ.get("MEGATRON_PEC_CGROUP_DIR")
+    if override:
+        return [override]
+    dirs = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    dirs.append("/sys/fs/cgroup" + path)
+                elif "memory" in controllers.split(","):
+                    dirs.append("/sys/fs/cgroup/memory" + path)
+    except OSError:
+        pass
+    return dirs + ["/sys/fs/cgroup", "/sys/fs/cgroup/memory"]
+
+
+def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int, local_ranks: int,
+                    replicas: int) -> str:
+    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+    total = need * local_ranks
+    return (f"megatron-pec: the container's memory limit ({limit[2]}: {mib(limit[0])}, {mib(limit[1])} in use) "
+            f"leaves {mib(room)}, but the snapshot slots{' and replicas' if replicas else ''} of {local_ranks} local "
+            f"rank(s) need {mib(total)} of node memory, which counts against that limit (the tmpfs itself has "
+            f"{mib(free)} free). Raise the container's memory limit (for Docker: --memory={max(1, -(-(limit[0] + total) * 5 // 4 // 2**30))}g)"
+            + (f", or lower --pec-replicas {replicas}" if replicas else "") + ".")
 
 
 class SlotGrants:

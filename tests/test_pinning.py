@@ -1,0 +1,89 @@
+"""Issue 15: the GPU path's page-locking (every CUDA return code checked, one warning and synchronous
+copies when pinning fails, unregistered before unmapping, never twice) and the node-memory preflight
+against the container's memory limit. The CUDA runtime is a seam: a recording stand-in here."""
+
+import io
+
+import pytest
+import torch
+
+from megatron_pec import pinning
+from megatron_pec.slots import SlotFiles, SlotSpaceError, cgroup_memory
+from megatron_pec.stformat import layout
+
+
+class Runtime:
+    """Records the runtime calls; ``fail_register`` makes cudaHostRegister return that error code."""
+
+    def __init__(self, fail_register: int = 0):
+        self.calls, self.fail_register, self.last_error = [], fail_register, 0
+
+    def cudaHostRegister(self, address, length, flags):
+        self.calls.append(("register", address, length))
+        self.last_error = self.fail_register
+        return self.fail_register
+
+    def cudaHostUnregister(self, address):
+        self.calls.append(("unregister", address))
+        return 0
+
+    def cudaGetErrorString(self, code):
+        return "out of memory" if code == 2 else "unknown"
+
+    def cudaGetLastError(self):
+        code, self.last_error = self.last_error, 0
+        return code
+
+
+@pytest.fixture
+def slots(tmp_path):
+    files = SlotFiles(str(tmp_path), 0, layout([("dense/w.param", torch.float32, 1024)]), 1)
+    yield files
+    files.close()
+
+
+def test_pins_each_slot_once_and_unpins_before_unmapping(slots):
+    runtime, log = Runtime(), io.StringIO()
+    first = pinning.SlotPinning(runtime, stream=log)
+    ranges = pinning.slot_ranges(slots.maps)
+    assert first.pin(ranges) and len(first.pinned) == 3
+    again = pinning.SlotPinning(runtime, stream=log)
+    assert again.pin(ranges) and again.pinned == []  # the same addresses are never registered twice
+    assert [c[0] for c in runtime.calls] == ["register"] * 3
+    first.unpin_all()
+    assert [c[0] for c in runtime.calls[3:]] == ["unregister"] * 3 and not first.pinned
+    assert log.getvalue() == ""
+    third = pinning.SlotPinning(runtime, stream=log)
+    assert third.pin(ranges) and len(third.pinned) == 3  # registrable again once unregistered
+    third.unpin_all()
+
+
+def test_a_failed_pin_is_one_warning_and_clears_cudas_last_error(slots):
+    runtime, log = Runtime(fail_register=2), io.StringIO()
+    pins = pinning.SlotPinning(runtime, rank=3, stream=log)
+    assert not pins.pin(pinning.slot_ranges(slots.maps))
+    assert len(runtime.calls) == 1 and runtime.last_error == 0  # stopped at the first failure, error cleared
+    text = log.getvalue()
+    assert text.count("WARNING") == 1 and "rank 3" in text
+    assert "cudaHostRegister returned CUDA error 2: out of memory" in text and "ulimit -l" in text
+    pins.unpin_all()
+    assert len(runtime.calls) == 1  # nothing was registered, nothing to unregister
+
+
+def test_preflight_counts_node_memory_against_the_containers_memory_limit(tmp_path, monkeypatch):
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{64 << 20}\n")
+    (cgroup / "memory.current").write_text(f"{60 << 20}\n")
+    monkeypatch.setenv("MEGATRON_PEC_CGROUP_DIR", str(cgroup))
+    assert cgroup_memory() == (64 << 20, 60 << 20, str(cgroup / "memory.max"))
+    entries = layout([("dense/w.param", torch.float32, 2 << 20)])  # 8 MiB: 3 slots need 24 MiB
+    with pytest.raises(SlotSpaceError) as refused:
+        SlotFiles(str(tmp_path / "shm"), 0, entries, 1)
+    text = str(refused.value)
+    assert "memory limit" in text and "64 MiB, 60 MiB in use" in text and "leaves 4 MiB" in text
+    assert "need 25 MiB" in text and "tmpfs itself has" in text and "--memory=" in text
+    assert not list((tmp_path / "shm").glob("rank0.slot*"))  # refused before any slot was allocated
+    (cgroup / "memory.max").write_text("max\n")
+    assert cgroup_memory() is None
+    SlotFiles(str(tmp_path / "shm"), 0, entries, 1).close()
