@@ -158,6 +158,11 @@ class Campaign:
             result["failure"] = f"harness error: {type(exc).__name__}: {exc}"
             result["traceback"] = traceback.format_exc()
         finally:
+            if not result["recovered"]:  # keep the agents' own logs for the post-mortem
+                for n in range(c.nnodes):
+                    log = c.node_dir(n) / "agent.log"
+                    if log.exists():
+                        shutil.copy(log, workdir / f"agent.node{n}.log")
             c.close()
             for mount in result.pop("_mounts", []):
                 subprocess.run(["umount", str(mount)], check=False, capture_output=True)
