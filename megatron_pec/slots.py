@@ -28,6 +28,7 @@ from megatron_pec.stformat import (MAX_HEADER, Header, TensorEntry, encode_heade
 NUM_SLOTS = 3
 REPLICA_SLOTS = 2  # per replicated rank: the complete replica and the one being received
 HEADER_RESERVE = 256 << 10  # default room for metadata (small state, token counts) beyond the tensor table
+HEADER_ALIGN = 64 << 10     # header sizes are rounded up to this (the reserve varies a little between runs)
 
 
 class SlotSpaceError(RuntimeError):
@@ -50,7 +51,10 @@ class SlotFiles:
         """``reserve``: header bytes for a save's metadata beyond the tensor table (its bound)."""
         self.directory, self.rank, self.entries = directory, rank, entries
         table = tensor_table(entries)
-        self.capacity = (len(encode_header(entries, {}, table=table)) - 8 + reserve + 7) // 8 * 8
+        needed = len(encode_header(entries, {}, table=table)) - 8 + reserve
+        # Existing slots of this layout (a restart restores from them) keep their header size when it
+        # is large enough: the reserve is partly measured, and a different size would move every tensor.
+        self.capacity = self._existing_capacity(directory, rank, table, needed) or -(-needed // HEADER_ALIGN) * HEADER_ALIGN
         if self.capacity > MAX_HEADER:
             raise SlotSpaceError(
                 f"megatron-pec: rank {rank}'s snapshot header would need {self.capacity / 2**20:.1f} MiB "
@@ -70,6 +74,20 @@ class SlotFiles:
             self.views.append({e.name: tensor_view(self.maps[s], self.header, e) for e in entries})
             self._table_written.append(self.maps[s][:len(self.prefix)] == self.prefix)
         self._tail_len = [8 + self.capacity - len(self.prefix)] * NUM_SLOTS  # unknown yet: blank it all once
+
+    @staticmethod
+    def _existing_capacity(directory: str, rank: int, table: bytes, needed: int) -> int | None:
+        for s in range(NUM_SLOTS):
+            try:
+                with open(slot_path(directory, rank, s), "rb") as f:
+                    head = f.read(8 + len(table))
+            except OSError:
+                continue
+            if len(head) == 8 + len(table) and head[8:] == table:
+                size = int.from_bytes(head[:8], "little")
+                if needed <= size <= MAX_HEADER:
+                    return size
+        return None
 
     def _preflight(self, local_ranks: int, replicas: int) -> None:
         """Node memory must hold this node's slots and, with replication, the replicas it keeps of

@@ -70,7 +70,25 @@ def test_slot_header_keeps_its_table_and_blanks_longer_metadata(tmp_path):
     mapping.close()
     assert header.metadata == {"iteration": "3"}
     with pytest.raises(FormatError, match="more than the"):
-        SlotFiles(str(tmp_path), 0, entries, 1, reserve=64).write_header(1, {"tokens": "x" * 100})
+        small = SlotFiles(str(tmp_path / "small"), 0, entries, 1, reserve=64)
+        small.write_header(1, {"tokens": "x" * (small.capacity + 1)})
+
+
+def test_a_restart_keeps_the_slots_header_size(tmp_path):
+    """The header reserve is partly measured at start-up; a restart that measures a little less or more
+    keeps the existing slots' header size (or the snapshots in them would no longer line up)."""
+    from megatron_pec.slots import HEADER_ALIGN, SlotFiles
+
+    entries = layout([("dense/w.param", torch.float32, 4)])
+    first = SlotFiles(str(tmp_path), 0, entries, 1, reserve=HEADER_ALIGN + 100)
+    first.write_header(0, {"iteration": "7"})
+    first.close()
+    again = SlotFiles(str(tmp_path), 0, entries, 1, reserve=HEADER_ALIGN - 100)
+    assert again.capacity == first.capacity
+    again.close()
+    bigger = SlotFiles(str(tmp_path), 0, entries, 1, reserve=3 * HEADER_ALIGN)
+    assert bigger.capacity > first.capacity  # too small for this run: the slots are rebuilt
+    bigger.close()
 
 
 def test_a_header_beyond_the_limit_is_refused_at_start_up(tmp_path):

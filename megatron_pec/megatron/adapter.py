@@ -39,6 +39,25 @@ def megatron_checkpoint_function(name: str):
     return getattr(checkpointing, name)
 
 
+def _widest(obj):
+    """``obj`` with every number replaced by one of the longest JSON spelling of its type."""
+    import numpy
+
+    if isinstance(obj, numpy.generic):
+        obj = obj.item()
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return -(2**63)
+    if isinstance(obj, float):
+        return -1.2345678901234567e-308
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_widest(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _widest(v) for k, v in obj.items()}
+    return obj  # tensors and arrays: their encoded length depends on their shape and dtype only
+
+
 def _parallel_state_group(name: str):
     from megatron.core import parallel_state as ps
 
@@ -116,12 +135,14 @@ class MegatronAdapter:
         return small
 
     def small_state_bound(self) -> int:
-        """Bytes the JSON of ``small_state`` can reach during training, measured now plus room for
-        what appears only later: the optimizer's param_groups and grad scaler once it has stepped,
-        the scheduler's state (neither holds per-parameter data: Megatron strips the params lists)."""
-        measured = len(smallstate.dumps(self.small_state(None, 0, 0.0)))
+        """Bytes the JSON of ``small_state`` can reach during training: its structure now with every
+        number at its widest (so every process of this configuration computes the same bound: slot
+        sizes must not differ between a trainer and its restart), plus room for what appears only
+        later: the optimizer's param_groups and grad scaler once it has stepped, the scheduler's
+        state (neither holds per-parameter data: Megatron strips the params lists)."""
+        widest = len(smallstate.dumps(_widest(self.small_state(None, 0, 0.0))))
         groups = sum(len(opt.optimizer.param_groups) for opt in self.optimizers)
-        return measured + 4096 * groups + (64 << 10)
+        return widest + 4096 * groups + (64 << 10)
 
     def layout_record(self, fingerprint: str) -> RankLayout:
         """Where each slice lies in the model's global parameters (``RankLayout``)."""
