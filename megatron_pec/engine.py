@@ -413,8 +413,9 @@ class Engine:
         found = megatron_format(root)
         if self.coll.all_ok(found is None):
             return None
-        self.coll.raise_if_any(None if found else f"megatron-pec: rank {self.rank} does not see {root}'s "
-                                                  "Megatron checkpoint that others see: is --load on a shared file system?")
+        unseen = (f"megatron-pec: rank {self.rank} does not see the Megatron checkpoint in {root} that other "
+                  "ranks see: is --load on a shared file system?")
+        self.coll.raise_if_any(None if found else unseen)
         return found
 
     def adopt(self, iteration: int) -> None:

@@ -160,7 +160,8 @@ class Loader:
         if why is None and (ctx.layout is None or ctx.layout.not_global):
             why = f"this run cannot place it: {ctx.layout.not_global if ctx.layout else 'no layout'}"
         if why is not None:
-            error = f"megatron-pec: {where} was saved with another configuration ({reshard.change(m.topology, ctx.topology)}): {why}"
+            error = (f"megatron-pec: {where} was saved with another configuration "
+                     f"({reshard.change(m.topology, ctx.topology)}): {why}")
         else:
             stage = {x for x in ctx.all_experts if x.layer in {h.layer for h in ctx.experts_held}}
             try:

@@ -90,7 +90,8 @@ class Resharder:
         pieces = self._pieces()
         for file in self.files.values():
             verify_items(file.path, file.header, file.items, file.entry.item_crc32)
-        tensors = {name: self._assemble(dtype, spans, self.mine.slices[name]) for name, (dtype, spans) in pieces.items()}
+        tensors = {name: self._assemble(dtype, spans, self.mine.slices[name])
+                   for name, (dtype, spans) in pieces.items()}
         headers = self._headers(self.m.iteration)
         small = load_small_state(headers[self.rank % len(headers)].small)
         pec, report, at_target = self._account(headers)

@@ -54,7 +54,8 @@ class SlotFiles:
         needed = len(encode_header(entries, {}, table=table)) - 8 + reserve
         # Existing slots of this layout (a restart restores from them) keep their header size when it
         # is large enough: the reserve is partly measured, and a different size would move every tensor.
-        self.capacity = self._existing_capacity(directory, rank, table, needed) or -(-needed // HEADER_ALIGN) * HEADER_ALIGN
+        self.capacity = (self._existing_capacity(directory, rank, table, needed)
+                         or -(-needed // HEADER_ALIGN) * HEADER_ALIGN)
         if self.capacity > MAX_HEADER:
             raise SlotSpaceError(
                 f"megatron-pec: rank {rank}'s snapshot header would need {self.capacity / 2**20:.1f} MiB "
@@ -206,10 +207,11 @@ def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int
                     replicas: int) -> str:
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     total = need * local_ranks
+    docker_gib = max(1, -(-(limit[0] + total) * 5 // 4 // 2**30))
     return (f"megatron-pec: the container's memory limit ({limit[2]}: {mib(limit[0])}, {mib(limit[1])} in use) "
             f"leaves {mib(room)}, but the snapshot slots{' and replicas' if replicas else ''} of {local_ranks} local "
             f"rank(s) need {mib(total)} of node memory, which counts against that limit (the tmpfs itself has "
-            f"{mib(free)} free). Raise the container's memory limit (for Docker: --memory={max(1, -(-(limit[0] + total) * 5 // 4 // 2**30))}g)"
+            f"{mib(free)} free). Raise the container's memory limit (for Docker: --memory={docker_gib}g)"
             + (f", or lower --pec-replicas {replicas}" if replicas else "") + ".")
 
 

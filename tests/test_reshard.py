@@ -53,8 +53,8 @@ def test_restore_onto_another_parallel_layout(tmp_path, shm_dir, before, after, 
     exported = run_megatron_pec("export", ckpt, tmp_path / "source")
     assert exported.returncode == 0, exported.stderr
     shutil.rmtree(shm_dir, ignore_errors=True)
-    proc = torchrun("reshard_state.py", str(ckpt), shm_dir, "b", "restore", "--expert-model-parallel-size", str(ep), *model,
-                    nproc=after, env=env, timeout=400)
+    proc = torchrun("reshard_state.py", str(ckpt), shm_dir, "b", "restore", "--expert-model-parallel-size", str(ep),
+                    *model, nproc=after, env=env, timeout=400)
     ranks = f"world {before} → {after}, EP 2 → {ep}, DP {before} → {after}"
     for rank in range(after):
         assert f"rank {rank}: restored iteration 4 from storage (resharded: {ranks})" in proc.stdout, proc.stdout
