@@ -52,3 +52,29 @@ def report(name: str, payload: dict) -> None:
 
     out = Path(os.environ["PEC_TEST_OUT"]) / f"{name}.rank{torch.distributed.get_rank()}.json"
     out.write_text(json.dumps(payload))
+
+
+def train(args, model, optimizer, scheduler, data, n: int) -> list[float]:
+    """``n`` training steps as the example trainer takes them; returns their losses."""
+    losses = []
+    for _ in range(n):
+        losses.append(example.train_step(args, model, optimizer, scheduler, data)[0])
+        args.consumed_train_samples += args.global_batch_size
+    return losses
+
+
+def write_safetensors(path, tensors: dict) -> None:
+    """Tensors as a plain safetensors file (the tests read it back with their own reader)."""
+    import torch
+
+    codes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+    body, offset, blobs = {}, 0, []
+    for name, t in sorted(tensors.items()):
+        raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        body[name] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(body).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))

@@ -4,14 +4,13 @@ global names (computed here independently of megatron-pec) as safetensors, for t
 argv: SAVE_DIR SHM_DIR [extra example flags...].
 """
 
-import json
 import re
 import sys
 
 import torch
 
 import megatron_pec
-from common import example, report, setup
+from common import report, setup, train, write_safetensors
 from megatron_pec import api
 
 N = 4
@@ -38,20 +37,6 @@ def global_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    codes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
-    body, offset, blobs = {}, 0, []
-    for name, t in sorted(tensors.items()):
-        raw = t.view(-1).view(torch.uint8).numpy().tobytes()
-        body[name] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(body).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
-
-
 def main():
     import os
 
@@ -62,8 +47,7 @@ def main():
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     data = data_from(0)
     for i in range(1, N + 1):
-        example.train_step(args, model, optimizer, scheduler, data)
-        args.consumed_train_samples += args.global_batch_size
+        train(args, model, optimizer, scheduler, data, 1)
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i != N)
     api._engine.flush()  # iteration N persisted and committed
     torch.distributed.barrier()

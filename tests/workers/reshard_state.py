@@ -6,14 +6,13 @@ argv: SAVE_DIR SHM_DIR JOB_ID save|restore [extra example flags...]. ``save`` tr
 ``restore`` loads, dumps its shards, then trains MORE iterations.
 """
 
-import json
 import os
 import sys
 
 import torch
 
 import megatron_pec
-from common import example, report, setup
+from common import report, setup, train, write_safetensors
 from megatron_pec import api
 from megatron_pec.megatron import collect
 
@@ -25,25 +24,8 @@ def dump(path: str) -> None:
     engine = api._engine
     live = collect.live_views(engine.adapter.slices, engine.optimizer)
     layout = engine.layout
-    body, offset, blobs = {}, 0, []
-    for name, (p, lo, hi) in sorted(layout.slices.items()):
-        raw = live[name].detach().contiguous().view(torch.uint8).numpy().tobytes()
-        key = f"{layout.params[p].name}#{name.rsplit('.', 1)[1]}#{lo}"
-        body[key] = {"dtype": "F32", "shape": [hi - lo], "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(body).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
-
-
-def train(args, model, optimizer, scheduler, data, n) -> list[float]:
-    losses = []
-    for _ in range(n):
-        losses.append(example.train_step(args, model, optimizer, scheduler, data)[0])
-        args.consumed_train_samples += args.global_batch_size
-    return losses
+    write_safetensors(path, {f"{layout.params[p].name}#{name.rsplit('.', 1)[1]}#{lo}": live[name]
+                             for name, (p, lo, hi) in layout.slices.items()})
 
 
 def main():

@@ -13,7 +13,7 @@ import numpy
 import torch
 
 import megatron_pec
-from common import example, report, setup
+from common import report, setup, train
 from megatron_pec import api
 from megatron_pec.megatron import collect
 
@@ -46,14 +46,6 @@ def differences(a, b) -> list[str]:
     bad += ["numpy"] if not numpy.array_equal(a["numpy"], b["numpy"]) else []
     bad += [f"{k}: {a[k]} != {b[k]}" for k in ("random", "scheduler", "param_groups", "consumed") if a[k] != b[k]]
     return bad
-
-
-def train(args, model, optimizer, scheduler, data, n):
-    losses = []
-    for _ in range(n):
-        losses.append(example.train_step(args, model, optimizer, scheduler, data)[0])
-        args.consumed_train_samples += args.global_batch_size
-    return losses
 
 
 def main():
