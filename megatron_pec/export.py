@@ -12,18 +12,19 @@ model's persistent buffers, under the names a model without model parallelism ha
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass, field
 
-from megatron_pec import manifest
+import torch
+
+from megatron_pec import manifest, smallstate
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Manifest, ProtocolError, RankFile, RankLayout, SlotHeader
 from megatron_pec.sources import SourceError, read_checked_header, verify_items
-from megatron_pec.stformat import ITEMSIZE, Header
+from megatron_pec.stformat import ITEMSIZE, Header, dtype_code
 from megatron_pec.storage import PosixStorage
 
 SIDECAR = "pec_export.json"
@@ -205,11 +206,11 @@ def _add_buffers(tensors: dict[str, GlobalTensor], layouts: dict[int, RankLayout
         names = layouts[rank].buffers
         if not names:
             continue
-        for key, value in json.loads(header.small)["__dict__"]["buffers"]["__dict__"].items():
+        for key, value in (smallstate.loads(header.small).get("buffers") or {}).items():
             name = names.get(key)
-            if name is None or name in tensors or not isinstance(value, dict) or "__tensor__" not in value:
-                continue
-            tensors[name] = GlobalTensor(name, value["shape"], value["__tensor__"], raw=base64.b64decode(value["b64"]))
+            if name is not None and name not in tensors:
+                raw = value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                tensors[name] = GlobalTensor(name, list(value.shape), dtype_code(value.dtype), raw=raw)
 
 
 # ---- verify and write ------------------------------------------------------------------------------
