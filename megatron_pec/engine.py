@@ -28,7 +28,7 @@ from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
 from megatron_pec.pec_state import Level, PecState
-from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Hello, JobInfo, Record, Released, SlotHeader,
+from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Granted, Hello, JobInfo, Record, Released, SlotHeader,
                                    SnapshotReady)
 from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
 from megatron_pec.sources import megatron_format
@@ -213,7 +213,8 @@ class Engine:
         if not self.agent.connected and not self._reconnect():
             why = "the node agent is not running"
         elif (slot := self._free_slot(persistent)) is None:
-            why = "all snapshot slots are still being persisted (raise the save interval or pass --pec-wait-for-slot)"
+            why = ("all snapshot slots are still held by the node agent (being persisted or sent to a peer, or "
+                   "kept for recovery); raise the save interval or pass --pec-wait-for-slot")
         # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere.
         everyone_can, cumulative = self._agree_and_count(why is None)
         if not everyone_can:
@@ -344,11 +345,11 @@ class Engine:
 
     def _handle(self, messages: list[Record], take_grants: bool = True) -> None:
         for msg in messages:
-            if not isinstance(msg, Released):
+            if not isinstance(msg, (Released, Granted)):
                 continue
             if take_grants:
                 self.grants.add(msg.grants)
-            if msg.error is not None:
+            if isinstance(msg, Released) and msg.error is not None:
                 self.stats["persist_errors"] += 1
                 print(f"megatron-pec: WARNING rank {self.rank}: snapshot of iteration {msg.iteration} was not "
                       f"persisted: {msg.error}; training continues and the next save tries again",

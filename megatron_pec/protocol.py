@@ -211,6 +211,15 @@ class Released(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class Granted(Record):
+    """Unasked: slots that became free while the trainer held none (a replica push ended, a newer
+    iteration committed). Without it a trainer whose saves are all skipped would never be granted one."""
+
+    KIND: ClassVar[str] = "granted"
+    grants: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Flush(Record):
     KIND: ClassVar[str] = "flush"
 
@@ -230,8 +239,8 @@ class Stop(Record):
     KIND: ClassVar[str] = "stop"
 
 
-_MESSAGES = {cls.KIND: cls for cls in (Hello, Ready, Begin, Begun, SnapshotReady, Released, Flush, Flushed,
-                                       Detach, Stop)}
+_MESSAGES = {cls.KIND: cls for cls in (Hello, Ready, Begin, Begun, SnapshotReady, Released, Granted, Flush,
+                                       Flushed, Detach, Stop)}
 
 
 def decode_message(line: str | bytes) -> Record:

@@ -364,3 +364,36 @@ def test_a_corrupt_or_foreign_replica_is_never_pulled(trainers, shm_dir):
     logs = open(os.path.join(foreign.directory, "agent.log")).read()
     assert "no replica of that rank for this job" in logs, logs
     assert not foreign.memory().slots.get(1)
+
+
+def test_a_slow_replica_push_holds_a_slot_only_until_it_ends(trainers):
+    """The newest snapshot, the newest committed one and one being pushed to a peer can be three
+    different slots: then the trainer holds none and its saves are skipped. Once the push ends the
+    agent hands the slot back unasked (``Granted``); before, nothing was ever sent again."""
+    from megatron_pec.protocol import Granted
+
+    t0, t1 = trainers(0, replicas=1), trainers(1, replicas=1)
+    t0.snapshot(1)
+    committed, _ = t1.snapshot(1)
+    assert manifest.committed_iterations(t1.root) == [1]
+    replica(t0.directory, 1, 1, 1)
+    holder = agent_pid(t0.directory)
+    os.kill(holder, 19)  # SIGSTOP: the holder takes the next push's bytes but never answers
+    try:
+        pushed, released = t1.snapshot(2, persist=False)
+        assert released.grants == []
+        time.sleep(1.0)  # the replicator has taken snapshot 2 and waits for the holder's answer
+        newest, released = t1.snapshot(3, persist=False)
+        assert released.grants == [], f"slot {pushed} was handed out while being pushed"
+        assert len({committed, pushed, newest}) == 3 and not t1.grants._free
+    finally:
+        os.kill(holder, 18)  # SIGCONT
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        granted = [m for m in t1.client.poll(block_s=0.2) if isinstance(m, Granted)]
+        if granted:
+            assert granted[0].grants == [pushed]
+            break
+    else:
+        raise AssertionError("the agent never handed back the slot of the finished push")
+    replica(t0.directory, 1, 1, 3)

@@ -27,6 +27,7 @@ SAMPLES = [
     (p.SnapshotReady(slot=2, iteration=13, persist=False, persist_items=None), "persist", "yes"),
     (p.Released(slot=1, iteration=12, error=None, grants=[0]), "iteration", 12.5),
     (p.Released(slot=1, iteration=12, error="OSError: [Errno 28] No space left", grants=[]), "error", 28),
+    (p.Granted(grants=[2]), "grants", "2"),
     (p.Flush(), None, None),
     (p.Flushed(), None, None),
     (p.Detach(), None, None),
@@ -49,7 +50,7 @@ def test_round_trip(record, field, bad):
     text = record.dumps()
     assert type(record).loads(text) == record
     if type(record).KIND in {k.KIND for k in (p.Hello, p.Ready, p.Begin, p.Begun, p.SnapshotReady, p.Released,
-                                               p.Flush, p.Flushed, p.Detach, p.Stop)}:
+                                               p.Granted, p.Flush, p.Flushed, p.Detach, p.Stop)}:
         assert p.decode_message(text) == record
 
 

@@ -19,7 +19,8 @@ a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` wi
 first slot grants), then ``SnapshotReady`` per snapshot (answered ``Released``, with an
 error if persisting failed, and new grants), ``Flush`` (answered ``Flushed`` once all
 earlier work is done), ``Detach`` or ``Stop``. A slot belongs to the trainer only while
-granted; announcing a snapshot hands it back. A failed persist is reported and the agent
+granted; announcing a snapshot hands it back. A trainer left with no slot (all held for
+recovery or a replica push) is sent ``Granted`` as soon as one is free again. A failed persist is reported and the agent
 keeps serving.
 """
 
@@ -42,9 +43,9 @@ from megatron_pec.agent.memory import INDEX, JobKey, NodeMemory
 from megatron_pec.agent import peers
 from megatron_pec.agent.persist import check_and_persist
 from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
-from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Hello, JobInfo, NodeMarker, PeerAddress,
-                                   ProtocolError, RankFile, Ready, Record, Released, SlotRecord, SnapshotReady, Stop,
-                                   decode_message)
+from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Granted, Hello, JobInfo, NodeMarker,
+                                   PeerAddress, ProtocolError, RankFile, Ready, Record, Released, SlotRecord,
+                                   SnapshotReady, Stop, decode_message)
 from megatron_pec.slots import slot_path
 from megatron_pec.stformat import FormatError
 from megatron_pec.storage import PosixStorage
@@ -52,6 +53,7 @@ from megatron_pec.storage import PosixStorage
 SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
 LOCKFILE = "agent.lock"  # held by a trainer starting an agent, and by an agent from its last job to its exit
+GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
 
 
 def log(message: str) -> None:
@@ -230,8 +232,11 @@ class Agent:
         carries: collections.deque = collections.deque()
         while True:
             try:
-                job = self.jobs.get_nowait() if carries else self.jobs.get()
+                job = self.jobs.get_nowait() if carries else self.jobs.get(timeout=GRANT_CHECK_S)
             except queue.Empty:
+                if not carries:
+                    self._grant_starved()
+                    continue
                 job = "carry"
             if job is None:
                 while carries:
@@ -275,6 +280,18 @@ class Agent:
         grants = self.memory.grantable(link.rank, busy)
         link.granted.update(grants)
         return grants
+
+    def _grant_starved(self) -> None:
+        """Trainers holding no slot and with nothing in flight hear of none until told: a slot held
+        for a replica push or as the newest committed one may have become free since."""
+        with self.lock:
+            links = list(self.links.values())
+        for link in links:
+            if link.granted or self.in_flight.get(link.rank):
+                continue
+            grants = self._grant(link)
+            if grants:
+                self._send(link.conn, Granted(grants))
 
     # ---- replication ------------------------------------------------------------------------------
     def _start_replication(self, job: JobInfo) -> None:
