@@ -225,6 +225,14 @@ class Flush(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class Settle(Record):
+    """A restore is about to read node memory: answer ``Flushed`` once every snapshot announced before
+    is recorded (checked, persisted if asked), without waiting for carries."""
+
+    KIND: ClassVar[str] = "settle"
+
+
+@dataclass(frozen=True, slots=True)
 class Flushed(Record):
     KIND: ClassVar[str] = "flushed"
 
@@ -240,7 +248,7 @@ class Stop(Record):
 
 
 _MESSAGES = {cls.KIND: cls for cls in (Hello, Ready, Begin, Begun, SnapshotReady, Released, Granted, Flush,
-                                       Flushed, Detach, Stop)}
+                                       Settle, Flushed, Detach, Stop)}
 
 
 def decode_message(line: str | bytes) -> Record:

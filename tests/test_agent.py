@@ -49,8 +49,9 @@ class Trainer:
         self.grants.add(answer.grants)
         return answer.grants
 
-    def snapshot(self, iteration, persist_items=None, written=ALL, persist=True, slot=None):
-        """Write ``written`` items at ``iteration`` into a granted slot, announce, wait for the release."""
+    def snapshot(self, iteration, persist_items=None, written=ALL, persist=True, slot=None, wait=True):
+        """Write ``written`` items at ``iteration`` into a granted slot, announce, wait for the release
+        (``wait=False``: return the slot at once)."""
         slot = self.grants.take() if slot is None else slot
         assert slot is not None, "the agent granted no free slot"
         for name, view in self.files.views[slot].items():
@@ -62,6 +63,8 @@ class Trainer:
                             run=self.run)
         self.files.write_header(slot, header.to_metadata())
         assert self.client.send(SnapshotReady(slot, iteration, persist, persist_items))
+        if not wait:
+            return slot
         for _ in range(100):
             for msg in self.client.poll(block_s=0.2):
                 if isinstance(msg, Released):
@@ -245,6 +248,32 @@ def test_agent_carries_unwritten_experts_forward_from_its_newest_snapshot(traine
     assert t.memory().slots[0][third].tokens == {"L1.E1": 101, "L1.E2": 102, "L1.E3": 103}
     found, _ = t.memory().restorable(0, JobKey("t", "f", t.root))
     assert [r.iteration for _, r, _ in found] == [3, 2, 1]
+
+
+def test_a_snapshot_is_restorable_before_its_experts_are_carried(trainers, monkeypatch):
+    """The agent records a snapshot once it is checked; carrying in the experts it did not write is
+    later work that no restore waits for. Agent SIGKILLed between the two: memory still restores
+    iteration 2, its unwritten experts from the slot they were to be carried from, every byte checked."""
+    from megatron_pec.sources import expert_source_for, memory_sources
+
+    monkeypatch.setenv("MEGATRON_PEC_FAULT", "agent_carried=kill@2")
+    t = trainers(0, nodes=1)
+    first, _ = t.snapshot(1, persist=False)
+    pid = agent_pid(t.directory)  # this process started it: reaped here
+    second = t.snapshot(2, written=("dense", "L1.E0"), persist=False, wait=False)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        assert time.monotonic() < deadline, open(os.path.join(t.directory, "agent.log")).read()
+        time.sleep(0.05)
+    assert t.memory().slots[0][second].items == {"dense": 2, "L1.E0": 2}
+    memory = memory_sources(t.directory, 0, JobKey("t", "f", t.root))
+    assert [s.iteration for s in memory] == [2, 1]
+    for item, version, value in (("dense", 2, 2.5), ("L1.E0", 2, 2.5), ("L1.E1", 1, 1.5), ("L1.E3", 1, 1.5)):
+        source = expert_source_for(item, version, memory, {}, t.root, 0, None)
+        assert source.where.endswith(f"slot{first if version == 1 else second}"), item
+        source.open(PosixStorage(), {item})
+        names = {e.name for e in source._layout.tensors if e.item == item}
+        assert names and all(float(v.flatten()[0]) == value for v in source.tensors(names).values()), item
 
 
 def test_agent_never_carries_from_another_job_or_an_abandoned_timeline(trainers, shm_dir):

@@ -15,7 +15,6 @@ import dataclasses
 
 from megatron_pec.protocol import SlotHeader, SlotRecord
 from megatron_pec.slots import open_slot
-from megatron_pec.stformat import item_checksums
 
 
 def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: SlotRecord,
@@ -28,7 +27,7 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     Raises OSError, FormatError or ValueError (another tensor layout: bytes of different tensors
     are never mixed).
     """
-    take = {i: v for i, v in base_record.items.items() if i not in record.items}
+    take = {i: v for i, v in base_record.items.items() if i not in record.items and i in base_record.crcs}
     if not take:
         return record
     mapping, header = open_slot(path)
@@ -49,10 +48,12 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
         finally:
             dst.release()
             src.release()
-        crcs = item_checksums(mapping, header, set(take))
     finally:
         base_map.close()
         mapping.close()
     tokens = {i: base_record.tokens.get(i, base_header.tokens.get(i, 0)) for i in take}
+    # The base's crcs, not recomputed: a byte the base lost in memory is then caught at restore,
+    # never blessed with a fresh checksum (and the carry is one memcpy, no second pass).
+    crcs = {i: base_record.crcs[i] for i in take}
     return dataclasses.replace(record, items={**record.items, **take}, crcs={**record.crcs, **crcs},
                                tokens={**record.tokens, **tokens})

@@ -2,8 +2,9 @@
 with which item versions - and the one predicate that says whether a slot may be restored.
 
 The agent is the only writer of ``<node dir>/slots.json`` (a ``MemoryIndex``): it records a
-slot when a snapshot is complete (after carrying experts forward), forgets it when the
-trainer announces new contents for it, and forks a rank's timeline when a trainer
+slot as soon as its snapshot is checked (the items it wrote; a restore takes the others from
+older slots), again once the experts it did not write are carried forward into it, forgets
+it when the trainer announces new contents for it, and forks a rank's timeline when a trainer
 ``Begin``s after a restore. Restore (``sources.memory_sources``) and the agent's own
 carry-forward read it through :meth:`NodeMemory.restorable`; nothing else decides.
 
@@ -120,27 +121,28 @@ class NodeMemory:
     def on_lineage(self, rank: int, record: SlotRecord) -> bool:
         return any(s.admits(record.run, record.iteration) for s in self.lineage.get(rank, []))
 
-    def newest(self, rank: int, accept=None) -> tuple[int, SlotRecord] | None:
+    def newest(self, rank: int, accept=None, exclude=frozenset()) -> tuple[int, SlotRecord] | None:
         """The slot with the newest snapshot on the rank's timeline (the one the agent keeps for recovery),
-        among the records ``accept(record)`` approves if given."""
+        among the records ``accept(record)`` approves if given and the slots not in ``exclude``."""
         live = [(rec.iteration, slot) for slot, rec in self.slots.get(rank, {}).items()
-                if self.on_lineage(rank, rec) and (accept is None or accept(rec))]
+                if slot not in exclude and self.on_lineage(rank, rec) and (accept is None or accept(rec))]
         if not live:
             return None
         slot = max(live)[1]
         return slot, self.slots[rank][slot]
 
-    def grantable(self, rank: int, busy: set[int]) -> list[int]:
-        """Slots the trainer may overwrite: not ``busy`` (announced, being read) and not the newest
-        snapshot; oldest contents first."""
-        keep = self.newest(rank)
+    def grantable(self, rank: int, busy: set[int], uncarried=frozenset()) -> list[int]:
+        """Slots the trainer may overwrite: not ``busy`` (announced, being read), not the newest
+        snapshot and, while ``uncarried`` snapshots wait for their experts, not the newest complete
+        one they are carried from; oldest contents first."""
+        keep = {found[0] for found in (self.newest(rank), self.newest(rank, exclude=uncarried)) if found}
         records = self.slots.get(rank, {})
 
         def reuse_order(slot: int):  # abandoned or empty slots first, then the oldest snapshot
             record = records.get(slot)
             return (record is not None and self.on_lineage(rank, record), record.iteration if record else -1)
 
-        free = [s for s in range(NUM_SLOTS) if s not in busy and (keep is None or s != keep[0])]
+        free = [s for s in range(NUM_SLOTS) if s not in busy and s not in keep]
         return sorted(free, key=reuse_order)
 
     def is_restorable(self, rank: int, slot: int, job: JobKey | None) -> tuple[SlotRecord, SlotHeader] | str:

@@ -5,20 +5,23 @@ it outlives trainer crashes so their snapshots stay in node memory. It never
 imports torch or Megatron. Phases:
 
 5. persist  for each announced snapshot, in arrival order: check the slot and,
-            for persistent saves, write the rank file (tmp, fsync, rename).
+            for persistent saves, write the rank file (tmp, fsync, rename); record
+            the slot in node memory (``memory.py``) with the items it wrote, so a
+            restore never waits for phase 7 (it reads the others from older slots).
 6. commit   when all local ranks of an iteration are persisted, write this node's
             marker; whichever node completes last writes manifest and tracker.
 7. carry    copy the experts the snapshot did not write forward from the rank's
-            newest restorable slot (``carry.py``), record the slot in node memory
-            (``memory.py``), release the snapshot and grant the trainer the slots it
-            may overwrite now. Carries wait while other snapshots queue up for
-            phases 5-6, so they never delay a commit.
+            newest complete slot (``carry.py``), record the slot again, release the
+            snapshot and grant the trainer the slots it may overwrite now. Carries
+            wait while other snapshots queue up for phases 5-6, so they never delay
+            a commit.
 
 Protocol (``protocol.py`` records, newline-delimited JSON over ``<node dir>/agent.sock``):
 a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` with its
 first slot grants), then ``SnapshotReady`` per snapshot (answered ``Released``, with an
 error if persisting failed, and new grants), ``Flush`` (answered ``Flushed`` once all
-earlier work is done), ``Detach`` or ``Stop``. A slot belongs to the trainer only while
+earlier work is done), ``Settle`` (answered ``Flushed`` once every earlier snapshot is
+recorded: what a restore needs), ``Detach`` or ``Stop``. A slot belongs to the trainer only while
 granted; announcing a snapshot hands it back. A trainer left with no slot (all held for
 recovery or a replica push) is sent ``Granted`` as soon as one is free again. A failed persist is reported and the agent
 keeps serving.
@@ -44,7 +47,7 @@ from megatron_pec.agent import peers
 from megatron_pec.agent.persist import check_and_persist
 from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
 from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Granted, Hello, JobInfo, NodeMarker,
-                                   PeerAddress, ProtocolError, RankFile, Ready, Record, Released, SlotRecord,
+                                   PeerAddress, ProtocolError, RankFile, Ready, Record, Released, Settle, SlotRecord,
                                    SnapshotReady, Stop, decode_message)
 from megatron_pec.slots import slot_path
 from megatron_pec.stformat import FormatError
@@ -201,7 +204,7 @@ class Agent:
                             self.jobs.put((link, "pull"))
                 elif link is None and not isinstance(msg, Stop):
                     raise ProtocolError(f"{msg.KIND} before hello")
-                elif isinstance(msg, (Begin, SnapshotReady, Flush)):
+                elif isinstance(msg, (Begin, SnapshotReady, Flush, Settle)):
                     with self.lock:
                         self.pending_work = True
                     self.jobs.put((link, msg))
@@ -253,13 +256,15 @@ class Agent:
                     carries.append((link, msg, *self._persist(link, msg)))
                 except Exception as exc:  # reported to the trainer; the agent keeps serving
                     self._release(link, msg, f"{type(exc).__name__}: {exc}")
-            else:  # Flush or Begin: everything queued before it is done first
-                while carries:
-                    self._finish(*carries.popleft())
+            elif isinstance(job[1], (Settle, Begin)):  # every earlier snapshot is recorded: carries may wait
                 link, msg = job
                 self._send(link.conn, self._begin(link, msg) if isinstance(msg, Begin) else Flushed())
                 if isinstance(msg, Begin) and msg.resumed_from:
                     self._persist_resumed(link, msg.resumed_from)
+            else:  # Flush: everything queued before it is done first
+                while carries:
+                    self._finish(*carries.popleft())
+                self._send(job[0].conn, Flushed())
             with self.lock:  # after every step: a stale "busy" kept the agent alive forever
                 self.pending_work = bool(carries) or not self.jobs.empty()
 
@@ -274,10 +279,11 @@ class Agent:
     def _grant(self, link: Link) -> list[int]:
         if link.run is None or self.links.get(link.rank) is not link:
             return []  # a trainer that has not begun, or has been replaced, gets nothing
-        busy = self.in_flight.get(link.rank, set()) | link.granted | self._newest_committed(link)
+        in_flight = self.in_flight.get(link.rank, set())
+        busy = in_flight | link.granted | self._newest_committed(link)
         if self.replicator is not None:
             busy |= self.replicator.busy(link.rank)  # being sent to a peer
-        grants = self.memory.grantable(link.rank, busy)
+        grants = self.memory.grantable(link.rank, busy, uncarried=in_flight)
         link.granted.update(grants)
         return grants
 
@@ -403,6 +409,8 @@ class Agent:
                 self.failed.add((root, msg.iteration))
             self.memory.write()
             raise
+        self.memory.record(rank, msg.slot, record)  # restorable now; phase 7 adds the carried experts
+        self.memory.write()
         if target is None:
             return record, None
         try:
@@ -415,20 +423,22 @@ class Agent:
     def _finish(self, link: Link, msg: SnapshotReady, record: SlotRecord, error: str | None) -> None:
         """Phase 7: carry experts forward, record the slot, release it, grant what is free now."""
         rank = link.rank
-        record = self._carry(rank, slot_path(self.directory, rank, msg.slot), record, link.key)
+        record = self._carry(rank, msg.slot, record, link.key)
         faults.point("agent_carried", iteration=msg.iteration)
         self.memory.record(rank, msg.slot, record)
         self.memory.write()
-        if self.replicator is not None:
+        if self.replicator is not None and self.memory.on_lineage(rank, record):
             self._publish(link.job)
             self.replicator.offer(rank, slot_path(self.directory, rank, msg.slot), msg.slot, record,
                                   self.memory.lineage.get(rank, []))
         self._release(link, msg, error)
 
-    def _carry(self, rank: int, path: str, record: SlotRecord, job: JobKey) -> SlotRecord:
+    def _carry(self, rank: int, slot: int, record: SlotRecord, job: JobKey) -> SlotRecord:
         """The record completed with the experts this snapshot did not write, carried from the rank's
-        newest restorable slot; on any failure they restore from storage."""
-        newest = self.memory.newest(rank)
+        newest complete slot (carries run in order: every older snapshot's is done, newer ones are
+        still in flight); on any failure they restore from storage."""
+        path = slot_path(self.directory, rank, slot)
+        newest = self.memory.newest(rank, exclude=self.in_flight.get(rank, set()))
         if newest is None:
             return record
         verdict = self.memory.is_restorable(rank, newest[0], job)
