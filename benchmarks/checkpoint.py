@@ -82,6 +82,7 @@ def targets(result: dict) -> list[str]:
             text += f"; torch_dist sync is {td / m['blocking_s_median']:.1f}× slower (target ≥ 5×: " \
                     f"{'met' if td / m['blocking_s_median'] >= 5 else 'NOT met'})"
         out.append(text)
+    out += restore_and_throughput_targets(ms, fl)
     full = ms.get("megatron-pec K=all")
     if full and full.get("persist_MBps"):
         pct = full["persist_MBps"] / fl["write_MBps"]
@@ -100,6 +101,48 @@ def targets(result: dict) -> list[str]:
             red = 1 - k1 / fa
             out.append(f"8 experts, hidden {r['model']['hidden_size']}: K=1 persists {k1 / 1e6:.1f} MB/rank vs "
                        f"{fa / 1e6:.1f} MB/rank full = {red:.0%} smaller (target ≥ 70%: {'met' if red >= 0.7 else 'NOT met'})")
+    return out
+
+
+def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
+    """Issue 15's goals: restores at every K against the memcpy floor and DLRover, the save's floor,
+    throughput against DLRover."""
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    out, dl = [], ms.get("DLRover flash ckpt", {})
+    full = ms.get("megatron-pec K=all", {})
+    for name, m in ms.items():
+        if m["family"] != "pec":
+            continue
+        memory, storage = m.get("restore_memory_s"), m.get("restore_storage_s")
+        if memory:
+            ratio = memory / fl["memcpy_s"]
+            text = f"{name}: restore from memory {memory * 1000:.0f} ms = {ratio:.1f}× the memcpy floor " \
+                   f"(target ≤ 1.5×: {verdict(ratio <= 1.5)})"
+            if dl.get("restore_memory_s"):
+                text += f"; DLRover {dl['restore_memory_s'] * 1000:.0f} ms (target faster: " \
+                        f"{verdict(memory < dl['restore_memory_s'])})"
+            if name != "megatron-pec K=all" and full.get("restore_memory_s"):
+                text += f"; K=all {full['restore_memory_s'] * 1000:.0f} ms (target not slower: " \
+                        f"{verdict(memory <= full['restore_memory_s'] * 1.05)})"
+            out.append(text)
+        if storage and dl.get("restore_storage_s"):
+            out.append(f"{name}: restore from storage {storage * 1000:.0f} ms, checksums verified; DLRover "
+                       f"{dl['restore_storage_s'] * 1000:.0f} ms (target at least as fast: "
+                       f"{verdict(storage <= dl['restore_storage_s'])})")
+    if full.get("blocking_s_median") and full.get("memcpy_floor_s"):
+        ratio = full["blocking_s_median"] / full["memcpy_floor_s"]
+        out.append(f"megatron-pec K=all: blocking {ratio:.2f}× the memcpy floor "
+                   f"(target ≤ 1.2×: {verdict(ratio <= 1.2)})")
+    if full.get("train_throughput_ratio") and dl.get("train_throughput_ratio"):
+        out.append(f"throughput with a checkpoint every iteration: K=all {full['train_throughput_ratio']:.2f}, DLRover "
+                   f"{dl['train_throughput_ratio']:.2f} (target ≥ DLRover: "
+                   f"{verdict(full['train_throughput_ratio'] >= dl['train_throughput_ratio'])})")
+    one = ms.get("megatron-pec K=1", {})
+    if one.get("train_throughput_ratio"):
+        out.append(f"throughput with a checkpoint every iteration: K=1 {one['train_throughput_ratio']:.2f} "
+                   f"(target ≥ 0.9: {verdict(one['train_throughput_ratio'] >= 0.9)})")
     return out
 
 

@@ -50,6 +50,16 @@ def unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its threads (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _max(x: float) -> float:
     t = torch.tensor([float(x)], dtype=torch.float64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -82,6 +92,13 @@ class Method:
         return time.perf_counter()
 
     def snapshot_bytes(self):
+        return None
+
+    def background_cpu_s(self):
+        """CPU seconds used so far by the process that persists in the background (None: none)."""
+        return None
+
+    def copy_pieces(self):
         return None
 
     def restore_memory(self):
@@ -179,6 +196,16 @@ class Pec(Method):
         # What the trainer copied: the items at this iteration (the others the agent carried in).
         items = {i for i, version in record.items.items() if version == record.iteration}
         return sum(s.numel * s.dtype.itemsize for s in self.engine.adapter.slices if s.item in items)
+
+    def copy_pieces(self):
+        """(slices, copies) of one K=all snapshot: the copy calls after coalescing contiguous runs."""
+        return len(self.engine.adapter.slices), self.engine.stats.get("copy_runs")
+
+    def background_cpu_s(self):
+        from megatron_pec.agent.client import agent_pid
+
+        pid = agent_pid(self.engine.node_dir)
+        return process_cpu_s(pid) if pid else None
 
     def restore_memory(self):
         c = self.ctx

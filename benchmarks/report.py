@@ -28,9 +28,9 @@ def method_table(run: dict) -> str:
     ref = run["methods"].get("torch_dist sync", {}).get("blocking_s_median")
     lines = [
         "| method | blocking ms (median / p90 / min) | × memcpy floor | torch_dist sync ÷ this | bytes/rank MB "
-        "(storage) | snapshot MB/rank | persist MB/s (% of write floor) | restore memory s | restore storage s "
-        "| throughput, ckpt every it (vs none) | fsync |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "(storage) | snapshot MB/rank | persist MB/s (% of write floor) | restore memory s (× memcpy floor) "
+        "| restore storage s | throughput, ckpt every it (vs none) | persisting process CPU s/GB | fsync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in run["methods"].items():
         floor = m.get("memcpy_floor_s")  # only methods that snapshot to memory have a memcpy floor
@@ -42,8 +42,9 @@ def method_table(run: dict) -> str:
             f"{_ms(min(m['blocking_s_all']) if m.get('blocking_s_all') else None)} | {_f(over, '{:.1f}×')} "
             f"| {_f(speed, '{:.1f}×')} | {_mb(m.get('bytes_per_rank'))} | {_mb(m.get('snapshot_bytes_per_rank'))} "
             f"| {_f(m.get('persist_MBps'), '{:.0f}')} ({_f(pct, '{:.0f}%')}) | {_f(m.get('restore_memory_s'), '{:.3f}')} "
+            f"({_f(m['restore_memory_s'] / fl['memcpy_s'] if m.get('restore_memory_s') else None, '{:.1f}×')}) "
             f"| {_f(m.get('restore_storage_s'), '{:.3f}')} | {_f(m.get('train_throughput_ratio'), '{:.2f}')} "
-            f"| {'yes' if m.get('fsync') else 'no'} |")
+            f"| {_f(m.get('agent_cpu_s_per_GB'), '{:.2f}')} | {'yes' if m.get('fsync') else 'no'} |")
     return "\n".join(lines)
 
 
@@ -56,7 +57,7 @@ def headline(result: dict) -> str:
     lines = [f"{describe_model(run['model'])}; ratios from `{result['command']}`", "",
              "| method | save blocks training (vs torch_dist sync) | blocking ÷ memcpy floor | bytes/rank vs K=all "
              "| persist rate ÷ write+fsync floor | restore from storage (vs torch_dist) | restore from memory "
-             "(vs its storage restore) | throughput, ckpt every iteration |",
+             "÷ memcpy floor | throughput, ckpt every iteration |",
              "|---|---|---|---|---|---|---|---|"]
     for name, m in ms.items():
         b = m.get("blocking_s_median")
@@ -68,8 +69,7 @@ def headline(result: dict) -> str:
         pr = f"{m['persist_MBps'] / fl['write_MBps']:.0%}" if m.get("persist_MBps") else "–"
         rs = f"{m['restore_storage_s'] / td['restore_storage_s']:.2f}×" if m.get("restore_storage_s") and \
             td.get("restore_storage_s") else "–"
-        rm = f"{m['restore_memory_s'] / m['restore_storage_s']:.2f}×" if m.get("restore_memory_s") and \
-            m.get("restore_storage_s") else "–"
+        rm = f"{m['restore_memory_s'] / fl['memcpy_s']:.1f}×" if m.get("restore_memory_s") else "–"
         tp = f"{m['train_throughput_ratio']:.2f}" if m.get("train_throughput_ratio") else "–"
         lines.append(f"| {name} | {rel} | {floor} | {size} | {pr}{'' if m.get('fsync') else ' (no fsync)'} | {rs} "
                      f"| {rm} | {tp} |")
@@ -118,14 +118,17 @@ def markdown(result: dict) -> str:
                        f"{_ms(p['K=1']['blocking_s_median'])} | {_mb(p['K=1']['bytes_per_rank'])} | −{red:.0%} |")
         out.append("")
     if result.get("targets"):
-        out += ["## Targets (issue 7)", ""] + [f"* {t}" for t in result["targets"]] + [""]
+        out += ["## Targets (issues 7 and 15)", ""] + [f"* {t}" for t in result["targets"]] + [""]
     out += ["Notes: blocking = time the training loop is stopped by one save (slowest rank). Persist MB/s = the "
             "node's bytes for that checkpoint ÷ time from the save call until it is durable and committed "
             "(megatron-pec: manifest written; torch_dist async: finalize; DLRover: its tracker file), "
             "compared with one writer's write+fsync floor. `fsync: no` methods (Megatron legacy torch.save, "
             "DLRover) return before their bytes reach the disk, so their persist rate is partly page-cache speed. "
             "Restore = time until the training state is back in place; storage restores drop the page cache "
-            "of the files first. Throughput = iterations/s with a checkpoint every iteration ÷ without.", ""]
+            "of the files first; restore from memory is the median of three restores into the running job, its "
+            "floor one memcpy of the optimizer state. Throughput = iterations/s with a checkpoint every iteration "
+            "÷ without. Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
+            "node persisted (carrying experts forward included).", ""]
     return "\n".join(out)
 
 

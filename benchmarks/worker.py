@@ -126,6 +126,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     method.setup()
     out["setup_s"] = _max(time.perf_counter() - t_setup)
     blocking, persist, node_bytes, rank_bytes = [], [], [], []
+    cpu_before = method.background_cpu_s()
     for _ in range(saves):
         ctx.train(1)
         it = ctx.next_iteration()
@@ -143,6 +144,8 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
             persist.append(tp)
             node_bytes.append(sum(everyone))
             rank_bytes.append(everyone)
+    cpu_after = method.background_cpu_s()
+    out["copy_pieces_slices_runs"] = method.copy_pieces()
     snap = method.snapshot_bytes()
     snap_all = _gather(snap)
     out.update({
@@ -156,6 +159,9 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
                                            if t > s]) if persist and method.persists_async else None,
         "snapshot_bytes_per_rank": max(snap_all) if snap is not None else None,
         "fsync": method.family in ("pec", "torch_dist"),
+        # one node: its agent's CPU time over the bytes every rank persisted in those saves
+        "agent_cpu_s_per_GB": (cpu_after - cpu_before) / (sum(node_bytes) / 1e9)
+        if cpu_before is not None and cpu_after is not None and sum(node_bytes) else None,
     })
     if out["snapshot_bytes_per_rank"]:
         out["memcpy_floor_s"] = out["snapshot_bytes_per_rank"] / memcpy_Bps
@@ -185,7 +191,9 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     out["train_throughput_ratio"] = tput.get("1")
     out["skipped_saves_in_throughput_runs"] = method.skipped - skipped_before
     # restores (last: they change the training state)
-    out["restore_memory_s"] = method.restore_memory() if method.has_memory else None
+    memory = [method.restore_memory() for _ in range(3)] if method.has_memory else []
+    out["restore_memory_s_all"] = memory
+    out["restore_memory_s"] = median(memory) if memory else None
     ctx.invalidate()
     out["restore_storage_s"] = method.restore_storage()
     ctx.invalidate()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import sys
@@ -24,12 +25,13 @@ import torch
 from megatron_pec import faults, manifest, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
+from megatron_pec.copyruns import coalesce
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
 from megatron_pec.pec_state import Level, PecState
-from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Granted, Hello, JobInfo, Record, Released, SlotHeader,
-                                   SnapshotReady)
+from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Granted, Hello, JobInfo, Record, Released, Settle,
+                                   SlotHeader, SnapshotReady)
 from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
 from megatron_pec.sources import megatron_format
 from megatron_pec.stformat import layout as tensor_layout
@@ -85,8 +87,7 @@ class Engine:
         self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.deferred = self.copy_stream is not None or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         self.pending = None
-        self._slot_views: dict[int, dict[str, list]] = {}    # slot -> item -> its slices' views (see _copy_lists)
-        self._live_views: tuple[object, dict[str, list]] = (None, {})
+        self._copy_runs: dict[int, tuple] = {}  # slot -> (live views, item -> coalesced copies) (_copy_lists)
         if self.deferred:
             self.adapter.before_each_step(self.finish_snapshot)
         if self.config.save:
@@ -281,21 +282,22 @@ class Engine:
         return event
 
     def _copy_lists(self, slot: int, live: dict, written: set[str]) -> tuple[list, list]:
-        """(slot views, live views) of the written items' slices, in slice order; the per-item lists are
-        built once per slot and once per binding of the live views."""
-        if self._slot_views.get(slot) is None:
-            by_item: dict[str, list] = {}
+        """(slot views, live views) of the written items' slices, in slice order and coalesced into
+        runs of contiguous bytes (``copyruns``); built once per slot and binding of the live views."""
+        runs = self._copy_runs.get(slot)
+        if runs is None or runs[0] is not live:
+            dst: dict[str, list] = {}
+            src: dict[str, list] = {}
             for s in self.adapter.slices:
-                by_item.setdefault(s.item, []).append(self.files.views[slot][s.name])
-            self._slot_views[slot] = by_item
-        if self._live_views[0] is not live:
-            by_item = {}
-            for s in self.adapter.slices:
-                by_item.setdefault(s.item, []).append(live[s.name])
-            self._live_views = (live, by_item)
-        dst_by_item, src_by_item = self._slot_views[slot], self._live_views[1]
-        items = [item for item in dst_by_item if item in written]
-        return ([v for item in items for v in dst_by_item[item]], [v for item in items for v in src_by_item[item]])
+                dst.setdefault(s.item, []).append(self.files.views[slot][s.name])
+                src.setdefault(s.item, []).append(live[s.name])
+            join = functools.partial(self.files.view_from, slot)
+            runs = (live, {item: coalesce(dst[item], src[item], join) for item in dst})
+            self._copy_runs[slot] = runs
+            self.stats["copy_runs"] = sum(len(d) for d, _ in runs[1].values())
+        by_item = runs[1]
+        items = [item for item in by_item if item in written]
+        return [v for item in items for v in by_item[item][0]], [v for item in items for v in by_item[item][1]]
 
     def finish_snapshot(self) -> None:
         """Complete the pending snapshot: wait for its copies, write its header, hand it to the agent.
@@ -382,6 +384,13 @@ class Engine:
         _, others = self.agent.request(Flush(), Flushed, timeout)
         self._handle(others)
 
+    def settle(self, timeout: float = 300.0) -> None:
+        """Wait until the agent has recorded every snapshot announced so far (what a restore reads),
+        not for the experts it still carries forward into them."""
+        self.finish_snapshot()
+        _, others = self.agent.request(Settle(), Flushed, timeout)
+        self._handle(others)
+
     # ---- load ----------------------------------------------------------------------------------
     def load(self, root: str | None, scheduler, rng_key_prefix: str = "",
              pretrained: str | None = None) -> tuple[int, float]:
@@ -390,14 +399,18 @@ class Engine:
 
         ``pretrained`` (--pretrained-checkpoint): when ``root`` holds nothing, fine-tune from it,
         as Megatron does; it must then hold a megatron-pec checkpoint."""
-        self.flush()
+        started = time.perf_counter()
+        self.settle()
+        settled = time.perf_counter()
         result = Loader(self._load_context(), root).load() if root else None
+        timings = (started, settled, time.perf_counter())
         if result is None and pretrained:
             if self.rank == 0:
                 say(f"megatron-pec: no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint "
                     f"{pretrained} (weights only, iteration 0)")
             self.config = dataclasses.replace(self.config, finetune=True)
             result = Loader(self._load_context(), pretrained).load()
+            timings = (started, settled, time.perf_counter())
             if result is None:
                 raise CheckpointError(
                     f"megatron-pec: --pretrained-checkpoint {pretrained} holds no megatron-pec checkpoint; "
@@ -406,7 +419,7 @@ class Engine:
         if result is None:
             self._begin(None)
             return 0, 0
-        return self._apply(result, scheduler, rng_key_prefix)
+        return self._apply(result, scheduler, rng_key_prefix, timings)
 
     def megatron_checkpoint(self, root: str) -> str | None:
         """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:
@@ -436,8 +449,10 @@ class Engine:
             num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll,
             layout=self.layout)
 
-    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str) -> tuple[int, float]:
-        """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state."""
+    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str,
+               timings: tuple[float, float, float] | None = None) -> tuple[int, float]:
+        """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state;
+        ``timings`` (start, agent settled, loader done) go into the log."""
         config = self.config
         load_optim = not (config.no_load_optim or config.finetune)
         self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
@@ -454,6 +469,12 @@ class Engine:
                 self.pec.set_k(fresh.snapshot.k, fresh.persist.k)
         for line in result.log_lines(self.rank):
             say(line)
+        if timings is not None:
+            started, settled, read = timings
+            done = time.perf_counter()
+            say(f"megatron-pec: rank {self.rank}: restore took {done - started:.3f} s (waiting for the agent "
+                f"{settled - started:.3f} s, choosing, reading and checking {read - settled:.3f} s, applying "
+                f"{done - read:.3f} s)")
         iteration = 0 if config.finetune else result.iteration
         self._begin(iteration)
         return iteration, result.small["num_floating_point_operations_so_far"]
@@ -473,8 +494,7 @@ class Engine:
         if self.files is None:
             return
         self.pending = None
-        self._slot_views.clear()
-        self._live_views = (None, {})
+        self._copy_runs.clear()
         if self.pinning is not None:
             self.pinning.unpin_all()
         try:

@@ -20,7 +20,7 @@ from megatron_pec.agent.memory import JobKey, NodeMemory
 from megatron_pec.protocol import Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.slots import open_slot
 from megatron_pec.stformat import FormatError, Header, decode_header, item_checksums, read_header, tensor_at
-from megatron_pec.storage import PosixStorage, crc32_of
+from megatron_pec.storage import PosixStorage
 
 
 class SourceError(RuntimeError):
@@ -139,10 +139,9 @@ def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
     """A whole persisted rank file, checked against its manifest entry (size, crc32; ``deep`` also
     the header and per-item crc32s that partial restores rely on); raises SourceError (what is
     wrong, in words) or OSError."""
-    buffer = storage.read_into(path)
+    buffer, actual = storage.read_checked(path)
     if len(buffer) != entry.size:
         raise SourceError(f"{path} is {len(buffer)} bytes, the manifest says {entry.size} (truncated?)")
-    actual = crc32_of(buffer)
     if actual != entry.crc32:
         raise SourceError(f"{path} fails its checksum (crc32 {actual:08x}, recorded {entry.crc32:08x}): "
                           "the file is corrupt")

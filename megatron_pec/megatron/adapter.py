@@ -208,8 +208,9 @@ class MegatronAdapter:
             self._live = None
             targets = self._param_views()
         elif load_optim:
-            restore.restore_optimizer(self.optimizer, restore.fit_optimizer_state(small["optimizer"], self.optimizers))
-            self._live = None  # load_state_dict replaced the optimizer's tensors
+            if not restore.restore_optimizer(self.optimizer,
+                                             restore.fit_optimizer_state(small["optimizer"], self.optimizers)):
+                self._live = None  # load_state_dict replaced the optimizer's tensors
             targets = self.live_views()
         else:
             targets = self._param_views()

@@ -18,8 +18,9 @@ from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 @torch.no_grad()
 def copy_slices(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
-    for name, tensor in saved.items():
-        live[name].copy_(tensor)
+    names = list(saved)
+    if names:  # one call, not one per slice: a large MoE rank holds tens of thousands
+        torch._foreach_copy_([live[n] for n in names], [saved[n] for n in names])
 
 
 @torch.no_grad()
@@ -89,9 +90,63 @@ def fit_optimizer_state(saved, optimizers: list):
     return fitted[0] if len(fitted) == 1 else fitted
 
 
-def restore_optimizer(optimizer, state: dict) -> None:
+def restore_optimizer(optimizer, state: dict) -> bool:
+    """The saved optimizer state_dict (hyperparameters, step) into ``optimizer``; the Adam moments
+    come next, as slices. Megatron's load_state_dict reallocates and deep-copies every moment; a
+    restore into a running job (torch Adam, every param's state present) is done in place instead.
+    Returns whether it was (then the optimizer's state tensors are the same objects as before)."""
+    if _load_in_place(optimizer, state):
+        return True
     optimizer.load_state_dict(state)
     untie_steps(optimizer)
+    return False
+
+
+def _load_in_place(optimizer, state) -> bool:
+    """What Megatron's DistributedOptimizer.load_state_dict leaves behind without apex/TE (each live
+    param group updated from the saved group of the same identity, every param's ``step`` set to the
+    saved one), when that is all there is to do; False (nothing changed) otherwise."""
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return False  # FusedAdam keeps its step in the groups: Megatron's own path
+    optimizers = distributed_optimizers(optimizer)
+    parts = state if isinstance(state, list) else [state]
+    if len(parts) != len(optimizers):
+        return False
+
+    def identity(group: dict) -> tuple:
+        return tuple(repr(group.get(k, group.get(f"pre_{k}"))) for k in param_group_identifier_keys)
+
+    plans, steps = [], set()
+    for opt, part in zip(optimizers, parts):
+        inner = opt.optimizer
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or opt.grad_scaler is not None \
+                or set(part) - {"optimizer"}:
+            return False
+        saved = {identity(g): g for g in part["optimizer"]["param_groups"]}
+        matched = [saved.get(identity(g)) for g in inner.param_groups]
+        if None in matched or len(saved) != len(inner.param_groups) or any(g.get("amsgrad") for g in matched):
+            return False
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if not all(torch.is_tensor(inner.state.get(p, {}).get("step")) and "exp_avg" in inner.state[p]
+                   and "exp_avg_sq" in inner.state[p] for p in params):
+            return False  # a fresh optimizer (a restart): Megatron allocates the state
+        if len({id(inner.state[p]["step"]) for p in params}) != len(params):
+            return False  # steps shared by every param (see untie_steps): Megatron's path unties them
+        steps |= {g.get("step") for g in matched}
+        plans.append((inner, matched, params))
+    if len(steps) != 1 or None in steps:
+        return False
+    step = float(steps.pop())
+    with torch.no_grad():
+        for inner, matched, params in plans:
+            for live, group in zip(inner.param_groups, matched):
+                live.update({k: v for k, v in group.items() if k != "params"})
+            for p in params:
+                inner.state[p]["step"].fill_(step)
+    return True
 
 
 def untie_steps(optimizer) -> None:

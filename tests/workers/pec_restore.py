@@ -55,7 +55,8 @@ def main():
     args, model, optimizer, scheduler, data_from = setup(
         ["--hidden-size", "64", "--train-iters", "40", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "pec",
          "--pec-snapshot-k", "2", "--pec-persist-k", "1", "--pec-dynamic-k", "--pec-plt-threshold", "0.001",
-         "--pec-keep", "0"])  # every iteration stays committed: the test reads their manifests
+         "--pec-keep", "0",  # every iteration stays committed: the test reads their manifests
+         "--pec-wait-for-slot"])  # on a loaded machine no snapshot is skipped: each restore's target exists
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     result = {}
     train(args, model, optimizer, scheduler, data_from(0), 1, 10)

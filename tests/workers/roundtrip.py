@@ -15,7 +15,7 @@ import torch
 import megatron_pec
 from common import report, setup, train
 from megatron_pec import api
-from megatron_pec.megatron import collect
+from megatron_pec.megatron import collect, restore
 
 N = 6  # persistent save here; memory snapshots at every iteration before it
 MORE = 3
@@ -54,11 +54,16 @@ def main():
         ["--train-iters", "20", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "rt"]
         + sys.argv[3:])
     fresh = megatron_pec.load_checkpoint(model, optimizer, scheduler)
+    in_place = []  # whether each restore set the optimizer's hyperparameters and step in place
+    load_in_place = restore._load_in_place
+    restore._load_in_place = lambda *a: in_place.append(load_in_place(*a)) or in_place[-1]
     data = data_from(0)
     for i in range(1, N + 1):
         train(args, model, optimizer, scheduler, data, 1)
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 100.0 * i, non_persistent_ckpt=i != N)
     at_n = capture(args, model, optimizer, scheduler)
+    fast = collect.fast_optimizer_state(optimizer)
+    fast_equal = fast is not None and fast == optimizer.state_dict()  # what every save stores, both ways
     reference = train(args, model, optimizer, scheduler, data, MORE)
     result = {"fresh": list(fresh), "reference": reference}
 
@@ -76,6 +81,8 @@ def main():
         after = capture(args, model, optimizer, scheduler)
         resumed = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
         result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed}
+    result["in_place"] = in_place
+    result["fast_state_dict_equal"] = fast_equal
     report("roundtrip", result)
     torch.distributed.barrier()
 
