@@ -98,8 +98,6 @@ class Method:
         """CPU seconds used so far by the process that persists in the background (None: none)."""
         return None
 
-    def copy_pieces(self):
-        return None
 
     def restore_memory(self):
         return None
@@ -196,10 +194,6 @@ class Pec(Method):
         # What the trainer copied: the items at this iteration (the others the agent carried in).
         items = {i for i, version in record.items.items() if version == record.iteration}
         return sum(s.numel * s.dtype.itemsize for s in self.engine.adapter.slices if s.item in items)
-
-    def copy_pieces(self):
-        """(slices, copies) of one K=all snapshot: the copy calls after coalescing contiguous runs."""
-        return len(self.engine.adapter.slices), self.engine.stats.get("copy_runs")
 
     def background_cpu_s(self):
         from megatron_pec.agent.client import agent_pid

@@ -145,7 +145,6 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
             node_bytes.append(sum(everyone))
             rank_bytes.append(everyone)
     cpu_after = method.background_cpu_s()
-    out["copy_pieces_slices_runs"] = method.copy_pieces()
     snap = method.snapshot_bytes()
     snap_all = _gather(snap)
     out.update({

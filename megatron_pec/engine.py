@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import os
 import sys
@@ -25,7 +24,6 @@ import torch
 from megatron_pec import faults, manifest, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
-from megatron_pec.copyruns import coalesce
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
@@ -87,7 +85,8 @@ class Engine:
         self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.deferred = self.copy_stream is not None or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         self.pending = None
-        self._copy_runs: dict[int, tuple] = {}  # slot -> (live views, item -> coalesced copies) (_copy_lists)
+        self._slot_views: dict[int, dict[str, list]] = {}    # slot -> item -> its slices' views (see _copy_lists)
+        self._live_views: tuple[object, dict[str, list]] = (None, {})
         if self.deferred:
             self.adapter.before_each_step(self.finish_snapshot)
         if self.config.save:
@@ -282,22 +281,21 @@ class Engine:
         return event
 
     def _copy_lists(self, slot: int, live: dict, written: set[str]) -> tuple[list, list]:
-        """(slot views, live views) of the written items' slices, in slice order and coalesced into
-        runs of contiguous bytes (``copyruns``); built once per slot and binding of the live views."""
-        runs = self._copy_runs.get(slot)
-        if runs is None or runs[0] is not live:
-            dst: dict[str, list] = {}
-            src: dict[str, list] = {}
+        """(slot views, live views) of the written items' slices, in slice order; the per-item lists are
+        built once per slot and once per binding of the live views."""
+        if self._slot_views.get(slot) is None:
+            by_item: dict[str, list] = {}
             for s in self.adapter.slices:
-                dst.setdefault(s.item, []).append(self.files.views[slot][s.name])
-                src.setdefault(s.item, []).append(live[s.name])
-            join = functools.partial(self.files.view_from, slot)
-            runs = (live, {item: coalesce(dst[item], src[item], join) for item in dst})
-            self._copy_runs[slot] = runs
-            self.stats["copy_runs"] = sum(len(d) for d, _ in runs[1].values())
-        by_item = runs[1]
-        items = [item for item in by_item if item in written]
-        return [v for item in items for v in by_item[item][0]], [v for item in items for v in by_item[item][1]]
+                by_item.setdefault(s.item, []).append(self.files.views[slot][s.name])
+            self._slot_views[slot] = by_item
+        if self._live_views[0] is not live:
+            by_item = {}
+            for s in self.adapter.slices:
+                by_item.setdefault(s.item, []).append(live[s.name])
+            self._live_views = (live, by_item)
+        dst_by_item, src_by_item = self._slot_views[slot], self._live_views[1]
+        items = [item for item in dst_by_item if item in written]
+        return ([v for item in items for v in dst_by_item[item]], [v for item in items for v in src_by_item[item]])
 
     def finish_snapshot(self) -> None:
         """Complete the pending snapshot: wait for its copies, write its header, hand it to the agent.
@@ -494,7 +492,8 @@ class Engine:
         if self.files is None:
             return
         self.pending = None
-        self._copy_runs.clear()
+        self._slot_views.clear()
+        self._live_views = (None, {})
         if self.pinning is not None:
             self.pinning.unpin_all()
         try:

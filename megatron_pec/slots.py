@@ -140,14 +140,6 @@ class SlotFiles:
             self.maps[slot][:start] = self.prefix
             self._table_written[slot] = True
 
-    def view_from(self, slot: int, first, numel: int):
-        """``numel`` elements of ``first``'s dtype in ``slot``, from where the view ``first`` of that
-        slot starts (``copyruns.coalesce`` joins neighbouring slices with it)."""
-        import torch
-
-        start = torch.frombuffer(self.maps[slot], dtype=torch.uint8, count=1).data_ptr()  # the mapping's address
-        return torch.frombuffer(self.maps[slot], dtype=first.dtype, count=numel, offset=first.data_ptr() - start)
-
     def invalidate(self, slot: int) -> None:
         """Mark a slot as being written before its bytes change (a kill mid-copy leaves it invalid)."""
         self.write_header(slot, SlotHeader.WRITING)
