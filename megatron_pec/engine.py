@@ -448,7 +448,7 @@ class Engine:
             layout=self.layout)
 
     def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str,
-               timings: tuple[float, float, float] | None = None) -> tuple[int, float]:
+               timings: tuple[float, float, float]) -> tuple[int, float]:
         """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state;
         ``timings`` (start, agent settled, loader done) go into the log."""
         config = self.config
@@ -467,12 +467,11 @@ class Engine:
                 self.pec.set_k(fresh.snapshot.k, fresh.persist.k)
         for line in result.log_lines(self.rank):
             say(line)
-        if timings is not None:
-            started, settled, read = timings
-            done = time.perf_counter()
-            say(f"megatron-pec: rank {self.rank}: restore took {done - started:.3f} s (waiting for the agent "
-                f"{settled - started:.3f} s, choosing, reading and checking {read - settled:.3f} s, applying "
-                f"{done - read:.3f} s)")
+        started, settled, read = timings
+        done = time.perf_counter()
+        say(f"megatron-pec: rank {self.rank}: restore took {done - started:.3f} s (waiting for the agent "
+            f"{settled - started:.3f} s, choosing, reading and checking {read - settled:.3f} s, applying "
+            f"{done - read:.3f} s)")
         iteration = 0 if config.finetune else result.iteration
         self._begin(iteration)
         return iteration, result.small["num_floating_point_operations_so_far"]

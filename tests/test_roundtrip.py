@@ -21,7 +21,6 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
         r = json.loads((tmp_path / f"roundtrip.rank{rank}.json").read_text())
         assert r["fresh"] == [0, 0]
         assert r["in_place"] == [True, True], "a restore into the running job reallocated the optimizer state"
-        assert r["fast_state_dict_equal"], "the optimizer state a save stores differs from Megatron's state_dict"
         for leg in ("memory", "storage"):
             assert r[leg]["returned"] == [6, 600.0], leg
             assert r[leg]["differences"] == [], f"{leg}: state differs from iteration 6 in {r[leg]['differences']}"

@@ -149,40 +149,6 @@ def has_state(optimizer) -> bool:
     return all(any(state for state in o.optimizer.state.values()) for o in distributed_optimizers(optimizer))
 
 
-def optimizer_state(optimizer):
-    """Megatron's ``optimizer.state_dict()``: what a checkpoint keeps of the optimizer besides the
-    shards (param groups, step, grad scaler)."""
-    fast = fast_optimizer_state(optimizer)
-    return optimizer.state_dict() if fast is None else fast
-
-
-def fast_optimizer_state(optimizer):
-    """The same as Megatron's ``optimizer.state_dict()`` where that is only the param groups plus the
-    one step count (torch Adam without apex/TE or a grad scaler), without its per-parameter Python
-    work (a state dict of every param and one ``.item()`` each: tens of ms per save with thousands
-    of experts); None elsewhere. Steps that differ between params return None too: Megatron's own
-    state_dict then refuses them as it always did."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    optimizers = distributed_optimizers(optimizer)
-    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
-        return None
-    parts = []
-    for o in optimizers:
-        if o.grad_scaler is not None or type(o.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            return None
-        steps = [state["step"] for state in o.optimizer.state.values() if state]
-        if not steps or not all(torch.is_tensor(step) and step.dim() == 0 for step in steps):
-            return None
-        stacked = torch.stack(steps)
-        if not bool((stacked == stacked[0]).all()):
-            return None
-        step = stacked[0].item()
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": step} for g in o.optimizer.param_groups]
-        parts.append({"optimizer": {"param_groups": groups}})
-    return parts[0] if len(parts) == 1 else parts
-
-
 def stateless_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor]:
     """Before the first optimizer step: the main params, and zeros for the state the optimizer does
     not have yet (a restore of such a save leaves the optimizer without state, as it was)."""
@@ -255,7 +221,7 @@ def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffer
         "buffers": module_buffers(buffers),
         "iteration": iteration,
         # None before the first step: Megatron's state_dict needs a step count then missing
-        "optimizer": optimizer_state(optimizer) if has_state(optimizer) else None,
+        "optimizer": optimizer.state_dict() if has_state(optimizer) else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_state(),
         "num_floating_point_operations_so_far": flops,
