@@ -36,6 +36,12 @@ class Collectives:
         dist.all_reduce(tensor, op=_OPS[op], group=self.group)
         return tensor.tolist()
 
+    def start_reduce(self, values: list[int], op: str) -> "PendingReduce":
+        """``reduce`` started in the background: its ``result()`` waits for it."""
+        tensor = torch.tensor(values or [0], dtype=torch.int64)
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+        return PendingReduce(work, tensor, len(values))
+
     def gather(self, values: list[int], width: int, pad: int = -1) -> list[list[int]]:
         """Every rank's ``values`` (at most ``width`` ints, padded with ``pad``), in rank order."""
         if len(values) > width:
@@ -54,3 +60,12 @@ class Collectives:
         """Every rank raises (the same way) if any rank failed - no rank is left hanging."""
         if not self.all_ok(error is None):
             raise CheckpointError(error or "megatron-pec: another rank failed; see its log for the reason")
+
+
+class PendingReduce:
+    def __init__(self, work, tensor: torch.Tensor, length: int):
+        self.work, self.tensor, self.length = work, tensor, length
+
+    def result(self) -> list[int]:
+        self.work.wait()
+        return self.tensor.tolist()[:self.length]

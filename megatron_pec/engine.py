@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from megatron_pec import faults, manifest, policy, smallstate
+from megatron_pec.gcpause import without_gc
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
@@ -67,6 +68,8 @@ class Engine:
         self.all_experts = self._all_experts()
         self.token_offsets = [self.all_experts.index(ExpertId(layer, 0)) for layer in self.adapter.moe_layers]
         self.cumulative = {x: 0 for x in self.all_experts if x.layer in self.adapter.moe_layers}
+        self._layer_experts = [[ExpertId(layer, e) for e in range(self.adapter.num_experts)]
+                               for layer in self.adapter.moe_layers]  # built once, not per save
         self.pec = self._initial_pec_state()
         self.node_dir = node_dir(self.config.shm_dir, self.config.job_id, self.node_rank)
         self.save_root = os.path.abspath(self.config.save) if self.config.save else ""
@@ -202,6 +205,7 @@ class Engine:
             self.grants.add(answer.grants)
 
     # ---- save ----------------------------------------------------------------------------------
+    @without_gc
     def save(self, iteration: int, scheduler, flops: float, persistent: bool, rng_key_prefix: str = "") -> None:
         if not self.config.save:
             raise CheckpointError("megatron-pec: save_checkpoint was called but --save is not set")
@@ -215,19 +219,27 @@ class Engine:
         elif (slot := self._free_slot(persistent)) is None:
             why = ("all snapshot slots are still held by the node agent (being persisted or sent to a peer, or "
                    "kept for recovery); raise the save interval or pass --pec-wait-for-slot")
-        # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere.
-        everyone_can, cumulative = self._agree_and_count(why is None)
+        # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere. The
+        # agreement's all-reduce runs while the dense state (written by every snapshot, whatever the
+        # plan) is copied; the plan needs its token counts and waits for it.
+        vote = self._start_agreement(why is None)
+        live, done = None, None
+        if slot is not None:
+            live = self.adapter.live_views()
+            faults.point("snapshot_begin", iteration=iteration)
+            self.files.invalidate(slot)
+            done = self._copy(slot, live, {NON_EXPERT})
+            faults.point("snapshot_mid", iteration=iteration)
+        everyone_can, cumulative = self._finish_agreement(vote)
         if not everyone_can:
             if slot is not None:
-                self.grants.add([slot])  # unused: still ours
+                self.grants.add([slot])  # still ours; its header says "being written", never restorable
             self._skip(iteration, why or "another rank cannot snapshot (see its warning)")
             return
         snapshot_set, persist_set = self._plan(persistent, cumulative)
-        live = self.adapter.live_views()
-        faults.point("snapshot_begin", iteration=iteration)
-        self.files.invalidate(slot)
-        written = {NON_EXPERT} | {self.held_names[e] for e in snapshot_set if e in self.held_names}
-        done = self._copy(slot, live, written, iteration)
+        experts = {self.held_names[e] for e in snapshot_set if e in self.held_names}
+        done = self._copy(slot, live, experts) or done
+        written = {NON_EXPERT} | experts
         faults.point("snapshot_end", iteration=iteration)
         self.pec.snapshot.record(snapshot_set, iteration, cumulative)
         if persistent:
@@ -243,37 +255,39 @@ class Engine:
         if not self.deferred:
             self.finish_snapshot()
 
-    def _agree_and_count(self, ok: bool) -> tuple[bool, dict[ExpertId, int]]:
-        """The one collective of a save: a single small all-reduce over all ranks that sums the
-        token counts since the last save and the number of ranks that cannot snapshot (so all
-        ranks snapshot, or none). Returns (every rank can snapshot, cumulative token counts)."""
+    def _start_agreement(self, ok: bool):
+        """The one collective of a save, started: a single small all-reduce over all ranks that sums
+        the token counts since the last save and the number of ranks that cannot snapshot."""
         n, width = len(self.all_experts), self.adapter.num_experts
         values = [0] * (n + 1)
         for row, offset in zip(self.adapter.tokens.take(), self.token_offsets):
             values[offset:offset + width] = row
         values[n] = 0 if ok else 1
-        totals = self.coll.reduce(values, "sum")
-        for offset, layer in zip(self.token_offsets, self.adapter.moe_layers):
-            for e in range(width):
-                self.cumulative[ExpertId(layer, e)] += totals[offset + e] // self.adapter.token_replicas
-        return totals[n] == 0, self.cumulative
+        return self.coll.start_reduce(values, "sum")
 
-    def _copy(self, slot: int, live: dict, written: set[str], iteration: int):
-        """Copy the written items' slices into the slot; returns the CUDA event marking the end
-        (None on CPU, where the copy is a synchronous memcpy)."""
-        dst, src = self._copy_lists(slot, live, written)
-        halfway = len(dst) // 2
+    def _finish_agreement(self, vote) -> tuple[bool, dict[ExpertId, int]]:
+        """(every rank can snapshot, cumulative token counts) once the agreement's all-reduce ends."""
+        totals, n, width = vote.result(), len(self.all_experts), self.adapter.num_experts
+        replicas, cumulative = self.adapter.token_replicas, self.cumulative
+        for offset, experts in zip(self.token_offsets, self._layer_experts):
+            for x, total in zip(experts, totals[offset:offset + width]):
+                if total:
+                    cumulative[x] += total // replicas
+        return totals[n] == 0, cumulative
+
+    def _copy(self, slot: int, live: dict, items: set[str]):
+        """Copy the slices of ``items`` into the slot; returns the CUDA event marking the end (None
+        on CPU, where the copy is a synchronous memcpy, and when there is nothing to copy)."""
+        dst, src = self._copy_lists(slot, live, items)
+        if not dst:
+            return None
         stream = self.copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the optimizer step that produced the state
         # (no_grad: main params require grad, and autograd would record every copy - ~150 us each)
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            # One call per half, not per slice: a large MoE rank holds tens of thousands of slices.
-            if halfway:
-                torch._foreach_copy_(dst[:halfway], src[:halfway], non_blocking=True)
-            faults.point("snapshot_mid", iteration=iteration)
-            if dst[halfway:]:
-                torch._foreach_copy_(dst[halfway:], src[halfway:], non_blocking=True)
+            # One call, not one per slice: a large MoE rank holds tens of thousands of slices.
+            torch._foreach_copy_(dst, src, non_blocking=True)
         if stream is None:
             return None
         event = torch.cuda.Event()
@@ -297,6 +311,7 @@ class Engine:
         items = [item for item in dst_by_item if item in written]
         return ([v for item in items for v in dst_by_item[item]], [v for item in items for v in src_by_item[item]])
 
+    @without_gc
     def finish_snapshot(self) -> None:
         """Complete the pending snapshot: wait for its copies, write its header, hand it to the agent.
 
@@ -390,6 +405,7 @@ class Engine:
         self._handle(others)
 
     # ---- load ----------------------------------------------------------------------------------
+    @without_gc
     def load(self, root: str | None, scheduler, rng_key_prefix: str = "",
              pretrained: str | None = None) -> tuple[int, float]:
         """Restore the newest state every rank can restore from ``root`` (collective); returns
@@ -445,7 +461,8 @@ class Engine:
             slice_items={s.name: s.item for s in self.adapter.slices},
             experts_held=tuple(self.adapter.experts_held), all_experts=tuple(self.all_experts),
             num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll,
-            layout=self.layout)
+            layout=self.layout, mapped_slots=self.files.mapped() if self.files is not None else {},
+            slot_table=self.files.table if self.files is not None else None)
 
     def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str,
                timings: tuple[float, float, float]) -> tuple[int, float]:

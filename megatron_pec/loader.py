@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_pec import manifest, plt, reshard
 from megatron_pec.agent.memory import JobKey
@@ -58,6 +58,8 @@ class LoadContext:
     num_experts: int                    # per MoE layer (Dynamic-K's ceiling); 0 without MoE
     collectives: Collectives
     layout: RankLayout | None = None    # where this rank's slices lie globally (restores onto another layout)
+    mapped_slots: dict = field(default_factory=dict)  # path -> the trainer's own mapping of its slot file
+    slot_table: tuple | None = None     # (JSON, entries) of the tensor table the trainer's slots hold
 
 
 @dataclass
@@ -102,7 +104,8 @@ class Loader:
         ctx = self.ctx
         error, memory, stored, manifests = None, [], {}, {}
         try:
-            memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root))
+            memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root),
+                                    ctx.mapped_slots, ctx.slot_table)
         except SourceError as exc:
             error = f"megatron-pec: {exc}"
         other = self._newest_of_another_layout()
@@ -163,7 +166,7 @@ class Loader:
             error = (f"megatron-pec: {where} was saved with another configuration "
                      f"({reshard.change(m.topology, ctx.topology)}): {why}")
         else:
-            stage = {x for x in ctx.all_experts if x.layer in {h.layer for h in ctx.experts_held}}
+            stage = self._stage_experts()
             try:
                 done = reshard.Resharder(self.root, m, ctx.layout, self.rank, stage, self.storage).restore()
             except (reshard.ReshardError, SourceError) as exc:
@@ -317,13 +320,18 @@ class Loader:
         n = len(experts)
         columns = [dict(zip(experts, merged[i * n:(i + 1) * n])) for i in range(len(vectors))]
         version_of, tokens_at_version, tokens_at_target = columns[:3]
-        stage = {x for x in experts if x.layer in {h.layer for h in self.ctx.experts_held}}
+        stage = self._stage_experts()
         for level, column in zip(levels, columns[3:]):
             level.update({x: v for x, v in column.items() if v >= 0 and x in stage})
         report = plt.lost_tokens(tokens_at_target, tokens_at_version, version_of, target)
         state.recovered(report, version_of, tokens_at_version, stage)
         self._dynamic_k(state)
         return state, report, {x: tokens_at_target[x] for x in stage}
+
+    def _stage_experts(self) -> set[ExpertId]:
+        """Every expert of the MoE layers this pipeline stage holds (all ranks of the stage, not just this one)."""
+        layers = {x.layer for x in self.ctx.experts_held}
+        return {x for x in self.ctx.all_experts if x.layer in layers}
 
     def _dynamic_k(self, state: PecState) -> None:
         """Dynamic-K: raise K when the accumulated PLT passed the threshold."""

@@ -41,6 +41,9 @@ class ProtocolError(ValueError):
     """A record that does not decode; the message names the record, the field and what is wrong."""
 
 
+_SCALARS = (int, str)  # exact types: a bool is not an int here
+
+
 def _check(value, hint, where: str):
     """``value`` converted to ``hint`` (nested records decoded), or ProtocolError naming ``where``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -56,10 +59,14 @@ def _check(value, hint, where: str):
     if origin is list:
         if not isinstance(value, list):
             raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+        if args[0] in _SCALARS and all(type(v) is args[0] for v in value):
+            return value  # the common case (thousands of experts), checked in bulk
         return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
+        if args[1] in _SCALARS and all(type(v) is args[1] for v in value.values()):
+            return value
         return {k: _check(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -9,7 +9,8 @@ by announcing it. The agent alone decides what may be overwritten (never a slot 
 still reads or carries from, never the newest complete snapshot): see
 ``agent/memory.py``.
 
-Reader side (agent, restore): ``open_slot`` maps a slot and parses its header.
+Reader side (agent, restore): ``open_slot`` maps a slot and parses its header; ``read_slot_metadata``
+reads only the metadata.
 Whether a slot's contents are complete and restorable is decided by the agent's
 record of node memory, never by the slot file alone.
 """
@@ -22,8 +23,8 @@ import struct
 from collections import deque
 
 from megatron_pec.protocol import SlotHeader
-from megatron_pec.stformat import (MAX_HEADER, Header, TensorEntry, encode_header, header_tail, read_header,
-                                  tensor_table, tensor_view)
+from megatron_pec.stformat import (MAX_HEADER, FormatError, Header, TensorEntry, decode_metadata, encode_header,
+                                  header_tail, read_header, tensor_table, tensor_view)
 
 NUM_SLOTS = 3
 REPLICA_SLOTS = 2  # per replicated rank: the complete replica and the one being received
@@ -64,12 +65,14 @@ class SlotFiles:
                 "(--expert-model-parallel-size) or more data-parallel ranks")
         # The length prefix and the tensor table never change: a save rewrites only what follows them.
         self.prefix = struct.pack("<Q", self.capacity) + table
+        self.table = (table, entries)  # a restore reading these slots need not parse the table again
         self.header = Header(entries, {}, self.capacity)
         self.file_len = self.header.file_len
         self._preflight(local_ranks, replicas)
         self.maps: list[mmap.mmap] = []
         self.views: list[dict[str, object]] = []
         self._table_written: list[bool] = []  # whether a slot's prefix already holds this table
+        self._files: list[tuple[int, int]] = []  # (st_dev, st_ino) of each mapped file
         for s in range(NUM_SLOTS):
             self.maps.append(self._map(slot_path(directory, rank, s)))
             self.views.append({e.name: tensor_view(self.maps[s], self.header, e) for e in entries})
@@ -110,10 +113,26 @@ class SlotFiles:
             if room < (need + replica_need) * local_ranks and room < need + replica_need:
                 raise SlotSpaceError(_cgroup_message(limit, room, free, need + replica_need, local_ranks, replicas))
 
+    def mapped(self) -> dict[str, mmap.mmap]:
+        """path -> this process's mapping of each slot file that is still the file at that path: a
+        restore reads through them, its pages already mapped (a fresh mapping faults on every page)."""
+        out = {}
+        for s, (m, identity) in enumerate(zip(self.maps, self._files)):
+            path = slot_path(self.directory, self.rank, s)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == identity:
+                out[path] = m
+        return out
+
     def _map(self, path: str) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != self.file_len:
+            st = os.fstat(fd)
+            self._files.append((st.st_dev, st.st_ino))
+            if st.st_size != self.file_len:
                 os.ftruncate(fd, self.file_len)
             try:
                 # Reserve the pages now: a full tmpfs fails here with a message, not with SIGBUS later.
@@ -233,14 +252,51 @@ class SlotGrants:
         self._free.clear()
 
 
-def open_slot(path: str) -> tuple[mmap.mmap, Header]:
-    """Map a slot file and parse its header; raises OSError or FormatError."""
-    with open(path, "r+b") as f:
-        m = mmap.mmap(f.fileno(), 0)
+class TableCache:
+    """Each slot file's tensor table as last parsed: the agent reads a slot at every snapshot, and a
+    large MoE rank's table is megabytes of JSON that stays the same for a configuration. A slot whose
+    table differs (another configuration) is parsed in full, as without the cache."""
+
+    def __init__(self):
+        self._known: dict[str, tuple[bytes, tuple[TensorEntry, ...]]] = {}
+
+    def open(self, path: str) -> tuple[mmap.mmap, Header]:
+        """``open_slot(path)``, the table parsed only when it changed."""
+        known = self._known.get(path)
+        mapping, header = open_slot(path, known=known)
+        if known is None or header.tensors is not known[1]:
+            self._known[path] = (tensor_table(header.tensors), header.tensors)
+        return mapping, header
+
+
+def read_slot_metadata(path: str) -> dict[str, str]:
+    """A slot header's metadata, read without mapping the file or parsing its tensor table; raises
+    OSError or FormatError."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        file_len = os.fstat(fd).st_size
+        size = int.from_bytes(os.pread(fd, 8, 0), "little") if file_len >= 8 else 0
+        if not 0 < size <= min(MAX_HEADER, file_len - 8):
+            raise FormatError(f"header length {size} is implausible or exceeds the file")
+        return decode_metadata(os.pread(fd, 8 + size, 0))
+    finally:
+        os.close(fd)
+
+
+def open_slot(path: str, mapping: mmap.mmap | None = None,
+              known: tuple[bytes, tuple[TensorEntry, ...]] | None = None) -> tuple[mmap.mmap, Header]:
+    """Map a slot file (or take ``mapping``, an existing one of it, which stays open on errors) and
+    parse its header (``known``: the table this process writes, see ``decode_header``); raises
+    OSError or FormatError."""
+    m = mapping
+    if m is None:
+        with open(path, "r+b") as f:
+            m = mmap.mmap(f.fileno(), 0)
     try:
         # Copies of the header bytes, not memoryviews: a view kept alive by a FormatError's
         # traceback would make m.close() raise BufferError instead (slots of another configuration).
-        return m, read_header(lambda offset, length: m[offset:offset + length], len(m))[1]
+        return m, read_header(lambda offset, length: m[offset:offset + length], len(m), known)[1]
     except Exception:
-        m.close()
+        if mapping is None:
+            m.close()
         raise

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import os
 import sys
-import zlib
 from dataclasses import dataclass, field
 
 from megatron_pec import manifest
 from megatron_pec.agent.memory import JobKey, NodeMemory
+from megatron_pec.checksum import crc32
 from megatron_pec.protocol import Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.slots import open_slot
-from megatron_pec.stformat import FormatError, Header, decode_header, item_checksums, read_header, tensor_at
+from megatron_pec.stformat import (FormatError, Header, decode_header, item_checksums, read_header, tensor_at,
+                                   tensor_views)
 from megatron_pec.storage import PosixStorage
 
 
@@ -38,6 +39,8 @@ class Source:
     header: SlotHeader | None = None        # memory: known up front; storage: once read
     carried_tokens: dict[str, int] = field(default_factory=dict)  # memory: experts carried forward
     origin: int | None = None               # memory pulled from that node's replica
+    mapping: object = field(default=None, repr=False)  # memory: the trainer's own mapping of the slot, if any
+    known_table: tuple | None = field(default=None, repr=False)  # memory: the table the trainer writes
     _buffer: object = field(default=None, repr=False)
     _layout: Header | None = field(default=None, repr=False)
     _verified: set[str] = field(default_factory=set, repr=False)
@@ -70,9 +73,10 @@ class Source:
     def _map_slot(self) -> None:
         if self._layout is not None:
             return
-        mapping, layout = open_slot(self.where)
+        mapping, layout = open_slot(self.where, self.mapping, self.known_table)
         if layout.metadata.get("iteration") != str(self.iteration):
-            mapping.close()
+            if mapping is not self.mapping:
+                mapping.close()
             raise SourceError(f"{self.where} was overwritten (holds iteration {layout.metadata.get('iteration')})")
         self._buffer, self._layout = mapping, layout
 
@@ -92,7 +96,7 @@ class Source:
             if actual_size != entry.size:
                 raise SourceError(f"{self.where} is {actual_size} bytes, the manifest says {entry.size} (truncated?)")
             head, self._layout = read_header(lambda o, n: storage.read_range(self.where, o, n), entry.size)
-            if zlib.crc32(head) != entry.header_crc32:
+            if crc32(head) != entry.header_crc32:
                 raise SourceError(f"{self.where} fails its header checksum: the file is corrupt")
         layout = self._layout
         for run in _runs([e for e in layout.tensors if e.item in items]):
@@ -104,7 +108,7 @@ class Source:
         for e in layout.tensors:  # header order, as the agent computed them
             if e.item in items:
                 buffer, offset = self._pieces[e.name]
-                crcs[e.item] = zlib.crc32(memoryview(buffer)[offset:offset + e.end - e.begin], crcs[e.item])
+                crcs[e.item] = crc32(memoryview(buffer)[offset:offset + e.end - e.begin], crcs[e.item])
         self._check(crcs)
 
     @property
@@ -127,15 +131,15 @@ class Source:
         unverified = {by_name[n].item for n in names} - self._verified
         if unverified:
             raise SourceError(f"{self.where}: {sorted(unverified)} requested before being read and verified")
-        out = {}
-        for n in names:
-            buffer, offset = self._pieces.get(n) or (self._buffer, self._layout.data_start + by_name[n].begin)
-            out[n] = tensor_at(buffer, by_name[n], offset)
+        pieces = [n for n in names if n in self._pieces]  # read on their own (a few experts of a file)
+        out = {n: tensor_at(self._pieces[n][0], by_name[n], self._pieces[n][1]) for n in pieces}
+        whole = [n for n in names if n not in self._pieces]
+        out.update(zip(whole, tensor_views(self._buffer, self._layout, [by_name[n] for n in whole])))
         return out
 
 
 def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
-                   deep: bool = False) -> tuple[bytearray, Header]:
+                   deep: bool = False) -> tuple[memoryview, Header]:
     """A whole persisted rank file, checked against its manifest entry (size, crc32; ``deep`` also
     the header and per-item crc32s that partial restores rely on); raises SourceError (what is
     wrong, in words) or OSError."""
@@ -149,7 +153,7 @@ def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
         layout = decode_header(memoryview(buffer)[: min(len(buffer), 8 + (64 << 20))], file_len=len(buffer))
     except FormatError as exc:
         raise SourceError(f"{path} is unreadable: {exc}") from None
-    if deep and (zlib.crc32(memoryview(buffer)[:layout.data_start]) != entry.header_crc32
+    if deep and (crc32(memoryview(buffer)[:layout.data_start]) != entry.header_crc32
                  or item_checksums(buffer, layout, set(entry.item_crc32)) != entry.item_crc32):
         raise SourceError(f"{path} header or per-expert checksums differ from the recorded ones (corrupt)")
     return buffer, layout
@@ -167,7 +171,7 @@ def read_checked_header(path: str, entry: RankFile, storage: PosixStorage) -> He
         raise SourceError(f"{path} is missing") from None
     except (OSError, FormatError) as exc:
         raise SourceError(f"{path} is unreadable: {exc}") from None
-    if zlib.crc32(head) != entry.header_crc32:
+    if crc32(head) != entry.header_crc32:
         raise SourceError(f"{path} fails its header checksum: the file is corrupt")
     return header
 
@@ -183,7 +187,7 @@ def verify_items(path: str, header: Header, items: set[str], expected: dict[str,
                 if e.item in crcs:
                     f.seek(header.data_start + e.begin)
                     for offset in range(e.begin, e.end, chunk):
-                        crcs[e.item] = zlib.crc32(f.read(min(chunk, e.end - offset)), crcs[e.item])
+                        crcs[e.item] = crc32(f.read(min(chunk, e.end - offset)), crcs[e.item])
     except OSError as exc:
         raise SourceError(f"{path} is unreadable: {exc.strerror or exc}") from None
     for item in sorted(items):
@@ -203,14 +207,20 @@ def _runs(entries):
     return runs
 
 
-def memory_sources(node_dir: str, rank: int, job: JobKey) -> list[Source]:
+def memory_sources(node_dir: str, rank: int, job: JobKey, mapped: dict | None = None,
+                   known_table: tuple | None = None) -> list[Source]:
     """The slots of this rank that node memory's owner (the agent's index) says may serve a
-    restore of ``job`` (same job, configuration and --load as --save)."""
+    restore of ``job`` (same job, configuration and --load as --save); ``mapped``: path -> the
+    trainer's own mapping of that slot file (``SlotFiles.mapped``), read instead of mapping anew;
+    ``known_table``: the tensor table the trainer writes (``SlotFiles.table``), not parsed again."""
+    mapped = mapped or {}
     restorable, foreign = NodeMemory.read(node_dir).restorable(rank, job)
     for reason in foreign:
         print(f"megatron-pec: rank {rank}: ignoring node-memory slot {reason}", file=sys.stderr, flush=True)
     return [Source("memory", record.iteration, record.items, path, record.crcs, header=header,
-                   carried_tokens=record.tokens, origin=record.origin) for path, record, header in restorable]
+                   carried_tokens=record.tokens, origin=record.origin, mapping=mapped.get(path),
+                   known_table=known_table)
+            for path, record, header in restorable]
 
 
 def storage_source(root: str, iteration: int, entry: RankFile) -> Source:

@@ -14,10 +14,12 @@ any other index.
 from __future__ import annotations
 
 import json
+import re
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Callable
+
+from megatron_pec.checksum import crc32
 
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1}
 
@@ -32,9 +34,14 @@ _CODES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF1
 
 
 def torch_dtype(code: str):
-    import torch
+    if not _TORCH_DTYPES:  # torch is imported on first use only (the agent never needs it)
+        import torch
 
-    return getattr(torch, {v: k for k, v in _CODES.items()}[code].removeprefix("torch."))
+        _TORCH_DTYPES.update({v: getattr(torch, k.removeprefix("torch.")) for k, v in _CODES.items()})
+    return _TORCH_DTYPES[code]
+
+
+_TORCH_DTYPES: dict = {}
 
 
 class FormatError(ValueError):
@@ -114,8 +121,8 @@ def header_tail(metadata: dict[str, str], room: int, after_entries: bool) -> byt
     return tail
 
 
-def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> Header:
-    """Parse and validate a header from the first bytes of a file (strictly, like safetensors)."""
+def _header_json(prefix: bytes | memoryview) -> tuple[int, bytes]:
+    """(N, the header's JSON without its padding) from the first bytes of a file; raises FormatError."""
     if len(prefix) < 8:
         raise FormatError("file shorter than the 8-byte header length")
     (size,) = struct.unpack("<Q", bytes(prefix[:8]))
@@ -124,13 +131,83 @@ def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> He
     raw = bytes(prefix[8:8 + size])
     if not raw.startswith(b"{"):
         raise FormatError("header does not start with '{'")
+    # Slot headers reserve room for metadata growth: mostly padding, which str.rstrip would walk
+    # byte by byte. The JSON ends at the last brace; only spaces may follow it.
+    end = raw.rfind(b"}") + 1
+    if end == 0:
+        raise FormatError("header is not valid JSON (it has no closing brace: torn or overwritten)")
+    if raw.count(b" ", end) != len(raw) - end:
+        raise FormatError("header has bytes other than space padding after its closing brace")
+    return size, raw[:end]
+
+
+def _json(text: bytes) -> dict:
     try:
-        body = json.loads(raw.decode().rstrip(" "))
+        body = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"header is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise FormatError("header is not a JSON object")
+    return body
+
+
+def _metadata(body: dict) -> dict[str, str]:
     metadata = body.pop("__metadata__", {}) or {}
-    if not all(isinstance(v, str) for v in metadata.values()):
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FormatError("__metadata__ values must be strings")
+    return metadata
+
+
+def decode_header(prefix: bytes | memoryview, file_len: int | None = None,
+                  known: tuple[bytes, tuple[TensorEntry, ...]] | None = None) -> Header:
+    """Parse and validate a header from the first bytes of a file (strictly, like safetensors).
+
+    ``known``: a tensor table's JSON (``tensor_table``) and its entries, as this process wrote them
+    into its own slots; a header that starts with exactly those bytes takes those entries, and only
+    its metadata is parsed (a large MoE rank's table is megabytes of JSON)."""
+    size, raw = _header_json(prefix)
+    rest = raw[len(known[0]):] if known is not None and raw.startswith(known[0]) else None
+    if rest is not None and (rest.startswith(b',"__metadata__":') or rest == b"}"):
+        body = _json(b"{" + rest.removeprefix(b","))
+        metadata = _metadata(body)
+        if body:
+            raise FormatError(f"header has entries after its metadata: {sorted(body)[:3]}")
+        header = Header(known[1], metadata, size)
+    else:
+        body = _json(raw)
+        metadata = _metadata(body)
+        header = Header(_entries(body), metadata, size)
+    if file_len is not None and header.file_len != file_len:
+        raise FormatError(f"file is {file_len} bytes but its header describes {header.file_len}")
+    return header
+
+
+def decode_metadata(prefix: bytes | memoryview) -> dict[str, str]:
+    """Only the ``__metadata__`` of a header, its tensor table unparsed and unchecked: enough to
+    choose between slots; a slot that is then read is decoded in full (``decode_header``)."""
+    _, raw = _header_json(prefix)
+    # In valid JSON this can only be the metadata's key: inside a string every quote is escaped.
+    at = raw.rfind(b'"__metadata__":')  # as encode_header writes it; any JSON spacing below
+    if at >= 0:
+        at += 15
+    else:
+        found = None
+        for found in _METADATA_KEY.finditer(raw):
+            pass
+        if found is None:
+            return {}
+        at = found.end()
+    try:
+        metadata, _ = json.JSONDecoder().raw_decode(raw[at:].decode().lstrip())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"header is not valid JSON ({exc})") from None
+    return _metadata({"__metadata__": metadata})
+
+
+_METADATA_KEY = re.compile(rb'"__metadata__"\s*:')
+
+
+def _entries(body: dict) -> tuple[TensorEntry, ...]:
     entries = []
     for name, spec in body.items():
         try:
@@ -148,18 +225,16 @@ def decode_header(prefix: bytes | memoryview, file_len: int | None = None) -> He
         if e.begin != offset:
             raise FormatError(f"tensor {e.name!r} is not contiguous (starts at {e.begin}, expected {offset})")
         offset = e.end
-    header = Header(tuple(entries), metadata, size)
-    if file_len is not None and header.file_len != file_len:
-        raise FormatError(f"file is {file_len} bytes but its header describes {header.file_len}")
-    return header
+    return tuple(entries)
 
 
 MAX_HEADER = 64 << 20  # a longer header is refused as implausible
 
 
-def read_header(read: Callable[[int, int], bytes], file_len: int) -> tuple[bytes, Header]:
+def read_header(read: Callable[[int, int], bytes], file_len: int,
+                known: tuple[bytes, tuple[TensorEntry, ...]] | None = None) -> tuple[bytes, Header]:
     """The header bytes (length prefix included) and the parsed header of a file of ``file_len``
-    bytes, given ``read(offset, length)``; raises FormatError."""
+    bytes, given ``read(offset, length)`` (``known``: see ``decode_header``); raises FormatError."""
     head = bytes(read(0, min(8, file_len)))
     if len(head) < 8:
         raise FormatError("file shorter than the 8-byte header length")
@@ -167,26 +242,51 @@ def read_header(read: Callable[[int, int], bytes], file_len: int) -> tuple[bytes
     if size > MAX_HEADER or 8 + size > file_len:
         raise FormatError(f"header length {size} is implausible or exceeds the file")
     head += bytes(read(8, size))
-    return head, decode_header(head, file_len=file_len)
+    return head, decode_header(head, file_len=file_len, known=known)
 
 
 def item_checksums(buffer, header: Header, items: set[str], chunk: int = 8 << 20) -> dict[str, int]:
     """crc32 of each item's data (its tensors in header order) in a whole-file ``buffer``: what a
     restore verifies, for just the items it reads. The same bytes in a slot or a compact rank file
     give the same value."""
-    crcs, view = {}, memoryview(buffer)
+    runs = []  # (item, begin, end): an item's adjacent tensors joined, one crc call per run
     for entry in header.tensors:
         if entry.item in items:
-            crc, end = crcs.get(entry.item, 0), header.data_start + entry.end
-            for offset in range(header.data_start + entry.begin, end, chunk):
-                crc = zlib.crc32(view[offset:min(offset + chunk, end)], crc)
-            crcs[entry.item] = crc
+            if runs and runs[-1][0] == entry.item and runs[-1][2] == entry.begin:
+                runs[-1][2] = entry.end
+            else:
+                runs.append([entry.item, entry.begin, entry.end])
+    crcs, view = {}, memoryview(buffer)
+    for item, begin, end in runs:
+        crc, begin, end = crcs.get(item, 0), header.data_start + begin, header.data_start + end
+        for offset in range(begin, end, chunk):
+            crc = crc32(view[offset:min(offset + chunk, end)], crc)
+        crcs[item] = crc
     return {i: crcs.get(i, 0) for i in items}
 
 
 def tensor_view(buffer, header: Header, entry: TensorEntry):
     """A 1-D tensor viewing ``entry``'s bytes inside ``buffer`` (no copy)."""
     return tensor_at(buffer, entry, header.data_start + entry.begin)
+
+
+def tensor_views(buffer, header: Header, entries) -> list:
+    """1-D tensors viewing each of ``entries``' bytes in a whole-file ``buffer`` (no copies): slices
+    of one view of the buffer per dtype - a ``frombuffer`` per entry costs ~15 us on a mapping, and a
+    large MoE rank has tens of thousands of entries."""
+    import torch
+
+    flats, out = {}, []
+    for e in entries:
+        size, start = ITEMSIZE[e.dtype], header.data_start + e.begin
+        if start % size:  # (never in files written here: every offset is aligned)
+            out.append(tensor_at(buffer, e, start))
+            continue
+        flat = flats.get(e.dtype)
+        if flat is None:
+            flat = flats[e.dtype] = torch.frombuffer(buffer, dtype=torch_dtype(e.dtype), count=len(buffer) // size)
+        out.append(flat[start // size:start // size + e.numel])
+    return out
 
 
 def tensor_at(buffer, entry: TensorEntry, offset: int):

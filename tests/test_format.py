@@ -30,10 +30,12 @@ def test_header_is_strict_safetensors():
     (lambda b: b[:20], "header length"),
     (lambda b: b + b"x", "bytes but its header describes"),
     (lambda b: b[:8] + b"[" + b[9:], "does not start with"),
+    (lambda b: b[:8 + 127] + b"x" + b[8 + 128:], "other than space padding"),  # the last padding byte
+    (lambda b: b[:8 + 30] + b" " * 98 + b[8 + 128:], "not valid JSON"),  # a torn header: braces lost
 ])
 def test_malformed_files_are_rejected(mutate, message):
     entries = layout([("dense/a.param", torch.float32, 4)])
-    good = encode_header(entries, {}) + bytes(16)
+    good = encode_header(entries, {}, capacity=128) + bytes(16)
     bad = mutate(good)
     with pytest.raises(FormatError, match=message):
         decode_header(bad, file_len=len(bad))
@@ -99,3 +101,69 @@ def test_a_header_beyond_the_limit_is_refused_at_start_up(tmp_path):
     with pytest.raises(SlotSpaceError, match="spread the experts over more ranks"):
         SlotFiles(str(tmp_path), 0, entries, 1, reserve=MAX_HEADER)
     assert not list(tmp_path.iterdir())  # refused before any slot file exists
+
+
+def test_the_fast_checksum_is_zlibs_crc32():
+    """Files written with zlib-ng's crc32 must check under zlib's and back (same CRC-32, chained
+    across pieces the way streamed reads and writes compute it)."""
+    import random
+    import zlib
+
+    from megatron_pec import checksum
+
+    assert checksum.IMPLEMENTATION == "zlib-ng", "zlib-ng is a dependency (pyproject.toml): reinstall the package"
+    data = random.Random(7).randbytes(3 << 20)
+    assert checksum.crc32(data) == zlib.crc32(data)
+    chained = 0
+    for begin in range(0, len(data), 1 << 20 | 17):
+        chained = checksum.crc32(memoryview(data)[begin:begin + (1 << 20 | 17)], chained)
+    assert chained == zlib.crc32(data)
+    assert checksum.crc32(b"") == 0
+
+
+def test_metadata_alone_and_a_known_table_decode_as_the_full_header():
+    """A restore chooses slots by their metadata only and skips parsing the table its own process
+    wrote; both must agree with the full strict decode, and a different table is parsed in full."""
+    from megatron_pec.stformat import decode_metadata, tensor_table
+
+    entries = layout([("dense/a.param", torch.float32, 4), ("L1.E0/b.param", torch.float32, 2)])
+    metadata = {"iteration": "7", "small": json.dumps({"quote": '"__metadata__":{}', "x": [1, 2]})}
+    head = encode_header(entries, metadata, capacity=4096)
+    full = decode_header(head)
+    assert decode_metadata(head) == full.metadata == metadata
+    known = (tensor_table(entries), entries)
+    assert decode_header(head, known=known) == full
+    other = layout([("dense/a.param", torch.float32, 4), ("L1.E0/b.param", torch.float32, 2),
+                    ("L1.E1/c.param", torch.float32, 1)])
+    longer = encode_header(other, metadata, capacity=4096)  # starts with the known table's bytes
+    assert decode_header(longer, known=known).tensors == other
+    # safetensors allows __metadata__ anywhere in the object: the metadata alone is still found
+    body = json.dumps({"__metadata__": {"iteration": "3"}, "dense/a.param": {
+        "dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    assert decode_metadata(struct.pack("<Q", len(body)) + body) == {"iteration": "3"}
+
+
+def test_the_agents_table_cache_parses_a_slot_table_once_and_again_when_it_changes(tmp_path):
+    """The agent reads every snapshot's slot; its cache must give the same header as a full parse,
+    reuse the parsed table while the slot keeps it, and parse anew a slot of another configuration."""
+    from megatron_pec.slots import SlotFiles, TableCache, open_slot, slot_path
+
+    entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
+    files = SlotFiles(str(tmp_path), 0, entries, 1, reserve=4096)
+    files.write_header(0, {"iteration": "1"})
+    path, cache = slot_path(str(tmp_path), 0, 0), TableCache()
+    first_map, first = cache.open(path)
+    files.write_header(0, {"iteration": "2"})
+    second_map, second = cache.open(path)
+    plain_map, plain = open_slot(path)
+    assert second.tensors is first.tensors and second == plain and second.metadata == {"iteration": "2"}
+    for m in (first_map, second_map, plain_map):
+        m.close()
+    files.close()
+    other = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 3)])
+    files = SlotFiles(str(tmp_path), 0, other, 1, reserve=4096)  # another configuration rewrites the slots
+    files.write_header(0, {"iteration": "5"})
+    third_map, third = cache.open(path)
+    third_map.close()
+    files.close()
+    assert third.tensors == other and third.metadata == {"iteration": "5"}

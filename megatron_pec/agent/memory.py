@@ -21,7 +21,7 @@ import os
 from typing import NamedTuple
 
 from megatron_pec.protocol import MemoryIndex, ProtocolError, RankMemory, Segment, SlotHeader, SlotRecord
-from megatron_pec.slots import NUM_SLOTS, open_slot, slot_path
+from megatron_pec.slots import NUM_SLOTS, read_slot_metadata, slot_path
 from megatron_pec.stformat import FormatError
 
 INDEX = "slots.json"
@@ -56,12 +56,11 @@ def header_problem(header: SlotHeader | str, iteration: int, run: str, job: JobK
 def read_header(path: str) -> SlotHeader | str:
     """A slot's decoded header, or the reason it cannot be read (missing, torn, being written)."""
     try:
-        mapping, header = open_slot(path)
+        metadata = read_slot_metadata(path)
     except (OSError, FormatError) as exc:
         return f"is unreadable ({exc})"
-    mapping.close()
     try:
-        return SlotHeader.from_metadata(header.metadata)
+        return SlotHeader.from_metadata(metadata)
     except ProtocolError as exc:
         return f"has no complete snapshot ({exc})"
 

@@ -7,13 +7,13 @@ non-expert tensors plus the persist-level experts) atomically.
 
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_pec.agent.memory import JobKey, header_problem
+from megatron_pec.checksum import crc32
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import ProtocolError, SlotHeader, SlotRecord
-from megatron_pec.slots import open_slot
+from megatron_pec.slots import TableCache, open_slot
 from megatron_pec.stformat import encode_header, item_checksums
 from megatron_pec.storage import PosixStorage
 
@@ -23,7 +23,8 @@ class SnapshotMismatch(RuntimeError):
 
 
 def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_items: set[str] | None,
-                      target: str | None, storage: PosixStorage) -> tuple[SlotRecord, dict | None]:
+                      target: str | None, storage: PosixStorage,
+                      tables: TableCache | None = None) -> tuple[SlotRecord, dict | None]:
     """Validate the slot at ``path`` as the complete snapshot ``iteration`` of ``run`` and ``job``;
     persist it to ``target`` if given (the dense state plus ``persist_items``, None: all it wrote).
 
@@ -31,7 +32,7 @@ def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_
     are added later) and, when persisted, the rank file's ``size``, ``crc32``, ``items``,
     ``header_crc32`` and ``item_crc32``. Raises SnapshotMismatch, FormatError or OSError.
     """
-    mapping, header = open_slot(path)
+    mapping, header = tables.open(path) if tables is not None else open_slot(path)
     try:
         try:
             snapshot = SlotHeader.from_metadata(header.metadata)
@@ -79,7 +80,7 @@ def _write_compact(mapping, header, snapshot: SlotHeader, keep: set[str], target
             yield view[header.data_start + e.begin: header.data_start + e.end]
 
     size, crc = storage.write_atomic(target, chunks())
-    return {"size": size, "crc32": crc, "items": sorted(keep), "header_crc32": zlib.crc32(head)}
+    return {"size": size, "crc32": crc, "items": sorted(keep), "header_crc32": crc32(head)}
 
 
 __all__ = ["check_and_persist", "SnapshotMismatch"]
