@@ -22,10 +22,10 @@ import warnings
 import torch
 
 from megatron_pec import faults, manifest, policy, smallstate
-from megatron_pec.gcpause import without_gc
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
+from megatron_pec.gcpause import without_gc
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
 from megatron_pec.pec_state import Level, PecState

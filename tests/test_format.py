@@ -1,6 +1,7 @@
 """safetensors layout and the small-state codec: pure unit tests."""
 
 import json
+import os
 import struct
 
 import pytest
@@ -143,27 +144,28 @@ def test_metadata_alone_and_a_known_table_decode_as_the_full_header():
     assert decode_metadata(struct.pack("<Q", len(body)) + body) == {"iteration": "3"}
 
 
-def test_the_agents_table_cache_parses_a_slot_table_once_and_again_when_it_changes(tmp_path):
-    """The agent reads every snapshot's slot; its cache must give the same header as a full parse,
-    reuse the parsed table while the slot keeps it, and parse anew a slot of another configuration."""
-    from megatron_pec.slots import SlotFiles, TableCache, open_slot, slot_path
+def test_the_agents_slot_cache_keeps_a_mapping_and_its_table_until_the_file_changes(tmp_path):
+    """The agent reads every snapshot's slot through its cache: the same header as a full parse, the
+    mapping and parsed table reused while the file stays, both anew for a slot of another
+    configuration (resized in place: a stale mapping of it would fault past its end)."""
+    from megatron_pec.slots import SlotCache, SlotFiles, open_slot, slot_path
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
     files = SlotFiles(str(tmp_path), 0, entries, 1, reserve=4096)
     files.write_header(0, {"iteration": "1"})
-    path, cache = slot_path(str(tmp_path), 0, 0), TableCache()
+    path, cache = slot_path(str(tmp_path), 0, 0), SlotCache()
     first_map, first = cache.open(path)
     files.write_header(0, {"iteration": "2"})
     second_map, second = cache.open(path)
     plain_map, plain = open_slot(path)
-    assert second.tensors is first.tensors and second == plain and second.metadata == {"iteration": "2"}
-    for m in (first_map, second_map, plain_map):
-        m.close()
+    plain_map.close()
+    assert second_map is first_map and second.tensors is first.tensors
+    assert second == plain and second.metadata == {"iteration": "2"}
     files.close()
-    other = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 3)])
-    files = SlotFiles(str(tmp_path), 0, other, 1, reserve=4096)  # another configuration rewrites the slots
+    other = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 300)])
+    files = SlotFiles(str(tmp_path), 0, other, 1, reserve=4096)  # another configuration resizes the slots
     files.write_header(0, {"iteration": "5"})
     third_map, third = cache.open(path)
-    third_map.close()
     files.close()
+    assert third_map is not first_map and len(third_map) == os.path.getsize(path)
     assert third.tensors == other and third.metadata == {"iteration": "5"}

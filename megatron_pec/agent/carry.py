@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_pec.protocol import SlotHeader, SlotRecord
-from megatron_pec.slots import TableCache, open_slot
+from megatron_pec.slots import SlotCache
 
 
 def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: SlotRecord,
-                  base_header: SlotHeader, tables: TableCache | None = None) -> SlotRecord:
+                  base_header: SlotHeader, slots: SlotCache) -> SlotRecord:
     """``record`` completed with every item of the base that the new snapshot did not write: their
     bytes copied from ``base_path`` into ``path``, their versions, crcs and cumulative token counts
     at that version (which a restore needs to account the lost tokens).
@@ -30,33 +30,24 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     take = {i: v for i, v in base_record.items.items() if i not in record.items and i in base_record.crcs}
     if not take:
         return record
-    opener = tables.open if tables is not None else open_slot
-    mapping, header = opener(path)
-    base_map, base_tensors = opener(base_path)
-    try:
-        same = base_tensors.tensors is header.tensors or base_tensors.tensors == header.tensors
-        source = None if same else {e.name: e for e in base_tensors.tensors}
-        copies = []  # (to, from, length), adjacent ones joined: one memcpy per run of carried bytes
-        for e in header.tensors:
-            if e.item in take:
-                b = e if same else source.get(e.name)
-                if b is None or b.end - b.begin != e.end - e.begin:
-                    raise ValueError(f"{base_path} lays out {e.name} differently")
-                to, frm, n = header.data_start + e.begin, base_tensors.data_start + b.begin, e.end - e.begin
-                if copies and copies[-1][0] + copies[-1][2] == to and copies[-1][1] + copies[-1][2] == frm:
-                    copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + n)
-                else:
-                    copies.append((to, frm, n))
-        dst, src = memoryview(mapping), memoryview(base_map)
-        try:
-            for to, frm, n in copies:
-                dst[to:to + n] = src[frm:frm + n]
-        finally:
-            dst.release()
-            src.release()
-    finally:
-        base_map.close()
-        mapping.close()
+    mapping, header = slots.open(path)
+    base_map, base_tensors = slots.open(base_path)
+    same = base_tensors.tensors is header.tensors or base_tensors.tensors == header.tensors
+    source = None if same else {e.name: e for e in base_tensors.tensors}
+    copies = []  # (to, from, length), adjacent ones joined: one memcpy per run of carried bytes
+    for e in header.tensors:
+        if e.item in take:
+            b = e if same else source.get(e.name)
+            if b is None or b.end - b.begin != e.end - e.begin:
+                raise ValueError(f"{base_path} lays out {e.name} differently")
+            to, frm, n = header.data_start + e.begin, base_tensors.data_start + b.begin, e.end - e.begin
+            if copies and copies[-1][0] + copies[-1][2] == to and copies[-1][1] + copies[-1][2] == frm:
+                copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + n)
+            else:
+                copies.append((to, frm, n))
+    with memoryview(mapping) as dst, memoryview(base_map) as src:
+        for to, frm, n in copies:
+            dst[to:to + n] = src[frm:frm + n]
     tokens = {i: base_record.tokens.get(i, base_header.tokens.get(i, 0)) for i in take}
     # The base's crcs, not recomputed: a byte the base lost in memory is then caught at restore,
     # never blessed with a fresh checksum (and the carry is one memcpy, no second pass).

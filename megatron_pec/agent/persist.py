@@ -13,7 +13,7 @@ from megatron_pec.agent.memory import JobKey, header_problem
 from megatron_pec.checksum import crc32
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import ProtocolError, SlotHeader, SlotRecord
-from megatron_pec.slots import TableCache, open_slot
+from megatron_pec.slots import SlotCache
 from megatron_pec.stformat import encode_header, item_checksums
 from megatron_pec.storage import PosixStorage
 
@@ -23,8 +23,7 @@ class SnapshotMismatch(RuntimeError):
 
 
 def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_items: set[str] | None,
-                      target: str | None, storage: PosixStorage,
-                      tables: TableCache | None = None) -> tuple[SlotRecord, dict | None]:
+                      target: str | None, storage: PosixStorage, slots: SlotCache) -> tuple[SlotRecord, dict | None]:
     """Validate the slot at ``path`` as the complete snapshot ``iteration`` of ``run`` and ``job``;
     persist it to ``target`` if given (the dense state plus ``persist_items``, None: all it wrote).
 
@@ -32,35 +31,27 @@ def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_
     are added later) and, when persisted, the rank file's ``size``, ``crc32``, ``items``,
     ``header_crc32`` and ``item_crc32``. Raises SnapshotMismatch, FormatError or OSError.
     """
-    mapping, header = tables.open(path) if tables is not None else open_slot(path)
+    mapping, header = slots.open(path)
     try:
-        try:
-            snapshot = SlotHeader.from_metadata(header.metadata)
-        except ProtocolError as exc:
-            snapshot = str(exc)
-        problem = header_problem(snapshot, iteration, run, job)
-        if problem is not None:
-            raise SnapshotMismatch(f"{path} {problem}")
-        written = snapshot.items
-        file = None
-        # The memory checksum runs beside the write (both release the GIL): one pass's time, not two.
-        with ThreadPoolExecutor(1) as pool:
-            checksums = pool.submit(item_checksums, mapping, header, set(written))
-            if target is not None:
-                keep = set(written) if persist_items is None else \
-                    {i for i in written if i == NON_EXPERT or i in persist_items}
-                file = _write_compact(mapping, header, snapshot, keep, target, storage)
-            crcs = checksums.result()
-        if file is not None:
-            file["item_crc32"] = {i: crcs[i] for i in file["items"]}
-        return SlotRecord(iteration, run, dict(written), crcs), file
-    finally:
-        try:
-            mapping.close()
-        except BufferError:
-            # A write that failed mid-file (ENOSPC, EIO) leaves views of the mapping in its traceback;
-            # closing now would replace that error with this one. The mapping closes when they go.
-            pass
+        snapshot = SlotHeader.from_metadata(header.metadata)
+    except ProtocolError as exc:
+        snapshot = str(exc)
+    problem = header_problem(snapshot, iteration, run, job)
+    if problem is not None:
+        raise SnapshotMismatch(f"{path} {problem}")
+    written = snapshot.items
+    file = None
+    # The memory checksum runs beside the write (both release the GIL): one pass's time, not two.
+    with ThreadPoolExecutor(1) as pool:
+        checksums = pool.submit(item_checksums, mapping, header, set(written))
+        if target is not None:
+            keep = set(written) if persist_items is None else \
+                {i for i in written if i == NON_EXPERT or i in persist_items}
+            file = _write_compact(mapping, header, snapshot, keep, target, storage)
+        crcs = checksums.result()
+    if file is not None:
+        file["item_crc32"] = {i: crcs[i] for i in file["items"]}
+    return SlotRecord(iteration, run, dict(written), crcs), file
 
 
 def _write_compact(mapping, header, snapshot: SlotHeader, keep: set[str], target: str,

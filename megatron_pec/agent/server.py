@@ -49,7 +49,7 @@ from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator,
 from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Granted, Hello, JobInfo, NodeMarker,
                                    PeerAddress, ProtocolError, RankFile, Ready, Record, Released, Settle, SlotRecord,
                                    SnapshotReady, Stop, decode_message)
-from megatron_pec.slots import TableCache, slot_path
+from megatron_pec.slots import SlotCache, slot_path
 from megatron_pec.stformat import FormatError
 from megatron_pec.storage import PosixStorage
 
@@ -87,7 +87,7 @@ class Agent:
         self.directory, self.node_rank = directory, node_rank
         self.idle_timeout, self.keep_shm = idle_timeout, keep_shm
         self.storage = PosixStorage()
-        self.tables = TableCache()                      # slot tables parsed once, not per snapshot
+        self.slots = SlotCache()                        # slot mappings and tables, kept across snapshots
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.links: dict[int, Link] = {}                # rank -> its current trainer
@@ -382,7 +382,7 @@ class Agent:
         target = manifest.rank_file(root, iteration, rank)
         try:
             _, file = check_and_persist(slot_path(self.directory, rank, slot), iteration, record.run, link.key,
-                                        None, target, self.storage, self.tables)
+                                        None, target, self.storage, self.slots)
             log(f"{why}: persisted rank {rank}'s snapshot of iteration {iteration}")
             self._node_progress(link.job, iteration, rank, RankFile(file=manifest.relative(root, target), **file))
         except Exception as exc:  # storage keeps what it had: said, never hidden
@@ -405,7 +405,7 @@ class Agent:
         try:
             record, file = check_and_persist(slot_path(self.directory, rank, msg.slot), msg.iteration,
                                              link.run or "", link.key, persist_items, target, self.storage,
-                                             self.tables)
+                                             self.slots)
         except Exception:
             if target is not None:
                 self.failed.add((root, msg.iteration))
@@ -451,7 +451,7 @@ class Agent:
         base_record, base_header = verdict
         try:
             return carry_forward(path, record, slot_path(self.directory, rank, newest[0]), base_record, base_header,
-                                 self.tables)
+                                 self.slots)
         except (OSError, FormatError, ValueError) as exc:
             log(f"rank {rank}: cannot carry experts forward into iteration {record.iteration}: {exc}")
             return record
