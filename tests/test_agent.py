@@ -16,7 +16,8 @@ from conftest import REPO
 from megatron_pec import manifest
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, agent_pid, check_socket_path, ensure_agent
 from megatron_pec.agent.memory import JobKey, NodeMemory
-from megatron_pec.protocol import Begin, Begun, Hello, JobInfo, Released, SlotHeader, SnapshotReady, Stop
+from megatron_pec.protocol import (Begin, Begun, Flushed, Hello, JobInfo, Released, Settle, SlotHeader,
+                                   SnapshotReady, Stop)
 from megatron_pec.slots import SlotFiles, SlotGrants, node_dir, open_slot
 from megatron_pec.sources import SourceError, storage_source
 from megatron_pec.stformat import decode_header, item_checksums, layout
@@ -274,6 +275,26 @@ def test_a_snapshot_is_restorable_before_its_experts_are_carried(trainers, monke
         source.open(PosixStorage(), {item})
         names = {e.name for e in source._layout.tensors if e.item == item}
         assert names and all(float(v.flatten()[0]) == value for v in source.tensors(names).values()), item
+
+
+def test_settle_answers_only_once_every_announced_snapshot_is_recorded(trainers):
+    """A restore first asks the agent to Settle. The answer may come from the connection's own thread
+    (not queued behind carries and commits), so it must still never precede the record of a snapshot
+    announced before it: announced and settled back to back, the index already holds it."""
+    t = trainers(0, nodes=1)
+    t.snapshot(1, persist=False)
+    for iteration in range(2, 6):
+        slot = t.snapshot(iteration, written=("dense", "L1.E0"), persist=iteration % 2 == 0, wait=False)
+        _, others = t.client.request(Settle(), Flushed, timeout=30)
+        assert t.memory().slots[0][slot].iteration == iteration
+        messages, deadline = list(others), time.monotonic() + 30
+        while not any(isinstance(m, Released) and m.iteration == iteration for m in messages):
+            assert time.monotonic() < deadline, "no release from the agent"
+            messages += t.client.poll(block_s=0.2)
+        for msg in messages:
+            if isinstance(msg, Released):
+                t.grants.add(msg.grants)
+    t.client.request(Settle(), Flushed, timeout=30)  # nothing announced since: answered at once
 
 
 def test_agent_never_carries_from_another_job_or_an_abandoned_timeline(trainers, shm_dir):

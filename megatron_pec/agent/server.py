@@ -21,7 +21,7 @@ a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` wi
 first slot grants), then ``SnapshotReady`` per snapshot (answered ``Released``, with an
 error if persisting failed, and new grants), ``Flush`` (answered ``Flushed`` once all
 earlier work is done), ``Settle`` (answered ``Flushed`` once every earlier snapshot is
-recorded: what a restore needs), ``Detach`` or ``Stop``. A slot belongs to the trainer
+recorded: what a restore needs; at once, not behind queued carries, when all are), ``Detach`` or ``Stop``. A slot belongs to the trainer
 only while granted; announcing a snapshot hands it back. A trainer left with no slot (all
 held for recovery or a replica push) is sent ``Granted`` as soon as one is free again.
 A failed persist is reported and the agent keeps serving.
@@ -90,6 +90,8 @@ class Agent:
         self.slots = SlotCache()                        # slot mappings and tables, kept across snapshots
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
+        self.unrecorded: collections.Counter = collections.Counter()  # rank -> snapshots announced, not yet recorded
+        self.send_locks: dict[socket.socket, threading.Lock] = {}     # the worker and a client thread both answer
         self.links: dict[int, Link] = {}                # rank -> its current trainer
         self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
         self.detached: set[int] = set()
@@ -205,9 +207,13 @@ class Agent:
                             self.jobs.put((link, "pull"))
                 elif link is None and not isinstance(msg, Stop):
                     raise ProtocolError(f"{msg.KIND} before hello")
+                elif isinstance(msg, Settle) and self._settled(link.rank):
+                    self._send(conn, Flushed())  # nothing to wait for: not queued behind carries and commits
                 elif isinstance(msg, (Begin, SnapshotReady, Flush, Settle)):
                     with self.lock:
                         self.pending_work = True
+                        if isinstance(msg, SnapshotReady):
+                            self.unrecorded[link.rank] += 1
                     self.jobs.put((link, msg))
                 elif isinstance(msg, Detach):
                     with self.lock:
@@ -220,13 +226,22 @@ class Agent:
             with self.lock:
                 if link is not None and self.links.get(link.rank) is link:
                     del self.links[link.rank]
+                self.send_locks.pop(conn, None)
             conn.close()
 
     def _send(self, conn: socket.socket, msg: Record) -> None:
-        try:
-            conn.sendall((msg.dumps() + "\n").encode())
-        except OSError:
-            pass  # the trainer is gone; its snapshot is still recorded
+        with self.lock:
+            lock = self.send_locks.setdefault(conn, threading.Lock())
+        with lock:  # whole lines: the worker and the connection's own thread may answer at once
+            try:
+                conn.sendall((msg.dumps() + "\n").encode())
+            except OSError:
+                pass  # the trainer is gone; its snapshot is still recorded
+
+    def _settled(self, rank: int) -> bool:
+        """Every snapshot announced for ``rank`` is recorded (what a restore needs, see Settle)."""
+        with self.lock:
+            return self.unrecorded[rank] == 0
 
     # ---- phases 5 to 7 ---------------------------------------------------------------------------
     def _work(self) -> None:
@@ -410,9 +425,11 @@ class Agent:
             if target is not None:
                 self.failed.add((root, msg.iteration))
             self.memory.write()
+            self._recorded(rank)
             raise
         self.memory.record(rank, msg.slot, record)  # restorable now; phase 7 adds the carried experts
         self.memory.write()
+        self._recorded(rank)
         if target is None:
             return record, None
         try:
@@ -421,6 +438,10 @@ class Agent:
         except Exception as exc:  # the snapshot itself is sound: it still serves node memory
             return record, f"{type(exc).__name__}: {exc}"
         return record, None
+
+    def _recorded(self, rank: int) -> None:
+        with self.lock:
+            self.unrecorded[rank] -= 1
 
     def _finish(self, link: Link, msg: SnapshotReady, record: SlotRecord, error: str | None) -> None:
         """Phase 7: carry experts forward, record the slot, release it, grant what is free now."""
