@@ -36,6 +36,7 @@ from megatron_pec.storage import PosixStorage
 MAX_CANDIDATES = 32
 LIST_OLDER = 64  # a restore log line names at most this many experts restored from older versions
 NONE = 2**62  # "no version" in MIN reductions
+ACCOUNT_VECTORS = 7  # per expert: restored version, tokens there, tokens at the target, 2 levels x 2
 
 
 def say(message: str) -> None:
@@ -117,11 +118,12 @@ class Loader:
                                                     self.storage)
             except SourceError as exc:
                 error = f"megatron-pec: {exc}"
-        self.coll.raise_if_any(error)
         self._warn_stale_tracker(manifests)
         excluded: set[int] = set()
         while True:
-            target = self._agree({s.iteration for s in memory} | set(stored), excluded)
+            # (the first agreement also carries any rank's error: one collective less per restore)
+            target = self._agree({s.iteration for s in memory} | set(stored), excluded, error)
+            error = None  # raised above if any rank had one
             if target is None:
                 if excluded:
                     raise CheckpointError(f"megatron-pec: no valid checkpoint left under {self.root} after "
@@ -131,14 +133,15 @@ class Loader:
                 if not manifests:
                     self._retire_newer(0)  # node markers of an abandoned run must not join a new commit
                 return None
-            plan, error = self._plan(target, memory, stored, manifests)
-            if not self.coll.all_ok(error is None):
+            plan, unreadable = self._plan(target, memory, stored, manifests)
+            every_rank_can, accounted = self._agree_plan(plan, unreadable)
+            if not every_rank_can:
                 say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
-                    f"{error or 'another rank cannot'}; falling back to an older checkpoint")
+                    f"{unreadable or 'another rank cannot'}; falling back to an older checkpoint")
                 excluded.add(target)
                 continue
             self._retire_newer(target)
-            return self._decide(target, plan)
+            return self._decide(target, plan, accounted)
 
     # ---- another layout -------------------------------------------------------------------------
     def _newest_of_another_layout(self) -> Manifest | None:
@@ -206,11 +209,22 @@ class Loader:
             say(f"megatron-pec: WARNING {self.root}/{TRACKER} names iteration {tracker}, which has no valid "
                 f"manifest; ignoring it and using the newest committed iteration")
 
-    def _agree(self, mine: set[int], excluded: set[int]) -> int | None:
+    def _agree(self, mine: set[int], excluded: set[int], error: str | None = None) -> int | None:
+        """The newest iteration every rank can restore; raises on every rank if any has an ``error``."""
         mine = sorted((i for i in mine if i not in excluded), reverse=True)[:MAX_CANDIDATES]
-        every = self.coll.gather(mine, MAX_CANDIDATES)
-        common = set.intersection(*({x for x in row if x >= 0} for row in every))
+        every = self.coll.gather([0 if error is None else 1] + mine, MAX_CANDIDATES + 1)
+        if any(row[0] for row in every):
+            raise CheckpointError(error or "megatron-pec: another rank failed; see its log for the reason")
+        common = set.intersection(*({x for x in row[1:] if x >= 0} for row in every))
         return max(common) if common else None
+
+    def _agree_plan(self, plan: dict[str, Source], error: str | None) -> tuple[bool, list[int]]:
+        """(every rank can restore its plan, the PLT accounting's vectors completed across ranks):
+        one MAX all-reduce for both (``_account``); a failed rank contributes only its flag."""
+        width = ACCOUNT_VECTORS * len(self.ctx.all_experts)
+        vectors = self._account_vectors(plan) if error is None else [-1] * width
+        merged = self.coll.reduce([0 if error is None else 1] + vectors, "max")
+        return merged[0] == 0, merged[1:]
 
     # ---- 8. source -----------------------------------------------------------------------------
     def _plan(self, target: int, memory: list[Source], stored: dict[int, Source], manifests: dict):
@@ -284,7 +298,7 @@ class Loader:
         return [bool(merged[position[n]]) for n in held]
 
     # ---- 9. decide -----------------------------------------------------------------------------
-    def _decide(self, target: int, plan: dict[str, Source]) -> RestoreResult:
+    def _decide(self, target: int, plan: dict[str, Source], accounted: list[int]) -> RestoreResult:
         dense = plan[NON_EXPERT]
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for name, item in self.ctx.slice_items.items():
@@ -293,19 +307,19 @@ class Loader:
         for source, names in by_source.values():
             tensors.update(source.tensors(names))
         versions = {item: source.items[item] for item, source in plan.items()}
-        pec, report, tokens_at_target = self._account(target, plan, dense)
+        pec, report, tokens_at_target = self._account(target, dense, accounted)
         return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
                              tokens_at_target, report)
 
-    def _account(self, target: int, plan: dict[str, Source],
-                 dense: Source) -> tuple[PecState | None, plt.PltReport | None, dict[ExpertId, int]]:
-        """PLT of this restore over every expert of the model (identical on every rank), folded
-        into the PEC state; and the cumulative token counts at ``target`` of this stage's experts.
-        Each rank's file knows the versions and token counts of the experts it holds; one MAX
-        all-reduce completes them (each expert is held somewhere)."""
+    def _account_vectors(self, plan: dict[str, Source]) -> list[int]:
+        """This rank's part of the PLT accounting, one int per expert of the model in each of
+        ``ACCOUNT_VECTORS`` vectors (-1: unknown here): the version each expert is restored from, its
+        tokens at that version, at the dense source's iteration, and both PEC levels' versions and
+        tokens. Each rank's file knows the experts it holds; the MAX over ranks completes them."""
         experts = self.ctx.all_experts
         if not experts:
-            return None, None, {}
+            return []
+        dense = plan[NON_EXPERT]
         state = PecState.loads(dense.header.pec)
         levels = (state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at)
         known = [{item_name(x): v for x, v in level.items()} for level in levels]
@@ -316,9 +330,20 @@ class Loader:
                 version[item_name(x)] = source.items[item_name(x)]
                 at_version[item_name(x)] = source.tokens_at_version(item_name(x))
         vectors = [version, at_version, dense.header.tokens, *known]
-        merged = self.coll.reduce([v for values in vectors for v in self._expert_vector(values, -1)], "max")
+        return [v for values in vectors for v in self._expert_vector(values, -1)]
+
+    def _account(self, target: int, dense: Source,
+                 accounted: list[int]) -> tuple[PecState | None, plt.PltReport | None, dict[ExpertId, int]]:
+        """PLT of this restore over every expert of the model (identical on every rank), folded
+        into the PEC state; and the cumulative token counts at ``target`` of this stage's experts.
+        ``accounted``: the vectors of ``_account_vectors``, completed over all ranks."""
+        experts = self.ctx.all_experts
+        if not experts:
+            return None, None, {}
+        state = PecState.loads(dense.header.pec)
+        levels = (state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at)
         n = len(experts)
-        columns = [dict(zip(experts, merged[i * n:(i + 1) * n])) for i in range(len(vectors))]
+        columns = [dict(zip(experts, accounted[i * n:(i + 1) * n])) for i in range(ACCOUNT_VECTORS)]
         version_of, tokens_at_version, tokens_at_target = columns[:3]
         stage = self._stage_experts()
         for level, column in zip(levels, columns[3:]):

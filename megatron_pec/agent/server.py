@@ -90,7 +90,7 @@ class Agent:
         self.slots = SlotCache()                        # slot mappings and tables, kept across snapshots
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
-        self.unrecorded: collections.Counter = collections.Counter()  # rank -> snapshots announced, not yet recorded
+        self.unrecorded: collections.Counter = collections.Counter()  # rank -> snapshots (and pulls) not yet recorded
         self.send_locks: dict[socket.socket, threading.Lock] = {}     # the worker and a client thread both answer
         self.links: dict[int, Link] = {}                # rank -> its current trainer
         self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
@@ -204,6 +204,7 @@ class Agent:
                         if not self.memory.slots.get(msg.rank):  # e.g. a replacement node: ask the peers
                             with self.lock:
                                 self.pending_work = True
+                                self.unrecorded[msg.rank] += 1  # a restore waits for what the pull brings
                             self.jobs.put((link, "pull"))
                 elif link is None and not isinstance(msg, Stop):
                     raise ProtocolError(f"{msg.KIND} before hello")
@@ -239,7 +240,8 @@ class Agent:
                 pass  # the trainer is gone; its snapshot is still recorded
 
     def _settled(self, rank: int) -> bool:
-        """Every snapshot announced for ``rank`` is recorded (what a restore needs, see Settle)."""
+        """Every snapshot announced for ``rank`` is recorded, and a pull from peers' replicas for it
+        has ended (what a restore needs, see Settle)."""
         with self.lock:
             return self.unrecorded[rank] == 0
 
@@ -264,7 +266,10 @@ class Agent:
             if job == "carry":
                 self._finish(*carries.popleft())
             elif job[1] == "pull":
-                self._pull(job[0])
+                try:
+                    self._pull(job[0])
+                finally:
+                    self._recorded(job[0].rank)
             elif isinstance(job[1], SnapshotReady):
                 link, msg = job
                 self.in_flight.setdefault(link.rank, set()).add(msg.slot)
