@@ -272,8 +272,8 @@ def tensor_view(buffer, header: Header, entry: TensorEntry):
 
 def tensor_views(buffer, header: Header, entries) -> list:
     """1-D tensors viewing each of ``entries``' bytes in a whole-file ``buffer`` (no copies): slices
-    of one view of the buffer per dtype - a ``frombuffer`` per entry costs ~15 us on a mapping, and a
-    large MoE rank has tens of thousands of entries."""
+    of one view of the buffer per dtype, not a ``frombuffer`` (a buffer export) per entry - a large
+    MoE rank has tens of thousands of entries."""
     import torch
 
     flats, out = {}, []
