@@ -485,12 +485,13 @@ class Engine:
         for line in result.log_lines(self.rank):
             say(line)
         started, settled, read = timings
+        applied = time.perf_counter()
+        iteration = 0 if config.finetune else result.iteration
+        self._begin(iteration)
         done = time.perf_counter()
         say(f"megatron-pec: rank {self.rank}: restore took {done - started:.3f} s (waiting for the agent "
             f"{settled - started:.3f} s, choosing, reading and checking {read - settled:.3f} s, applying "
-            f"{done - read:.3f} s)")
-        iteration = 0 if config.finetune else result.iteration
-        self._begin(iteration)
+            f"{applied - read:.3f} s, starting the new timeline {done - applied:.3f} s)")
         return iteration, result.small["num_floating_point_operations_so_far"]
 
     def close(self, detach: bool = True) -> None:
