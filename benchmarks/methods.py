@@ -98,7 +98,6 @@ class Method:
         """CPU seconds used so far by the process that persists in the background (None: none)."""
         return None
 
-
     def restore_memory(self):
         return None
 

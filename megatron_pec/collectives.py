@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_pec.errors import CheckpointError
 
+ANOTHER_RANK_FAILED = "megatron-pec: another rank failed; see its log for the reason"
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
@@ -30,17 +31,12 @@ class Collectives:
 
     def reduce(self, values: list[int], op: str) -> list[int]:
         """Element-wise ``op`` (sum, min, max) of int64 ``values`` over all ranks."""
-        if not values:
-            return []
-        tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, op=_OPS[op], group=self.group)
-        return tensor.tolist()
+        return self.start_reduce(values, op).result() if values else []
 
     def start_reduce(self, values: list[int], op: str) -> "PendingReduce":
-        """``reduce`` started in the background: its ``result()`` waits for it."""
-        tensor = torch.tensor(values or [0], dtype=torch.int64)
-        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
-        return PendingReduce(work, tensor, len(values))
+        """``reduce`` of non-empty ``values`` started in the background; ``result()`` waits for it."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        return PendingReduce(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True), tensor)
 
     def gather(self, values: list[int], width: int, pad: int = -1) -> list[list[int]]:
         """Every rank's ``values`` (at most ``width`` ints, padded with ``pad``), in rank order."""
@@ -59,13 +55,13 @@ class Collectives:
     def raise_if_any(self, error: str | None) -> None:
         """Every rank raises (the same way) if any rank failed - no rank is left hanging."""
         if not self.all_ok(error is None):
-            raise CheckpointError(error or "megatron-pec: another rank failed; see its log for the reason")
+            raise CheckpointError(error or ANOTHER_RANK_FAILED)
 
 
 class PendingReduce:
-    def __init__(self, work, tensor: torch.Tensor, length: int):
-        self.work, self.tensor, self.length = work, tensor, length
+    def __init__(self, work, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor
 
     def result(self) -> list[int]:
         self.work.wait()
-        return self.tensor.tolist()[:self.length]
+        return self.tensor.tolist()

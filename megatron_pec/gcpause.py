@@ -9,28 +9,21 @@ Reference counting still frees everything at once; the collector runs again afte
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 
 
-@contextlib.contextmanager
-def paused():
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def without_gc(method):
-    """Decorator: run ``method`` inside ``paused()``."""
+    """Decorator: run ``method`` with the collector paused (nested calls leave it paused)."""
 
     @functools.wraps(method)
     def run(*args, **kwargs):
-        with paused():
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
             return method(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
 
     return run

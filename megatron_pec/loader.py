@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from megatron_pec import manifest, plt, reshard
 from megatron_pec.agent.memory import JobKey
-from megatron_pec.collectives import Collectives
+from megatron_pec.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
@@ -134,14 +134,14 @@ class Loader:
                     self._retire_newer(0)  # node markers of an abandoned run must not join a new commit
                 return None
             plan, unreadable = self._plan(target, memory, stored, manifests)
-            every_rank_can, accounted = self._agree_plan(plan, unreadable)
+            every_rank_can, accounted, state = self._agree_plan(plan, unreadable)
             if not every_rank_can:
                 say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
                     f"{unreadable or 'another rank cannot'}; falling back to an older checkpoint")
                 excluded.add(target)
                 continue
             self._retire_newer(target)
-            return self._decide(target, plan, accounted)
+            return self._decide(target, plan, accounted, state)
 
     # ---- another layout -------------------------------------------------------------------------
     def _newest_of_another_layout(self) -> Manifest | None:
@@ -214,17 +214,20 @@ class Loader:
         mine = sorted((i for i in mine if i not in excluded), reverse=True)[:MAX_CANDIDATES]
         every = self.coll.gather([0 if error is None else 1] + mine, MAX_CANDIDATES + 1)
         if any(row[0] for row in every):
-            raise CheckpointError(error or "megatron-pec: another rank failed; see its log for the reason")
+            raise CheckpointError(error or ANOTHER_RANK_FAILED)
         common = set.intersection(*({x for x in row[1:] if x >= 0} for row in every))
         return max(common) if common else None
 
-    def _agree_plan(self, plan: dict[str, Source], error: str | None) -> tuple[bool, list[int]]:
-        """(every rank can restore its plan, the PLT accounting's vectors completed across ranks):
-        one MAX all-reduce for both (``_account``); a failed rank contributes only its flag."""
-        width = ACCOUNT_VECTORS * len(self.ctx.all_experts)
-        vectors = self._account_vectors(plan) if error is None else [-1] * width
+    def _agree_plan(self, plan: dict[str, Source],
+                    error: str | None) -> tuple[bool, list[int], PecState | None]:
+        """(every rank can restore its plan, the PLT accounting's vectors completed across ranks, the
+        dense source's PEC state): one MAX all-reduce for both (``_account``); a failed rank
+        contributes only its flag."""
+        state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and self.ctx.all_experts else None
+        vectors = self._account_vectors(plan, state) if state is not None else \
+            [-1] * (ACCOUNT_VECTORS * len(self.ctx.all_experts))
         merged = self.coll.reduce([0 if error is None else 1] + vectors, "max")
-        return merged[0] == 0, merged[1:]
+        return merged[0] == 0, merged[1:], state
 
     # ---- 8. source -----------------------------------------------------------------------------
     def _plan(self, target: int, memory: list[Source], stored: dict[int, Source], manifests: dict):
@@ -298,7 +301,8 @@ class Loader:
         return [bool(merged[position[n]]) for n in held]
 
     # ---- 9. decide -----------------------------------------------------------------------------
-    def _decide(self, target: int, plan: dict[str, Source], accounted: list[int]) -> RestoreResult:
+    def _decide(self, target: int, plan: dict[str, Source], accounted: list[int],
+                state: PecState | None) -> RestoreResult:
         dense = plan[NON_EXPERT]
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for name, item in self.ctx.slice_items.items():
@@ -307,22 +311,17 @@ class Loader:
         for source, names in by_source.values():
             tensors.update(source.tensors(names))
         versions = {item: source.items[item] for item, source in plan.items()}
-        pec, report, tokens_at_target = self._account(target, dense, accounted)
+        pec, report, tokens_at_target = self._account(target, state, accounted)
         return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
                              tokens_at_target, report)
 
-    def _account_vectors(self, plan: dict[str, Source]) -> list[int]:
+    def _account_vectors(self, plan: dict[str, Source], state: PecState) -> list[int]:
         """This rank's part of the PLT accounting, one int per expert of the model in each of
         ``ACCOUNT_VECTORS`` vectors (-1: unknown here): the version each expert is restored from, its
         tokens at that version, at the dense source's iteration, and both PEC levels' versions and
         tokens. Each rank's file knows the experts it holds; the MAX over ranks completes them."""
-        experts = self.ctx.all_experts
-        if not experts:
-            return []
-        dense = plan[NON_EXPERT]
-        state = PecState.loads(dense.header.pec)
-        levels = (state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at)
-        known = [{item_name(x): v for x, v in level.items()} for level in levels]
+        experts, dense = self.ctx.all_experts, plan[NON_EXPERT]
+        known = [{item_name(x): v for x, v in level.items()} for level in _levels(state)]
         version, at_version = {}, {}
         for x in experts:
             source = plan.get(item_name(x))
@@ -332,21 +331,20 @@ class Loader:
         vectors = [version, at_version, dense.header.tokens, *known]
         return [v for values in vectors for v in self._expert_vector(values, -1)]
 
-    def _account(self, target: int, dense: Source,
+    def _account(self, target: int, state: PecState | None,
                  accounted: list[int]) -> tuple[PecState | None, plt.PltReport | None, dict[ExpertId, int]]:
         """PLT of this restore over every expert of the model (identical on every rank), folded
-        into the PEC state; and the cumulative token counts at ``target`` of this stage's experts.
-        ``accounted``: the vectors of ``_account_vectors``, completed over all ranks."""
-        experts = self.ctx.all_experts
-        if not experts:
+        into the dense source's PEC ``state`` (None without MoE); and the cumulative token counts at
+        ``target`` of this stage's experts. ``accounted``: the vectors of ``_account_vectors``,
+        completed over all ranks."""
+        if state is None:
             return None, None, {}
-        state = PecState.loads(dense.header.pec)
-        levels = (state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at)
+        experts = self.ctx.all_experts
         n = len(experts)
         columns = [dict(zip(experts, accounted[i * n:(i + 1) * n])) for i in range(ACCOUNT_VECTORS)]
         version_of, tokens_at_version, tokens_at_target = columns[:3]
         stage = self._stage_experts()
-        for level, column in zip(levels, columns[3:]):
+        for level, column in zip(_levels(state), columns[3:]):
             level.update({x: v for x, v in column.items() if v >= 0 and x in stage})
         report = plt.lost_tokens(tokens_at_target, tokens_at_version, version_of, target)
         state.recovered(report, version_of, tokens_at_version, stage)
@@ -370,3 +368,8 @@ class Loader:
                         f"Dynamic-K raises snapshot K {state.snapshot.k} -> {k}, persist K "
                         f"{state.persist.k} -> {persist_k}")
                 state.set_k(k, persist_k)
+
+
+def _levels(state: PecState) -> tuple[dict, dict, dict, dict]:
+    """The PEC state's per-expert dicts, in the order of the accounting's last four vectors."""
+    return state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at

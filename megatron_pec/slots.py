@@ -24,8 +24,8 @@ import threading
 from collections import deque
 
 from megatron_pec.protocol import SlotHeader
-from megatron_pec.stformat import (MAX_HEADER, FormatError, Header, TensorEntry, decode_metadata, encode_header,
-                                  header_tail, read_header, tensor_table, tensor_view)
+from megatron_pec.stformat import (MAX_HEADER, Header, TensorEntry, decode_metadata, encode_header, header_tail,
+                                  read_head, read_header, tensor_table, tensor_view)
 
 NUM_SLOTS = 3
 REPLICA_SLOTS = 2  # per replicated rank: the complete replica and the one being received
@@ -299,11 +299,7 @@ def read_slot_metadata(path: str) -> dict[str, str]:
     OSError or FormatError."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        file_len = os.fstat(fd).st_size
-        size = int.from_bytes(os.pread(fd, 8, 0), "little") if file_len >= 8 else 0
-        if not 0 < size <= min(MAX_HEADER, file_len - 8):
-            raise FormatError(f"header length {size} is implausible or exceeds the file")
-        return decode_metadata(os.pread(fd, 8 + size, 0))
+        return decode_metadata(read_head(lambda offset, length: os.pread(fd, length, offset), os.fstat(fd).st_size))
     finally:
         os.close(fd)
 

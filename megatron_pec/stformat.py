@@ -235,14 +235,20 @@ def read_header(read: Callable[[int, int], bytes], file_len: int,
                 known: tuple[bytes, tuple[TensorEntry, ...]] | None = None) -> tuple[bytes, Header]:
     """The header bytes (length prefix included) and the parsed header of a file of ``file_len``
     bytes, given ``read(offset, length)`` (``known``: see ``decode_header``); raises FormatError."""
+    head = read_head(read, file_len)
+    return head, decode_header(head, file_len=file_len, known=known)
+
+
+def read_head(read: Callable[[int, int], bytes], file_len: int) -> bytes:
+    """The header bytes (length prefix included) of a file of ``file_len`` bytes, unparsed; raises
+    FormatError."""
     head = bytes(read(0, min(8, file_len)))
     if len(head) < 8:
         raise FormatError("file shorter than the 8-byte header length")
     size = int.from_bytes(head, "little")
     if size > MAX_HEADER or 8 + size > file_len:
         raise FormatError(f"header length {size} is implausible or exceeds the file")
-    head += bytes(read(8, size))
-    return head, decode_header(head, file_len=file_len, known=known)
+    return head + bytes(read(8, size))
 
 
 def item_checksums(buffer, header: Header, items: set[str], chunk: int = 8 << 20) -> dict[str, int]:

@@ -21,8 +21,9 @@ a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` wi
 first slot grants), then ``SnapshotReady`` per snapshot (answered ``Released``, with an
 error if persisting failed, and new grants), ``Flush`` (answered ``Flushed`` once all
 earlier work is done), ``Settle`` (answered ``Flushed`` once every earlier snapshot is
-recorded: what a restore needs; at once, not behind queued carries, when all are), ``Detach`` or ``Stop``. A slot belongs to the trainer
-only while granted; announcing a snapshot hands it back. A trainer left with no slot (all
+recorded: what a restore needs; at once, not behind queued carries, when all are),
+``Detach`` or ``Stop``. A slot belongs to the trainer only while granted; announcing a
+snapshot hands it back. A trainer left with no slot (all
 held for recovery or a replica push) is sent ``Granted`` as soon as one is free again.
 A failed persist is reported and the agent keeps serving.
 """
