@@ -21,6 +21,11 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
         r = json.loads((tmp_path / f"roundtrip.rank{rank}.json").read_text())
         assert r["fresh"] == [0, 0]
         assert r["in_place"] == [True, True], "a restore into the running job reallocated the optimizer state"
+        # Saves asked the optimizer for its state_dict with one parameter per group (no walk over
+        # every parameter), and that gives exactly Megatron's full state_dict.
+        assert r["state_dict"]["trimmed_used"] is True
+        assert r["state_dict"]["same"]
+        assert r["state_dict"]["largest_group"] > 1, "with one parameter per group nothing was left out"
         for leg in ("memory", "storage"):
             assert r[leg]["returned"] == [6, 600.0], leg
             assert r[leg]["differences"] == [], f"{leg}: state differs from iteration 6 in {r[leg]['differences']}"

@@ -23,6 +23,7 @@ ALLOWED_FOREIGN_WRITES = {
     "api.py": {"sys.excepthook", "excepthook.megatron_pec"},      # records crashes so exit keeps node memory
     "megatron/restore.py": {"scheduler.num_steps", "args.consumed_train_samples", "args.skipped_train_samples",
                             "args.consumed_valid_samples", "args.finetune"},  # Megatron's load_checkpoint side effects
+    "megatron/optstate.py": {"inner.param_groups", "inner.state"},  # shown one param per group, then put back
     "testing/cpu.py": None,                                          # the CPU stand-ins patch torch/megatron
     "testing/megatron_lm_cpu.py": None,                              # ... and Megatron-LM's training loop
 }

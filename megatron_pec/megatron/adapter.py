@@ -16,6 +16,7 @@ from megatron_pec import smallstate
 from megatron_pec.collectives import Collectives
 from megatron_pec.items import ExpertId
 from megatron_pec.megatron import collect, layout, restore
+from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.tokens import TokenCounter
 from megatron_pec.protocol import GlobalParam, RankLayout
 
@@ -73,6 +74,7 @@ class MegatronAdapter:
         self.args, self.model, self.optimizer = args, model_chunks, optimizer
         self.optimizers = collect.distributed_optimizers(optimizer)  # refuses setups we cannot checkpoint
         self.rank = torch.distributed.get_rank()
+        self.optimizer_state = OptimizerState(optimizer, self.rank)
         self.world_size = torch.distributed.get_world_size()
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.topology = collect.topology()
@@ -130,7 +132,8 @@ class MegatronAdapter:
             self._step_hooks.append(opt.optimizer.register_step_pre_hook(lambda *_: callback()))
 
     def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "") -> dict:
-        small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers)
+        small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers,
+                                    self.optimizer_state.state_dict)
         small["rng_key_prefix"] = rng_key_prefix
         return small
 

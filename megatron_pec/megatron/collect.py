@@ -214,14 +214,14 @@ def module_buffers(refs) -> dict[str, torch.Tensor]:
     return {key: getattr(module, attr) for key, module, attr in refs}
 
 
-def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffers=()) -> dict:
+def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffers=(), state_dict=None) -> dict:
     """Everything besides the slices that Megatron's checkpoint holds for this rank (``buffers``:
-    ``buffer_refs``)."""
+    ``buffer_refs``; ``state_dict``: what computes the optimizer's, default its own ``state_dict``)."""
     return {
         "buffers": module_buffers(buffers),
         "iteration": iteration,
         # None before the first step: Megatron's state_dict needs a step count then missing
-        "optimizer": optimizer.state_dict() if has_state(optimizer) else None,
+        "optimizer": (state_dict or optimizer.state_dict)() if has_state(optimizer) else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_state(),
         "num_floating_point_operations_so_far": flops,

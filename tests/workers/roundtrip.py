@@ -14,8 +14,8 @@ import torch
 
 import megatron_pec
 from common import report, setup, train
-from megatron_pec import api
-from megatron_pec.megatron import collect, restore
+from megatron_pec import api, smallstate
+from megatron_pec.megatron import collect, optstate, restore
 
 N = 6  # persistent save here; memory snapshots at every iteration before it
 MORE = 3
@@ -62,8 +62,16 @@ def main():
         train(args, model, optimizer, scheduler, data, 1)
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 100.0 * i, non_persistent_ckpt=i != N)
     at_n = capture(args, model, optimizer, scheduler)
+    # Every save asked the optimizer's state_dict with one parameter per group, checked once
+    # against the full one: check it again here, after training, on this megatron-core.
+    trimmed_state = api._engine.adapter.optimizer_state
+    with optstate._one_param_per_group(collect.distributed_optimizers(optimizer)):
+        trimmed = smallstate.dumps(optimizer.state_dict())
+    state_dict = {"trimmed_used": trimmed_state.trimmed_ok, "same": trimmed == smallstate.dumps(optimizer.state_dict()),
+                  "largest_group": max(len(g["params"]) for o in optimizer.chained_optimizers
+                                       for g in o.optimizer.param_groups)}
     reference = train(args, model, optimizer, scheduler, data, MORE)
-    result = {"fresh": list(fresh), "reference": reference}
+    result = {"fresh": list(fresh), "reference": reference, "state_dict": state_dict}
 
     for leg in ("memory", "storage"):
         if leg == "storage":
