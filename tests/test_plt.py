@@ -109,3 +109,26 @@ def test_next_k(k, plt, threshold, experts, expected):
 def test_next_k_rejects_bad_values(args, match):
     with pytest.raises(ValueError, match=match):
         next_k(*args)
+
+
+def test_pec_state_json_per_rank_is_json_dumps_of_the_named_experts():
+    """A save encodes its rank's expert versions without json.dumps (ExpertNames): the text must be
+    exactly what json.dumps writes, also when some named experts have no version yet."""
+    import json
+    import random
+
+    from megatron_pec.items import ExpertId, item_name
+    from megatron_pec.pec_state import ExpertNames, Level, PecState
+
+    rng = random.Random(3)
+    experts = [ExpertId(layer, e) for layer in (2, 5) for e in range(6)]
+    for held_everything in (True, False):
+        state = PecState(Level(2), Level(1), lost_tokens=17, plt=0.0123456789, recoveries=2)
+        saved = experts if held_everything else experts[::2]
+        state.snapshot.record(saved, 7, {x: rng.randrange(10**12) for x in experts})
+        state.persist.record(saved[:3], 4, {x: rng.randrange(100) for x in experts})
+        names = {x: item_name(x) for x in experts[1:]}
+        text = state.dumps(ExpertNames(names))
+        assert text == state.dumps(names)
+        assert json.loads(text)["snapshot"]["saved_at"] == {item_name(x): 7 for x in saved if x in names}
+        assert PecState.loads(text).persist.saved_at == {x: 4 for x in saved[:3] if x in names}

@@ -404,3 +404,37 @@ def test_sequential_persist_cycles_through_all_experts():
 def test_two_level_rejects_different_layouts():
     with pytest.raises(ValueError, match="same ExpertLayout"):
         select_two_level("sequential", inp(layout(), 2), inp(layout(num_layers=3), 1))
+
+
+def test_vectorised_selection_is_the_reference_selection(monkeypatch):
+    """Sequential and load-aware run vectorised whenever the greedy choice fits every EP rank's
+    capacity; on random layouts, K, token counts, never-saved experts and candidate sets they
+    choose exactly what the per-expert reference chooses (which decides whenever they decline)."""
+    from megatron_pec import policy
+
+    rng = random.Random(5)
+    decided = 0
+    for _ in range(400):
+        ep = rng.choice([1, 2, 4])
+        lay = layout(num_layers=rng.randint(1, 5), num_experts=ep * rng.randint(1, 6), ep=ep,
+                     first_layer=rng.randint(1, 3))
+        experts = lay.all_experts()
+        last = {e: rng.randrange(4) for e in experts if rng.random() > rng.choice([0.0, 0.1, 0.9])}
+        tokens = {e: rng.randrange(3) for e in experts}
+        candidates = None if rng.random() < 0.5 else frozenset(e for e in experts if rng.random() < 0.7)
+        case = SelectionInput(lay, rng.randint(1, lay.num_experts), tokens, last, rng.randrange(7), None, candidates)
+        for name in ("sequential", "load-aware"):
+            fast = policy._vectorised(name, case)
+            with monkeypatch.context() as m:
+                m.setattr(policy, "_vectorised", lambda *_: None)
+                reference = select_experts(name, case)
+            if fast is not None:
+                decided += 1
+                assert fast == reference, (name, case)
+            assert select_experts(name, case) == reference
+    assert decided > 400, f"the vectorised path decided only {decided} of 800 selections"
+    # The common save, sequential round-robin over experts that all have a version, never declines.
+    for ep, per_rank, k, index in itertools.product([1, 2, 4, 8], [1, 3, 8], range(1, 9), range(5)):
+        lay = layout(num_layers=5, num_experts=ep * per_rank, ep=ep)
+        if k <= lay.num_experts:
+            assert policy._vectorised("sequential", inp(lay, k, index=index)) is not None, (ep, per_rank, k, index)
