@@ -522,14 +522,18 @@ class DLRover(Method):
         return sum(t.numel() * t.element_size() for t in self.ctx.live_views().values())
 
     def _apply(self, state):
-        from megatron_pec.megatron import restore
+        from megatron_pec.megatron.collect import distributed_optimizers
 
         c = self.ctx
         live = c.live_views()
         with torch.no_grad():
             for name, tensor in live.items():
                 tensor.copy_(state[name])
-        restore.sync_model_params(c.model, c.optimizer)
+        # Megatron's own param sync after a load (what a DLRover user runs), not megatron-pec's
+        for opt in distributed_optimizers(c.optimizer):
+            opt._copy_main_params_to_model_params()
+        for chunk in c.model:
+            chunk.start_param_sync(force_sync=True)
 
     def restore_memory(self):
         barrier()
