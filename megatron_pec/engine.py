@@ -28,7 +28,7 @@ from megatron_pec.errors import CheckpointError
 from megatron_pec.gcpause import without_gc
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
-from megatron_pec.pec_state import Level, PecState
+from megatron_pec.pec_state import ExpertNames, Level, PecState
 from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Granted, Hello, JobInfo, Record, Released, Settle,
                                    SlotHeader, SnapshotReady)
 from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
@@ -64,6 +64,7 @@ class Engine:
         self.num_nodes = self.world_size // self.local_world_size
         self.fingerprint = self._global_fingerprint(self.adapter.local_fingerprint)
         self.held_names = {x: item_name(x) for x in self.adapter.experts_held}  # formatted once, used every save
+        self.held_json = ExpertNames(self.held_names)
         self.expert_layout = self._expert_layout()
         self.all_experts = self._all_experts()
         self.token_offsets = [self.all_experts.index(ExpertId(layer, 0)) for layer in self.adapter.moe_layers]
@@ -82,6 +83,7 @@ class Engine:
         self.grants = SlotGrants()
         self.run: str | None = None            # this process's timeline, from its first Begin
         self.resumed_from: int | None = None
+        self.begins_unanswered = 0             # Begins sent whose Begun has not arrived (see _tell_timeline)
         self.stats = {"saves": 0, "skipped": 0, "persist_errors": 0}
         # On GPU a snapshot completes lazily, before the next optimizer step (see finish_snapshot);
         # MEGATRON_PEC_DEFER_SNAPSHOT=1 exercises the same path on CPU in the tests.
@@ -193,16 +195,20 @@ class Engine:
         self.run, self.resumed_from = uuid.uuid4().hex[:16], resumed_from
         self._tell_timeline()
 
-    def _tell_timeline(self, timeout: float = 300.0) -> None:
-        """Tell the agent which timeline this process writes and take the slots it grants (again
-        after a reconnect: repeating it changes nothing on the agent's side)."""
+    def _tell_timeline(self) -> None:
+        """Tell the agent which timeline this process writes (again after a reconnect: repeating it
+        changes nothing on the agent's side). Its answer, the slots it grants, is taken before the
+        next save (``_await_begun``): a restore does not wait for the carry the agent is running."""
         if not self.agent.connected:
             return
         self.grants.revoke_all()
-        answer, others = self.agent.request(Begin(self.run, self.resumed_from), Begun, timeout)
-        self._handle(others, take_grants=False)  # granted before the agent knew the new timeline
-        if answer is not None:
-            self.grants.add(answer.grants)
+        if self.agent.send(Begin(self.run, self.resumed_from)):
+            self.begins_unanswered += 1
+
+    def _await_begun(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.begins_unanswered and self.agent.connected and time.monotonic() < deadline:
+            self._collect_releases(block_s=0.5)
 
     # ---- save ----------------------------------------------------------------------------------
     @without_gc
@@ -247,9 +253,9 @@ class Engine:
         header = SlotHeader(
             job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root, rank=self.rank,
             world_size=self.world_size, iteration=iteration, items=dict.fromkeys(sorted(written), iteration),
-            tokens={name: cumulative[x] for x, name in self.held_names.items()},
+            tokens=dict(zip(self.held_names.values(), map(cumulative.__getitem__, self.held_names))),
             small=smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)),
-            pec=self.pec.dumps(self.held_names), run=self.run)
+            pec=self.pec.dumps(self.held_json), run=self.run)
         persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
         self.pending = (slot, header, SnapshotReady(slot, iteration, persistent, persist_items), done)
         if not self.deferred:
@@ -348,6 +354,7 @@ class Engine:
         (what the user asked to keep, e.g. the last one of training) waits up to PERSISTENT_SLOT_WAIT_S
         (a slot freed while none was asked for is granted only with the agent's next message),
         a memory snapshot not at all."""
+        self._await_begun()
         slot = self.grants.take()
         deadline = time.monotonic() + (PERSISTENT_SLOT_WAIT_S if persistent else 0.0)
         while slot is None and (self.config.wait_for_slot or time.monotonic() < deadline) and self.agent.connected:
@@ -358,11 +365,18 @@ class Engine:
     def _collect_releases(self, block_s: float = 0.0) -> None:
         self._handle(self.agent.poll(block_s))
 
-    def _handle(self, messages: list[Record], take_grants: bool = True) -> None:
+    def _handle(self, messages: list[Record]) -> None:
         for msg in messages:
+            if isinstance(msg, Begun):
+                # Only the answer to the last Begin grants: slots granted before the agent knew this
+                # timeline, or under an earlier Begin of it, were revoked when it was sent.
+                self.begins_unanswered -= 1
+                if not self.begins_unanswered:
+                    self.grants.add(msg.grants)
+                continue
             if not isinstance(msg, (Released, Granted)):
                 continue
-            if take_grants:
+            if not self.begins_unanswered:
                 self.grants.add(msg.grants)
             if isinstance(msg, Released) and msg.error is not None:
                 self.stats["persist_errors"] += 1
@@ -371,6 +385,7 @@ class Engine:
                       file=sys.stderr, flush=True)
         if not self.agent.connected:
             self.grants.revoke_all()
+            self.begins_unanswered = 0
 
     def _reconnect(self) -> bool:
         try:
@@ -381,8 +396,9 @@ class Engine:
             return False
         print(f"megatron-pec: rank {self.rank} connected to a new node agent (pid {self.agent.pid})",
               file=sys.stderr, flush=True)
+        self.begins_unanswered = 0  # the old agent's answers will never come
         if self.run is not None:
-            self._tell_timeline(timeout=30.0)  # same timeline, new agent
+            self._tell_timeline()  # same timeline, new agent
         return True
 
     def _skip(self, iteration: int, why: str) -> None:
@@ -491,7 +507,7 @@ class Engine:
         done = time.perf_counter()
         say(f"megatron-pec: rank {self.rank}: restore took {done - started:.3f} s (waiting for the agent "
             f"{settled - started:.3f} s, choosing, reading and checking {read - settled:.3f} s, applying "
-            f"{applied - read:.3f} s, starting the new timeline {done - applied:.3f} s)")
+            f"{applied - read:.3f} s, telling the agent the new timeline {done - applied:.3f} s)")
         return iteration, result.small["num_floating_point_operations_so_far"]
 
     def close(self, detach: bool = True) -> None:
