@@ -297,6 +297,23 @@ def test_settle_answers_only_once_every_announced_snapshot_is_recorded(trainers)
     t.client.request(Settle(), Flushed, timeout=30)  # nothing announced since: answered at once
 
 
+def test_carries_wait_while_a_trainer_restores(trainers):
+    """Between a trainer's Settle (a restore starts) and its Begin (it ends) the agent carries
+    nothing: the restore reads the experts from the older slot and has the node's CPU to itself.
+    The carry runs once the Begin arrives."""
+    t = trainers(0, nodes=1)
+    t.snapshot(1, persist=False)
+    slot = t.snapshot(2, written=("dense", "L1.E0"), persist=False, wait=False)
+    t.client.request(Settle(), Flushed, timeout=30)
+    time.sleep(1.0)  # without the hold, the carry takes milliseconds
+    assert t.memory().slots[0][slot].items == {"dense": 2, "L1.E0": 2}, "carried during a restore"
+    t.begin("run-2", 2)
+    deadline = time.monotonic() + 30
+    while t.memory().slots[0][slot].items != {"dense": 2, "L1.E0": 2, "L1.E1": 1, "L1.E2": 1, "L1.E3": 1}:
+        assert time.monotonic() < deadline, "not carried after the restore ended"
+        time.sleep(0.05)
+
+
 def test_agent_never_carries_from_another_job_or_an_abandoned_timeline(trainers, shm_dir):
     t = trainers(0, nodes=1)
     t.snapshot(1, persist=False)

@@ -12,6 +12,8 @@ slot holds every expert at its latest version on the rank's timeline.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 
 from megatron_pec.protocol import SlotHeader, SlotRecord
 from megatron_pec.slots import SlotCache
@@ -31,7 +33,7 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     if not take:
         return record
     mapping, header = slots.open(path)
-    base_map, base_tensors = slots.open(base_path)
+    _, base_tensors = slots.open(base_path)
     same = base_tensors.tensors is header.tensors or base_tensors.tensors == header.tensors
     source = None if same else {e.name: e for e in base_tensors.tensors}
     copies = []  # (to, from, length), adjacent ones joined: one memcpy per run of carried bytes
@@ -45,12 +47,28 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
                 copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + n)
             else:
                 copies.append((to, frm, n))
-    with memoryview(mapping) as dst, memoryview(base_map) as src:
-        for to, frm, n in copies:
-            dst[to:to + n] = src[frm:frm + n]
+    # Read from the base's file, not copied between the mappings: a memcpy in Python holds the GIL
+    # for its whole length, a read lets the agent's other threads answer meanwhile (a trainer's
+    # Settle waited out whole carries).
+    fd = os.open(base_path, os.O_RDONLY)
+    try:
+        with memoryview(mapping) as dst:
+            for to, frm, n in copies:
+                _read_into(fd, dst[to:to + n], frm, base_path)
+    finally:
+        os.close(fd)
     tokens = {i: base_record.tokens.get(i, base_header.tokens.get(i, 0)) for i in take}
     # The base's crcs, not recomputed: a byte the base lost in memory is then caught at restore,
     # never blessed with a fresh checksum (and the carry is one memcpy, no second pass).
     crcs = {i: base_record.crcs[i] for i in take}
     return dataclasses.replace(record, items={**record.items, **take}, crcs={**record.crcs, **crcs},
                                tokens={**record.tokens, **tokens})
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise OSError(errno.EIO, f"{path} ends before byte {offset + len(view)}")
+        done += got

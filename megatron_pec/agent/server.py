@@ -14,7 +14,8 @@ imports torch or Megatron. Phases:
             newest complete slot (``carry.py``), record the slot again, release the
             snapshot and grant the trainer the slots it may overwrite now. Carries
             wait while other snapshots queue up for phases 5-6, so they never delay
-            a commit.
+            a commit, and while a trainer restores (from its Settle to its Begin, at
+            most RESTORE_HOLD_S), so they never slow a restore down.
 
 Protocol (``protocol.py`` records, newline-delimited JSON over ``<node dir>/agent.sock``):
 a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` with its
@@ -58,6 +59,7 @@ SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
 LOCKFILE = "agent.lock"  # held by a trainer starting an agent, and by an agent from its last job to its exit
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
+RESTORE_HOLD_S = 5.0  # carries wait for a restore (Settle to Begin) at most this long
 
 
 def log(message: str) -> None:
@@ -92,6 +94,7 @@ class Agent:
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.unrecorded: collections.Counter = collections.Counter()  # rank -> snapshots (and pulls) not yet recorded
+        self.restoring: dict[int, float] = {}           # rank -> until when its restore holds carries back
         self.send_locks: dict[socket.socket, threading.Lock] = {}     # the worker and a client thread both answer
         self.links: dict[int, Link] = {}                # rank -> its current trainer
         self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
@@ -209,13 +212,15 @@ class Agent:
                             self.jobs.put((link, "pull"))
                 elif link is None and not isinstance(msg, Stop):
                     raise ProtocolError(f"{msg.KIND} before hello")
-                elif isinstance(msg, Settle) and self._settled(link.rank):
+                elif isinstance(msg, Settle) and self._settled(link.rank, restoring=True):
                     self._send(conn, Flushed())  # nothing to wait for: not queued behind carries and commits
                 elif isinstance(msg, (Begin, SnapshotReady, Flush, Settle)):
                     with self.lock:
                         self.pending_work = True
                         if isinstance(msg, SnapshotReady):
                             self.unrecorded[link.rank] += 1
+                        elif isinstance(msg, Settle):
+                            self.restoring[link.rank] = time.monotonic() + RESTORE_HOLD_S
                     self.jobs.put((link, msg))
                 elif isinstance(msg, Detach):
                     with self.lock:
@@ -228,6 +233,7 @@ class Agent:
             with self.lock:
                 if link is not None and self.links.get(link.rank) is link:
                     del self.links[link.rank]
+                    self.restoring.pop(link.rank, None)
                 self.send_locks.pop(conn, None)
             conn.close()
 
@@ -240,11 +246,21 @@ class Agent:
             except OSError:
                 pass  # the trainer is gone; its snapshot is still recorded
 
-    def _settled(self, rank: int) -> bool:
+    def _settled(self, rank: int, restoring: bool = False) -> bool:
         """Every snapshot announced for ``rank`` is recorded, and a pull from peers' replicas for it
-        has ended (what a restore needs, see Settle)."""
+        has ended (what a restore needs, see Settle). ``restoring``: if so, ``rank`` starts a restore."""
         with self.lock:
-            return self.unrecorded[rank] == 0
+            settled = self.unrecorded[rank] == 0
+            if settled and restoring:
+                self.restoring[rank] = time.monotonic() + RESTORE_HOLD_S
+            return settled
+
+    def _restore_running(self) -> bool:
+        """A trainer of this node is restoring (between its Settle and its Begin): the CPU and memory
+        bandwidth a carry would take are its, on a small node (carries wait; no restore needs them)."""
+        with self.lock:
+            now = time.monotonic()
+            return any(until > now for until in self.restoring.values())
 
     # ---- phases 5 to 7 ---------------------------------------------------------------------------
     def _work(self) -> None:
@@ -253,11 +269,13 @@ class Agent:
         (each one's base is the slot the previous one completed), and a flush or begin waits for them."""
         carries: collections.deque = collections.deque()
         while True:
+            held = bool(carries) and self._restore_running()
             try:
-                job = self.jobs.get_nowait() if carries else self.jobs.get(timeout=GRANT_CHECK_S)
+                job = self.jobs.get_nowait() if carries and not held else self.jobs.get(timeout=GRANT_CHECK_S)
             except queue.Empty:
                 if not carries:
                     self._grant_starved()
+                if not carries or held:
                     continue
                 job = "carry"
             if job is None:
@@ -280,6 +298,9 @@ class Agent:
                     self._release(link, msg, f"{type(exc).__name__}: {exc}")
             elif isinstance(job[1], (Settle, Begin)):  # every earlier snapshot is recorded: carries may wait
                 link, msg = job
+                if isinstance(msg, Begin):  # the restore (if any) is over
+                    with self.lock:
+                        self.restoring.pop(link.rank, None)
                 self._send(link.conn, self._begin(link, msg) if isinstance(msg, Begin) else Flushed())
                 if isinstance(msg, Begin) and msg.resumed_from:
                     self._persist_resumed(link, msg.resumed_from)
