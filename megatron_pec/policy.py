@@ -5,9 +5,9 @@ once per save with the same inputs (token counts are all-reduced beforehand) and
 gets the same answer, so no further coordination is needed. Everything here is
 pure and deterministic: integer arithmetic only, ties broken by a fixed order,
 no torch, no torch.distributed. Sequential and load-aware run vectorised (numpy)
-whenever the greedy choice respects every EP rank's capacity - the usual case, and
-a save's plan then costs well under a millisecond at 15k experts; otherwise, and for
-popularity, the per-expert reference below decides (same answer, see
+whenever the greedy choice respects every EP rank's capacity - the usual case: a
+save's plan at 15k experts then takes milliseconds, not tens of them; otherwise, and
+for popularity, the per-expert reference below decides (same answer, see
 ``_vectorised``).
 
 Policies (``POLICIES``):
@@ -106,10 +106,9 @@ class SelectionInput:
             if not all(map(lay._index.__contains__, keys)):
                 unknown = [e for e in keys if e not in lay._index]
                 raise ValueError(f"{name} names experts outside the layout: {sorted(unknown)[:5]}")
-        negative = [e for e, n in self.unsaved_tokens.items() if n < 0] if min(self.unsaved_tokens.values(),
-                                                                                 default=0) < 0 else []
-        if negative:
-            raise ValueError(f"unsaved_tokens must be >= 0; negative for {sorted(negative)[:5]}")
+        if min(self.unsaved_tokens.values(), default=0) < 0:
+            negative = sorted(e for e, n in self.unsaved_tokens.items() if n < 0)
+            raise ValueError(f"unsaved_tokens must be >= 0; negative for {negative[:5]}")
 
 
 def bytes_per_ep_rank(layout: ExpertLayout, selected: frozenset[ExpertId] | set[ExpertId]) -> list[int]:
