@@ -186,7 +186,7 @@ def _vectorised(policy: str, inp: SelectionInput) -> frozenset[ExpertId] | None:
     rest = pool & ~never
     per_rank = width // lay.ep_size
     ids = numpy.arange(width)
-    interleaved = (ids % per_rank) * lay.ep_size + ids // per_rank
+    interleaved = (ids % per_rank) * lay.ep_size + ids // per_rank  # ExpertLayout._interleaved_pos of each
     starts = (inp.checkpoint_index + numpy.arange(rows, dtype=numpy.int64)) * k
     offset = (interleaved[None, :] - starts[:, None]) % width
     if policy == "load-aware":

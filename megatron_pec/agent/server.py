@@ -212,15 +212,13 @@ class Agent:
                             self.jobs.put((link, "pull"))
                 elif link is None and not isinstance(msg, Stop):
                     raise ProtocolError(f"{msg.KIND} before hello")
-                elif isinstance(msg, Settle) and self._settled(link.rank, restoring=True):
-                    self._send(conn, Flushed())  # nothing to wait for: not queued behind carries and commits
-                elif isinstance(msg, (Begin, SnapshotReady, Flush, Settle)):
+                elif isinstance(msg, Settle):
+                    self._settle(link, msg)
+                elif isinstance(msg, (Begin, SnapshotReady, Flush)):
                     with self.lock:
                         self.pending_work = True
                         if isinstance(msg, SnapshotReady):
                             self.unrecorded[link.rank] += 1
-                        elif isinstance(msg, Settle):
-                            self.restoring[link.rank] = time.monotonic() + RESTORE_HOLD_S
                     self.jobs.put((link, msg))
                 elif isinstance(msg, Detach):
                     with self.lock:
@@ -246,14 +244,18 @@ class Agent:
             except OSError:
                 pass  # the trainer is gone; its snapshot is still recorded
 
-    def _settled(self, rank: int, restoring: bool = False) -> bool:
-        """Every snapshot announced for ``rank`` is recorded, and a pull from peers' replicas for it
-        has ended (what a restore needs, see Settle). ``restoring``: if so, ``rank`` starts a restore."""
+    def _settle(self, link: Link, msg: Settle) -> None:
+        """A restore starts: carries wait for its Begin (``_restore_running``). Answered at once when
+        every snapshot announced for the rank is recorded and a pull from peers' replicas for it has
+        ended (what a restore needs), not queued behind carries and commits; else in order."""
         with self.lock:
-            settled = self.unrecorded[rank] == 0
-            if settled and restoring:
-                self.restoring[rank] = time.monotonic() + RESTORE_HOLD_S
-            return settled
+            self.restoring[link.rank] = time.monotonic() + RESTORE_HOLD_S
+            settled = self.unrecorded[link.rank] == 0
+            self.pending_work |= not settled
+        if settled:
+            self._send(link.conn, Flushed())
+        else:
+            self.jobs.put((link, msg))
 
     def _restore_running(self) -> bool:
         """A trainer of this node is restoring (between its Settle and its Begin): the CPU and memory
