@@ -23,6 +23,7 @@ import torch
 
 from megatron_pec import faults, manifest, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
+from megatron_pec.coalesce import coalesced
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
 from megatron_pec.gcpause import without_gc
@@ -90,8 +91,8 @@ class Engine:
         self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.deferred = self.copy_stream is not None or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         self.pending = None
-        self._slot_views: dict[int, dict[str, list]] = {}    # slot -> item -> its slices' views (see _copy_lists)
-        self._live_views: tuple[object, dict[str, list]] = (None, {})
+        self._runs: dict[int, dict[str, tuple[list, list]]] = {}  # slot -> item -> its copies (see _copy_lists)
+        self._runs_of = None  # the live views those copies read
         if self.deferred:
             self.adapter.before_each_step(self.finish_snapshot)
         if self.config.save:
@@ -157,7 +158,7 @@ class Engine:
         self.coll.raise_if_any(error)
 
     def _start_memory_tier(self) -> None:
-        entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slices])
+        entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slot_slices])
         error = None
         try:
             check_socket_path(self.node_dir)
@@ -227,24 +228,32 @@ class Engine:
                    "kept for recovery); raise the save interval or pass --pec-wait-for-slot")
         # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere. The
         # agreement's all-reduce runs while the dense state (written by every snapshot, whatever the
-        # plan) is copied; the plan needs its token counts and waits for it.
+        # plan) is copied; a plan that reads token counts waits for it, one that does not (sequential)
+        # is made and copied before (a skipped snapshot leaves its slot marked "being written").
         vote = self._start_agreement(why is None)
-        live, done = None, None
+        token_blind = self.config.selection in policy.TOKEN_BLIND
+        live, done, planned = None, None, None
         if slot is not None:
             live = self.adapter.live_views()
             faults.point("snapshot_begin", iteration=iteration)
             self.files.invalidate(slot)
             done = self._copy(slot, live, {NON_EXPERT})
             faults.point("snapshot_mid", iteration=iteration)
+            if token_blind:
+                planned = self._plan(persistent, self.cumulative)
+                done = self._copy(slot, live, self._held_items(planned[0])) or done
         everyone_can, cumulative = self._finish_agreement(vote)
         if not everyone_can:
             if slot is not None:
                 self.grants.add([slot])  # still ours; its header says "being written", never restorable
             self._skip(iteration, why or "another rank cannot snapshot (see its warning)")
             return
-        snapshot_set, persist_set = self._plan(persistent, cumulative)
-        experts = {self.held_names[e] for e in snapshot_set if e in self.held_names}
-        done = self._copy(slot, live, experts) or done
+        if planned is None:
+            planned = self._plan(persistent, cumulative)
+            done = self._copy(slot, live, self._held_items(planned[0])) or done
+        snapshot_set, persist_set = planned
+        self.rewrite_all = self.rewrite_all and not persistent
+        experts = self._held_items(snapshot_set)
         written = {NON_EXPERT} | experts
         faults.point("snapshot_end", iteration=iteration)
         self.pec.snapshot.record(snapshot_set, iteration, cumulative)
@@ -301,21 +310,21 @@ class Engine:
         return event
 
     def _copy_lists(self, slot: int, live: dict, written: set[str]) -> tuple[list, list]:
-        """(slot views, live views) of the written items' slices, item by item; the per-item lists are
-        built once per slot and once per binding of the live views."""
-        if self._slot_views.get(slot) is None:
-            by_item: dict[str, list] = {}
-            for s in self.adapter.slices:
-                by_item.setdefault(s.item, []).append(self.files.views[slot][s.name])
-            self._slot_views[slot] = by_item
-        if self._live_views[0] is not live:
-            by_item = {}
-            for s in self.adapter.slices:
-                by_item.setdefault(s.item, []).append(live[s.name])
-            self._live_views = (live, by_item)
-        dst_by_item, src_by_item = self._slot_views[slot], self._live_views[1]
-        items = [item for item in written if item in dst_by_item]  # (a few of the rank's thousands)
-        return ([v for item in items for v in dst_by_item[item]], [v for item in items for v in src_by_item[item]])
+        """(slot views, live views) of the written items, item by item, each run of slices that is
+        contiguous on both sides as one pair (``coalesce``); built once per slot and binding of the
+        live views (none is kept of an old binding: it would keep the replaced tensors alive)."""
+        if self._runs_of is not live:
+            self._runs, self._runs_of = {}, live
+        runs = self._runs.get(slot)
+        if runs is None:
+            views, pairs = self.files.views[slot], {}
+            for s in self.adapter.slot_slices:
+                dst, src = pairs.setdefault(s.item, ([], []))
+                dst.append(views[s.name])
+                src.append(live[s.name])
+            runs = self._runs[slot] = {item: coalesced(dst, src) for item, (dst, src) in pairs.items()}
+        items = [item for item in written if item in runs]  # (a few of the rank's thousands)
+        return [v for item in items for v in runs[item][0]], [v for item in items for v in runs[item][1]]
 
     @without_gc
     def finish_snapshot(self) -> None:
@@ -338,16 +347,20 @@ class Engine:
         self.stats["saves"] += 1
 
     def _plan(self, persistent: bool, cumulative) -> tuple[frozenset, frozenset]:
+        """(experts to snapshot, the subset to persist); changes nothing (the save may be skipped)."""
         if self.expert_layout is None:
             return frozenset(), frozenset()
-        if self.rewrite_all:
+        if self.rewrite_all:  # (until a persistent save has written them all)
             every = frozenset(self.expert_layout.all_experts())
-            self.rewrite_all = not persistent
             return every, every if persistent else frozenset()
         budget = None
         if self.config.budget_mb is not None:
             budget = int(self.config.budget_mb * 2**20)
         return self.pec.plan(self.config.selection, self.expert_layout, cumulative, persistent, budget)
+
+    def _held_items(self, experts) -> set[str]:
+        """The item names of the ``experts`` this rank holds."""
+        return {self.held_names[e] for e in experts if e in self.held_names}
 
     def _free_slot(self, persistent: bool) -> int | None:
         """A granted slot. With --pec-wait-for-slot a save waits for one; without, a persistent save
@@ -525,8 +538,7 @@ class Engine:
         if self.files is None:
             return
         self.pending = None
-        self._slot_views.clear()
-        self._live_views = (None, {})
+        self._runs, self._runs_of = {}, None
         if self.pinning is not None:
             self.pinning.unpin_all()
         try:

@@ -25,7 +25,7 @@ from collections import deque
 
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.stformat import (MAX_HEADER, Header, TensorEntry, decode_metadata, encode_header, header_tail,
-                                  read_head, read_header, tensor_table, tensor_view)
+                                  read_head, read_header, tensor_table, tensor_views)
 
 NUM_SLOTS = 3
 REPLICA_SLOTS = 2  # per replicated rank: the complete replica and the one being received
@@ -76,7 +76,8 @@ class SlotFiles:
         self._files: list[tuple[int, int]] = []  # (st_dev, st_ino) of each mapped file
         for s in range(NUM_SLOTS):
             self.maps.append(self._map(slot_path(directory, rank, s)))
-            self.views.append({e.name: tensor_view(self.maps[s], self.header, e) for e in entries})
+            # (views of one tensor per dtype, so that runs of them coalesce: see coalesce.py)
+            self.views.append(dict(zip([e.name for e in entries], tensor_views(self.maps[s], self.header, entries))))
             self._table_written.append(self.maps[s][:len(self.prefix)] == self.prefix)
         self._tail_len = [8 + self.capacity - len(self.prefix)] * NUM_SLOTS  # unknown yet: blank it all once
 

@@ -26,6 +26,12 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
         assert r["state_dict"]["trimmed_used"] is True
         assert r["state_dict"]["same"]
         assert r["state_dict"]["largest_group"] > 1, "with one parameter per group nothing was left out"
+        # Each bucket's moments were placed in one tensor per kind without changing a value, and a
+        # save copies runs of slices that are contiguous on both sides, not every slice on its own.
+        c = r["coalesced"]
+        assert c["unchanged"], "placing the moments contiguously changed the optimizer state"
+        assert c["moment_storages"] < c["moment_tensors"] / 4, c
+        assert c["runs"] < c["slices"] / 2, c
         for leg in ("memory", "storage"):
             assert r[leg]["returned"] == [6, 600.0], leg
             assert r[leg]["differences"] == [], f"{leg}: state differs from iteration 6 in {r[leg]['differences']}"
@@ -36,6 +42,8 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
     for root, _, files in os.walk(save):
         assert not any(f.startswith("mp_rank_0") for f in files), root
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
+    print(json.dumps({rank: json.loads((tmp_path / f"roundtrip.rank{rank}.json").read_text())["coalesced"]
+                      for rank in (0, 1)}))
 
 
 def test_save_before_the_first_optimizer_step(tmp_path, shm_dir):

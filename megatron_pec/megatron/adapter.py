@@ -15,7 +15,7 @@ import torch
 from megatron_pec import smallstate
 from megatron_pec.collectives import Collectives
 from megatron_pec.items import ExpertId
-from megatron_pec.megatron import collect, layout, restore
+from megatron_pec.megatron import collect, contiguous, layout, restore
 from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.tokens import TokenCounter
 from megatron_pec.protocol import GlobalParam, RankLayout
@@ -86,6 +86,7 @@ class MegatronAdapter:
         self.collectives = Collectives.over_all_ranks()
         self.slices = collect.build_slices(model_chunks, optimizer)
         self.local_fingerprint = collect.fingerprint(self.slices, self.topology)
+        self.slot_slices = collect.slot_order(self.slices)  # (the fingerprint keeps the build order)
         self.tokens = TokenCounter(model_chunks)
         self.buffers = collect.buffer_refs(model_chunks)
         self.experts_held: list[ExpertId] = sorted({s.expert for s in self.slices if s.expert is not None})
@@ -116,6 +117,8 @@ class MegatronAdapter:
         again after a restore replaced the optimizer's tensors. Before the first step: the main params
         and zeros for the state (not bound: the first step creates the state tensors)."""
         if self._live is None:
+            if collect.has_state(self.optimizer):
+                contiguous.place_state_contiguously(self.optimizers, self.slot_slices)
             self._live = collect.live_views(self.slices, self.optimizer)
             if self._live is None:
                 return collect.stateless_views(self.slices, self.optimizer)
@@ -217,7 +220,9 @@ class MegatronAdapter:
             targets = self.live_views()
         else:
             targets = self._param_views()
-        restore.copy_slices(targets, {name: t for name, t in tensors.items() if name in targets})
+        pairs = [(targets[s.name], tensors[s.name]) for s in self.slot_slices
+                 if s.name in targets and s.name in tensors]
+        restore.copy_slices([live for live, _ in pairs], [saved for _, saved in pairs])
         restore.sync_model_params(self.model, self.optimizer)
         restore.restore_buffers(self.buffers, small.get("buffers"))
         if scheduler is not None and load_optim and small["scheduler"] is not None:

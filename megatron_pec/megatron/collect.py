@@ -122,6 +122,20 @@ def build_slices(model_chunks, optimizer) -> list[Slice]:
     return slices
 
 
+def slot_order(slices: list[Slice]) -> list[Slice]:
+    """The slices as a snapshot slot lays them out: item by item (each item's bytes together: a
+    partial snapshot, persist or carry moves whole items), and within an item kind by kind (its main
+    params, then its first moments, ...), each in buffer order. Consecutive slices of a kind then
+    follow each other in the optimizer's memory as well wherever its tensors do (Megatron's param
+    buffer, ``contiguous.py``), and ``coalesce`` copies them at once."""
+    items: dict[str, int] = {}
+    kinds: dict[str, int] = {"param": 0}
+    for s in slices:
+        items.setdefault(s.item, len(items))
+        kinds.setdefault(s.kind, len(kinds))
+    return sorted(slices, key=lambda s: (items[s.item], kinds[s.kind]))  # (stable: buffer order within)
+
+
 def live_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor] | None:
     """Views into the optimizer's current main params and state (Adam's moments, ...), by slice name;
     None while the optimizer has no state yet (no step taken: fp16 loss scaling skips the first ones).
@@ -232,5 +246,5 @@ def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffer
     }
 
 
-__all__ = ["Slice", "build_slices", "live_views", "param_view", "small_state", "buffer_refs", "module_buffers",
-           "fingerprint", "topology", "NON_EXPERT", "UnsupportedSetup"]
+__all__ = ["Slice", "build_slices", "slot_order", "live_views", "param_view", "small_state", "buffer_refs",
+           "module_buffers", "fingerprint", "topology", "NON_EXPERT", "UnsupportedSetup"]

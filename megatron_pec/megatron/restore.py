@@ -12,15 +12,17 @@ import random
 import numpy
 import torch
 
+from megatron_pec.coalesce import coalesced
 from megatron_pec.errors import CheckpointError
 from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 
 @torch.no_grad()
-def copy_slices(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
-    names = list(saved)
-    if names:  # one call, not one per slice: a large MoE rank holds tens of thousands
-        torch._foreach_copy_([live[n] for n in names], [saved[n] for n in names])
+def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    """Each saved slice into its live view, in slot order (so that runs of them coalesce)."""
+    live, saved = coalesced(live, saved)
+    if live:  # one call, not one per run: a large MoE rank holds thousands
+        torch._foreach_copy_(live, saved)
 
 
 @torch.no_grad()

@@ -48,6 +48,17 @@ def differences(a, b) -> list[str]:
     return bad
 
 
+def copies(engine, optimizer) -> dict:
+    """How a full save copies (slices, coalesced runs) and how many storages hold the moments."""
+    runs = next(iter(engine._runs.values()))
+    storages = {t.untyped_storage().data_ptr() for o in optimizer.chained_optimizers
+                for state in o.optimizer.state.values() for k, t in state.items() if k.startswith("exp_avg")}
+    return {"slices": len(engine.adapter.slot_slices), "runs": sum(len(dst) for dst, _ in runs.values()),
+            "moment_tensors": sum(1 for o in optimizer.chained_optimizers for state in o.optimizer.state.values()
+                                  for k in state if k.startswith("exp_avg")),
+            "moment_storages": len(storages)}
+
+
 def main():
     save, shm = sys.argv[1], sys.argv[2]
     args, model, optimizer, scheduler, data_from = setup(
@@ -60,7 +71,11 @@ def main():
     data = data_from(0)
     for i in range(1, N + 1):
         train(args, model, optimizer, scheduler, data, 1)
+        before = {k: v.clone() for k, v in collect.live_views(api._engine.adapter.slices, optimizer).items()}
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 100.0 * i, non_persistent_ckpt=i != N)
+        if i == 1:  # the first save placed the moments contiguously: same values, fewer tensors
+            placed = collect.live_views(api._engine.adapter.slices, optimizer)
+            unchanged = all(torch.equal(before[k], placed[k]) for k in before)
     at_n = capture(args, model, optimizer, scheduler)
     # Every save asked the optimizer's state_dict with one parameter per group, checked once
     # against the full one: check it again here, after training, on this megatron-core.
@@ -71,7 +86,8 @@ def main():
                   "largest_group": max(len(g["params"]) for o in optimizer.chained_optimizers
                                        for g in o.optimizer.param_groups)}
     reference = train(args, model, optimizer, scheduler, data, MORE)
-    result = {"fresh": list(fresh), "reference": reference, "state_dict": state_dict}
+    result = {"fresh": list(fresh), "reference": reference, "state_dict": state_dict,
+              "coalesced": {"unchanged": unchanged, **copies(api._engine, optimizer)}}
 
     for leg in ("memory", "storage"):
         if leg == "storage":

@@ -1,0 +1,58 @@
+"""Copies coalesced: one copy per run of bytes that is contiguous on both sides, not one per slice.
+
+A snapshot copies each rank's slices between the optimizer's tensors and a slot (and a restore
+back). Slices that follow each other in the slot often follow each other in the optimizer's memory
+too: the main params of one bucket lie in Megatron's contiguous param buffer, and the moments in one
+tensor per bucket (``megatron/contiguous.py``). Each run of them becomes one copy: on CPU one
+memcpy instead of thousands of small ones, on GPU one ``cudaMemcpyAsync`` instead of one launch per
+slice. Used on every rank by the engine (save) and the adapter (restore).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def coalesced(dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(dst, src)``, equal-length lists of contiguous 1-D tensors to copy pairwise, with each
+    stretch of pairs where the next pair continues the previous one in memory on both sides (same
+    storage, same dtype) merged into one pair of views spanning the stretch. Copying the result
+    copies exactly the same bytes."""
+    out_dst, out_src = [], []
+    i, n = 0, len(dst)
+    while i < n:
+        d0, s0 = dst[i], src[i]
+        d_end, s_end = _end(d0), _end(s0)
+        d_storage, s_storage = _storage(d0), _storage(s0)
+        j = i + 1
+        while j < n:
+            d, s = dst[j], src[j]
+            if (d.data_ptr() != d_end or s.data_ptr() != s_end or d.dtype != d0.dtype or s.dtype != s0.dtype
+                    or _storage(d) != d_storage or _storage(s) != s_storage or not _flat(d) or not _flat(s)):
+                break
+            d_end, s_end = _end(d), _end(s)
+            j += 1
+        if j == i + 1 or not (_flat(d0) and _flat(s0)):
+            out_dst.extend(dst[i:j])
+            out_src.extend(src[i:j])
+        else:
+            numel = (d_end - d0.data_ptr()) // d0.element_size()
+            out_dst.append(d0.as_strided((numel,), (1,), d0.storage_offset()))
+            out_src.append(s0.as_strided((numel,), (1,), s0.storage_offset()))
+        i = j
+    return out_dst, out_src
+
+
+def _end(t: torch.Tensor) -> int:
+    return t.data_ptr() + t.numel() * t.element_size()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _flat(t: torch.Tensor) -> bool:
+    return t.dim() == 1 and t.is_contiguous()
+
+
+__all__ = ["coalesced"]

@@ -1,0 +1,33 @@
+"""Issue 15: copies coalesced into runs contiguous on both sides, copying exactly the same bytes."""
+
+import torch
+
+from megatron_pec.coalesce import coalesced
+
+
+def test_runs_contiguous_on_both_sides_become_one_copy_and_copy_the_same_bytes():
+    src_flat, other = torch.arange(100, dtype=torch.float32), torch.arange(100, 140, dtype=torch.float32)
+    dst_flat = torch.zeros(85)
+    # src: [0:10) [10:30) [30:35) continue each other; then a gap; then another storage; dst packed
+    src = [src_flat[0:10], src_flat[10:30], src_flat[30:35], src_flat[40:50], other[0:40]]
+    dst, offset = [], 0
+    for t in src:
+        dst.append(dst_flat[offset:offset + t.numel()])
+        offset += t.numel()
+    out_dst, out_src = coalesced(dst, src)
+    assert [t.numel() for t in out_src] == [35, 10, 40]
+    assert [t.numel() for t in out_dst] == [35, 10, 40]
+    torch._foreach_copy_(out_dst, out_src)
+    assert torch.equal(dst_flat, torch.cat([src_flat[0:35], src_flat[40:50], other]))
+
+
+def test_separate_storages_and_dtypes_are_never_merged():
+    a, b = torch.zeros(8), torch.zeros(8)
+    buf = torch.zeros(16)
+    same_bytes_other_dtype = buf.view(torch.int32)
+    # adjacent addresses but another storage (b may happen to follow a), and another dtype
+    out_dst, _ = coalesced([buf[0:8], buf[8:16]], [a, b])
+    assert len(out_dst) == (1 if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() else 2)
+    out_dst, _ = coalesced([buf[0:8], same_bytes_other_dtype[8:16]], [torch.zeros(16)[0:8], torch.zeros(16)[8:16]])
+    assert len(out_dst) == 2
+    assert coalesced([], []) == ([], [])
