@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 
 from megatron_pec.agent.server import LOCKFILE, PIDFILE, SOCKET
 from megatron_pec.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
@@ -171,8 +170,8 @@ class AgentClient:
             try:
                 out.append(decode_message(line))
             except ProtocolError as exc:  # an agent of another megatron-pec version: stop talking to it
-                warnings.warn(f"megatron-pec: the node agent at {self.directory} sent a message this trainer "
-                              f"cannot read ({exc})", RuntimeWarning, stacklevel=2)
+                _warn(f"megatron-pec: WARNING rank {self.rank}: the node agent at {self.directory} sent a message "
+                      f"this trainer cannot read ({exc})")
                 self._lost()
                 break
         return out
@@ -196,8 +195,8 @@ class AgentClient:
         if self.sock is not None:
             self.sock.close()
         self.sock = None
-        warnings.warn(f"megatron-pec: lost the node agent (pid {self.pid}) at {self.directory}; "
-                      "snapshots are skipped until a new agent runs", RuntimeWarning, stacklevel=3)
+        _warn(f"megatron-pec: WARNING rank {self.rank}: lost the node agent (pid {self.pid}) at {self.directory}; "
+              "snapshots are skipped until a new agent runs")
 
     def close(self, detach: bool = True) -> None:
         if detach:
@@ -205,3 +204,9 @@ class AgentClient:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def _warn(line: str) -> None:
+    # Printed, not warnings.warn: training scripts often run with PYTHONWARNINGS=ignore, and a lost
+    # agent means snapshots are being skipped.
+    print(line, file=sys.stderr, flush=True)
