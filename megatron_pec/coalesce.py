@@ -23,18 +23,14 @@ def coalesced(dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list[to
     while i < n:
         d0, s0 = dst[i], src[i]
         d_end, s_end = _end(d0), _end(s0)
-        d_storage, s_storage = _storage(d0), _storage(s0)
         j = i + 1
-        while j < n:
-            d, s = dst[j], src[j]
-            if (d.data_ptr() != d_end or s.data_ptr() != s_end or d.dtype != d0.dtype or s.dtype != s0.dtype
-                    or _storage(d) != d_storage or _storage(s) != s_storage or not _flat(d) or not _flat(s)):
-                break
-            d_end, s_end = _end(d), _end(s)
-            j += 1
-        if j == i + 1 or not (_flat(d0) and _flat(s0)):
-            out_dst.extend(dst[i:j])
-            out_src.extend(src[i:j])
+        if _flat(d0) and _flat(s0):
+            while j < n and _continues(d0, d_end, dst[j]) and _continues(s0, s_end, src[j]):
+                d_end, s_end = _end(dst[j]), _end(src[j])
+                j += 1
+        if j == i + 1:
+            out_dst.append(d0)
+            out_src.append(s0)
         else:
             numel = (d_end - d0.data_ptr()) // d0.element_size()
             out_dst.append(d0.as_strided((numel,), (1,), d0.storage_offset()))
@@ -43,12 +39,14 @@ def coalesced(dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list[to
     return out_dst, out_src
 
 
+def _continues(first: torch.Tensor, end: int, t: torch.Tensor) -> bool:
+    """``t`` starts at ``end`` in ``first``'s storage, with its dtype, and is flat."""
+    return (t.data_ptr() == end and t.dtype == first.dtype and _flat(t)
+            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
+
+
 def _end(t: torch.Tensor) -> int:
     return t.data_ptr() + t.numel() * t.element_size()
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def _flat(t: torch.Tensor) -> bool:

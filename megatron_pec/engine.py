@@ -239,9 +239,10 @@ class Engine:
             self.files.invalidate(slot)
             done = self._copy(slot, live, {NON_EXPERT})
             faults.point("snapshot_mid", iteration=iteration)
-            if token_blind:
+            if token_blind:  # (``self.cumulative`` is not read; the agreement updates it later)
                 planned = self._plan(persistent, self.cumulative)
-                done = self._copy(slot, live, self._held_items(planned[0])) or done
+                experts = self._held_items(planned[0])
+                done = self._copy(slot, live, experts) or done
         everyone_can, cumulative = self._finish_agreement(vote)
         if not everyone_can:
             if slot is not None:
@@ -250,10 +251,10 @@ class Engine:
             return
         if planned is None:
             planned = self._plan(persistent, cumulative)
-            done = self._copy(slot, live, self._held_items(planned[0])) or done
+            experts = self._held_items(planned[0])
+            done = self._copy(slot, live, experts) or done
         snapshot_set, persist_set = planned
         self.rewrite_all = self.rewrite_all and not persistent
-        experts = self._held_items(snapshot_set)
         written = {NON_EXPERT} | experts
         faults.point("snapshot_end", iteration=iteration)
         self.pec.snapshot.record(snapshot_set, iteration, cumulative)

@@ -17,15 +17,14 @@ from megatron_pec.megatron.collect import Slice, main_param, state_kinds
 
 
 @torch.no_grad()
-def place_state_contiguously(optimizers: list, slot_slices: list[Slice]) -> int:
+def place_state_contiguously(optimizers: list, slot_slices: list[Slice]) -> None:
     """Move each bucket's state tensors (per kind) into one tensor, params in ``slot_slices``' order.
-    Tensors already laid out so, or not all alike (dtype, device, layout), stay. Returns how many
-    tensors moved. The extra memory at any moment is one bucket's tensors of one kind."""
-    order: dict[tuple, dict[int, None]] = {}  # (optimizer, buffer, dtype, bucket) -> its params' entries in slot order
+    Tensors already laid out so, or not all alike (dtype, device, layout), stay. The extra memory at
+    any moment is one bucket's tensors of one kind."""
+    order: dict[tuple, dict[int, None]] = {}  # (optimizer, buffer, dtype, bucket) -> its params' entries
     for s in slot_slices:
         if s.kind == "param":
             order.setdefault(s.locator[:4], {})[s.locator[4]] = None
-    moved = 0
     for (oi, gi, dtype, bi), entries in order.items():
         opt = optimizers[oi]
         params = list(opt.gbuf_ranges[gi][dtype][bi]["param_map"])
@@ -41,8 +40,6 @@ def place_state_contiguously(optimizers: list, slot_slices: list[Slice]) -> int:
                     old = state[kind]
                     state[kind] = flat[offset:offset + old.numel()].view(old.shape).copy_(old)
                     offset += old.numel()  # (the old tensor is freed: the optimizer held the only reference)
-                moved += len(states)
-    return moved
 
 
 def _packable(tensors: list) -> bool:

@@ -71,7 +71,8 @@ def main():
     data = data_from(0)
     for i in range(1, N + 1):
         train(args, model, optimizer, scheduler, data, 1)
-        before = {k: v.clone() for k, v in collect.live_views(api._engine.adapter.slices, optimizer).items()}
+        if i == 1:
+            before = {k: v.clone() for k, v in collect.live_views(api._engine.adapter.slices, optimizer).items()}
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 100.0 * i, non_persistent_ckpt=i != N)
         if i == 1:  # the first save placed the moments contiguously: same values, fewer tensors
             placed = collect.live_views(api._engine.adapter.slices, optimizer)
