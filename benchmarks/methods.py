@@ -208,14 +208,16 @@ class Pec(Method):
         return _max(time.perf_counter() - t)
 
     def restore_storage(self):
-        """A fresh engine whose node memory is empty (as after node loss) restores from storage."""
+        """A fresh engine whose node memory is empty (as after node loss) restores from storage;
+        repeatable (each call a fresh engine)."""
         from megatron_pec.engine import Engine
 
         c = self.ctx
-        node = self.engine.node_dir
-        self.engine.close()
-        self.engine = None
-        _stop_agent(node)
+        if self.engine is not None:  # the training engine and its memory go first, as with a lost node
+            node = self.engine.node_dir
+            self.engine.close()
+            self.engine = None
+            _stop_agent(node)
         barrier()
         drop_file_cache(files_under(self.root))
         fresh = Engine(self._args("_cold"), c.model, c.optimizer)

@@ -124,8 +124,9 @@ def markdown(result: dict) -> str:
             "(megatron-pec: manifest written; torch_dist async: finalize; DLRover: its tracker file), "
             "compared with one writer's write+fsync floor. `fsync: no` methods (Megatron legacy torch.save, "
             "DLRover) return before their bytes reach the disk, so their persist rate is partly page-cache speed. "
-            "Restore = time until the training state is back in place; storage restores drop the page cache "
-            "of the files first; restore from memory is the median of three restores into the running job, its "
+            "Restore = time until the training state is back in place; restore from storage is the median of "
+            "three, each after dropping the page cache of the files (megatron-pec: each by a fresh engine "
+            "without node memory); restore from memory is the median of three restores into the running job, its "
             "floor one memcpy of the optimizer state. Throughput = iterations/s with a checkpoint every iteration "
             "÷ without. Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
             "node persisted (carrying experts forward included).", ""]

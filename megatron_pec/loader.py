@@ -109,13 +109,14 @@ class Loader:
                                     ctx.mapped_slots, ctx.slot_table)
         except SourceError as exc:
             error = f"megatron-pec: {exc}"
-        other = self._newest_of_another_layout()
+        newest = self._newest_committed()
+        other = newest if newest is not None and newest.fingerprint != ctx.fingerprint else None
         if other is not None and self.coll.all_ok(error is None and not memory):
             return self._reshard(other)
         if error is None:
             try:
                 stored, manifests = storage_sources(self.root, self.rank, ctx.fingerprint, ctx.topology,
-                                                    self.storage)
+                                                    self.storage, {newest.iteration: newest} if newest else None)
             except SourceError as exc:
                 error = f"megatron-pec: {exc}"
         self._warn_stale_tracker(manifests)
@@ -133,8 +134,7 @@ class Loader:
                 if not manifests:
                     self._retire_newer(0)  # node markers of an abandoned run must not join a new commit
                 return None
-            plan, unreadable = self._plan(target, memory, stored, manifests)
-            every_rank_can, accounted, state = self._agree_plan(plan, unreadable)
+            plan, unreadable, (every_rank_can, accounted, state) = self._plan(target, memory, stored, manifests)
             if not every_rank_can:
                 say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
                     f"{unreadable or 'another rank cannot'}; falling back to an older checkpoint")
@@ -144,16 +144,15 @@ class Loader:
             return self._decide(target, plan, accounted, state)
 
     # ---- another layout -------------------------------------------------------------------------
-    def _newest_of_another_layout(self) -> Manifest | None:
-        """The newest committed iteration, if another configuration (parallel layout) saved it."""
+    def _newest_committed(self) -> Manifest | None:
+        """The manifest of the newest committed iteration (another layout's too), if readable."""
         committed = manifest.committed_iterations(self.root, self.storage)
         if not committed:
             return None
         try:
-            newest = manifest.read_manifest(self.root, committed[0], self.storage)
+            return manifest.read_manifest(self.root, committed[0], self.storage)
         except manifest.ManifestError:
             return None  # the normal path skips it with its warning
-        return newest if newest.fingerprint != self.ctx.fingerprint else None
 
     def _reshard(self, m: Manifest) -> RestoreResult:
         """Iteration ``m`` onto this rank's slices from the files of another layout (``reshard.py``)."""
@@ -218,21 +217,16 @@ class Loader:
         common = set.intersection(*({x for x in row[1:] if x >= 0} for row in every))
         return max(common) if common else None
 
-    def _agree_plan(self, plan: dict[str, Source],
-                    error: str | None) -> tuple[bool, list[int], PecState | None]:
-        """(every rank can restore its plan, the PLT accounting's vectors completed across ranks, the
-        dense source's PEC state): one MAX all-reduce for both (``_account``); a failed rank
-        contributes only its flag."""
-        state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and self.ctx.all_experts else None
-        vectors = self._account_vectors(plan, state) if state is not None else \
-            [-1] * (ACCOUNT_VECTORS * len(self.ctx.all_experts))
-        merged = self.coll.reduce([0 if error is None else 1] + vectors, "max")
-        return merged[0] == 0, merged[1:], state
-
     # ---- 8. source -----------------------------------------------------------------------------
     def _plan(self, target: int, memory: list[Source], stored: dict[int, Source], manifests: dict):
-        """Sources for T's non-expert state and each held expert's version, agreed across ranks."""
-        dense, error = self._dense_source(target, memory, stored)
+        """Sources for T's non-expert state and each held expert's version, agreed across ranks, opened
+        and verified: (plan, this rank's error, ``_agree_plan``'s verdict).
+
+        Optimistic: each rank first plans the newest version of each expert it can read itself; the
+        all-reduce that agrees on the plan also says whether every rank holding an expert planned
+        the same version of it, which is the usual case. Only where they differ is the plan redone
+        from the agreed (oldest) versions: two more all-reduces."""
+        dense, dense_error = self._dense_source(target, memory, stored)
         persisted = max((i for i in manifests if i <= target), default=None)
         manifest_t = manifests.get(persisted)
         held = [item_name(x) for x in self.ctx.experts_held]
@@ -242,22 +236,34 @@ class Loader:
             if manifest_t is not None and item in manifest_t.experts:
                 versions.append(manifest_t.experts[item])
             best[item] = max(versions, default=None)
-        agreed = self._agree_versions(best)
-        plan = {NON_EXPERT: dense}
-        fallback = {}
-        for item in held:
-            source = expert_source_for(item, agreed[item], memory, stored, self.root, self.rank, manifest_t) \
-                if agreed[item] is not None else None
-            fallback[item] = source is None
-            plan[item] = source
+        plan = self._sources(dense, best, memory, stored, manifest_t)
+        error = self._open(plan, target, dense_error)
+        verdict, agreed = self._agree_plan(plan, error, best)
+        if agreed is None:
+            return plan, error, verdict
+        plan = self._sources(dense, agreed, memory, stored, manifest_t)
         # Where some rank lacks the agreed version, everyone takes the persisted one (shared storage).
-        retry = self._agree_flags([fallback[i] for i in held])
+        retry = self._agree_flags([plan[i] is None for i in held])
         for item, redo in zip(held, retry):
             if redo:
                 version = manifest_t.experts.get(item) if manifest_t else None
                 plan[item] = expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t) \
                     if version is not None else None
-        reads: dict[int, tuple[Source, set[str]]] = {}  # each source opened once, for just its items
+        error = self._open(plan, target, dense_error)
+        return plan, error, self._agree_plan(plan, error)[0]
+
+    def _sources(self, dense: Source | None, versions: dict[str, int | None], memory: list[Source],
+                 stored: dict[int, Source], manifest_t: Manifest | None) -> dict[str, Source | None]:
+        """The dense source and, per held expert, a source of the given version (None: none here)."""
+        plan = {NON_EXPERT: dense}
+        for item, version in versions.items():
+            plan[item] = expert_source_for(item, version, memory, stored, self.root, self.rank, manifest_t) \
+                if version is not None else None
+        return plan
+
+    def _open(self, plan: dict[str, Source | None], target: int, error: str | None) -> str | None:
+        """Open each source of ``plan`` once, for just its items: the first error, if any."""
+        reads: dict[int, tuple[Source, set[str]]] = {}
         for item, source in plan.items():
             if error is None and source is None:
                 error = f"no saved version of {item} at or before iteration {target}"
@@ -269,7 +275,37 @@ class Loader:
                     source.open(self.storage, items)
                 except SourceError as exc:
                     error = str(exc)
-        return plan, error
+        return error
+
+    def _agree_plan(self, plan: dict[str, Source | None], error: str | None, planned: dict | None = None):
+        """((every rank can restore its plan, the PLT accounting's vectors completed across ranks, the
+        dense source's PEC state), None or the agreed versions): one MAX all-reduce for all of it.
+
+        With ``planned`` (the version this rank planned per held expert) the same all-reduce carries,
+        per expert of the model, the highest and the lowest version any rank planned and whether
+        any rank lacks a source for it; unless all agree, the second value is, per held expert, the
+        newest version every rank holding it can restore (the lowest planned). A failed rank
+        contributes only its flag to the accounting (``_account``)."""
+        experts = self.ctx.all_experts
+        state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and experts else None
+        vectors = self._account_vectors(plan, state) if state is not None else [-1] * (ACCOUNT_VECTORS * len(experts))
+        check = []
+        if planned is not None:
+            mine = {item: (-1 if version is None else version) for item, version in planned.items()}
+            lacking = {item: int(plan[item] is None and version is not None) for item, version in planned.items()}
+            check = (self._expert_vector(mine, -2) + [-v for v in self._expert_vector(mine, NONE)]
+                     + self._expert_vector(lacking, 0))
+        merged = self.coll.reduce([0 if error is None else 1] + vectors + check, "max")
+        verdict = (merged[0] == 0, merged[1:1 + len(vectors)], state)
+        if planned is None:
+            return verdict, None
+        n = len(experts)
+        high, low, lack = (merged[1 + len(vectors) + i * n:1 + len(vectors) + (i + 1) * n] for i in range(3))
+        low = [-v for v in low]
+        if not any(lack) and all(lo == NONE or lo == hi for hi, lo in zip(high, low)):
+            return verdict, None
+        names = [item_name(x) for x in experts]
+        return verdict, {name: (v if 0 <= v < NONE else None) for name, v in zip(names, low) if name in planned}
 
     def _dense_source(self, target: int, memory: list[Source], stored: dict[int, Source]):
         candidates = [s for s in memory if s.iteration == target] + ([stored[target]] if target in stored else [])
@@ -286,13 +322,6 @@ class Loader:
     def _expert_vector(self, values: dict[str, int], absent: int) -> list[int]:
         """One int per expert of the model (``absent`` where this rank has no value)."""
         return [values.get(item_name(x), absent) for x in self.ctx.all_experts]
-
-    def _agree_versions(self, best: dict[str, int | None]) -> dict[str, int | None]:
-        """Per expert, the newest version every rank holding it can restore (MIN over ranks)."""
-        mine = {item: (-1 if version is None else version) for item, version in best.items()}
-        agreed = self.coll.reduce(self._expert_vector(mine, NONE), "min")
-        names = [item_name(x) for x in self.ctx.all_experts]
-        return {n: (v if 0 <= v < NONE else None) for n, v in zip(names, agreed) if n in best}
 
     def _agree_flags(self, flags: list[bool]) -> list[bool]:
         held = [item_name(x) for x in self.ctx.experts_held]

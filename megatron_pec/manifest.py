@@ -28,7 +28,7 @@ from megatron_pec.storage import PosixStorage
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _NODE_MARKER = re.compile(r"^node_\d{4}\.json$")
-_PARTIAL = re.compile(r"\.tmp\d+$")  # a write_atomic that never finished (its agent was killed)
+_PARTIAL = re.compile(r"\.tmp(\d+)$")  # a write_atomic that never finished (its agent was killed)
 
 
 class ManifestError(ValueError):
@@ -164,35 +164,65 @@ def retire_after(root: str, iteration: int, storage=PosixStorage()) -> list[int]
     manifest whose checksums no longer match (and a stale manifest would feed
     the next commit's expert versions). The manifest goes first, then the node
     markers; the tracker moves back to the newest committed iteration <= ``iteration``.
-    Half-written files of killed agents are removed everywhere (the caller knows no agent
-    is writing: every node's agent has finished its announced work).
+    Half-written files are removed where their writer no longer runs (a killed agent's), and
+    in the retired iterations whoever writes them; an agent of this host still persisting an
+    earlier iteration while its trainer restarts keeps its file.
     Returns the iterations that lost a manifest or marker. Raises OSError.
     """
     retired = []
     if not storage.exists(root):
         return retired  # nothing saved yet (the first save creates the directory)
+    # Looked at without the lock first: usually there is nothing to do, and an agent finishing an
+    # older commit (tracker, retention) holds the lock for tens of ms, which every rank would wait.
+    if not _retirement(root, iteration, storage) and not _tracker_after(root, iteration, storage):
+        return retired
     with _lock(root):
-        for i in iterations_on_disk(root, storage):
-            directory = pec_dir(root, i)
-            names = storage.listdir(directory)
-            for name in filter(_PARTIAL.search, names):
-                storage.remove(os.path.join(directory, name))
-            if i <= iteration:
-                continue
-            stale = [n for n in names if n == "manifest.json"] + [n for n in names if _NODE_MARKER.match(n)]
-            for name in stale:
+        for i, directory, partial, stale in _retirement(root, iteration, storage):
+            for name in partial + stale:
                 storage.remove(os.path.join(directory, name))
             if stale:
                 storage.fsync_dir(directory)
                 retired.append(i)
-        current = read_tracker(root, storage)
-        if current is not None and current.isdigit() and int(current) > iteration:
+        if _tracker_after(root, iteration, storage):
             previous = [i for i in committed_iterations(root, storage) if i <= iteration]
             if previous:
                 storage.write_text_atomic(os.path.join(root, TRACKER), str(previous[0]))
             else:
                 storage.remove(os.path.join(root, TRACKER))
     return retired
+
+
+def _retirement(root: str, iteration: int, storage) -> list[tuple[int, str, list[str], list[str]]]:
+    """(iteration, its directory, half-written files, manifest and node markers to remove) of every
+    iteration on disk with something for ``retire_after`` to remove."""
+    found = []
+    for i in iterations_on_disk(root, storage):
+        directory = pec_dir(root, i)
+        names = storage.listdir(directory)
+        partial = [n for n in names if _PARTIAL.search(n) and (i > iteration or not _writer_alive(n))]
+        stale = [n for n in names if n == "manifest.json"] + [n for n in names if _NODE_MARKER.match(n)] \
+            if i > iteration else []
+        if partial or stale:
+            found.append((i, directory, partial, stale))
+    return found
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that is writing the half-written file ``name`` (``write_atomic`` names it
+    after its pid) still runs on this host: an agent persisting while a trainer restarts. (A writer
+    on another node is not seen: its file goes, and its persist fails with an error.)"""
+    try:
+        os.kill(int(_PARTIAL.search(name).group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _tracker_after(root: str, iteration: int, storage) -> bool:
+    current = read_tracker(root, storage)
+    return current is not None and current.isdigit() and int(current) > iteration
 
 
 def _expert_versions(root: str, iteration: int, ranks: dict[str, RankFile], fingerprint: str,

@@ -228,9 +228,10 @@ def storage_source(root: str, iteration: int, entry: RankFile) -> Source:
                   entry.item_crc32, rank_file=entry)
 
 
-def storage_sources(root: str, rank: int, fingerprint: str, topology: dict,
-                    storage: PosixStorage) -> tuple[dict[int, Source], dict[int, Manifest]]:
-    """Committed iterations readable by this rank: (iteration -> source, iteration -> manifest).
+def storage_sources(root: str, rank: int, fingerprint: str, topology: dict, storage: PosixStorage,
+                    known: dict[int, Manifest] | None = None) -> tuple[dict[int, Source], dict[int, Manifest]]:
+    """Committed iterations readable by this rank: (iteration -> source, iteration -> manifest);
+    ``known``: manifests the caller has read already.
 
     Raises SourceError when the directory holds checkpoints that are not ours or
     were saved with a different topology (saying what differs).
@@ -242,7 +243,7 @@ def storage_sources(root: str, rank: int, fingerprint: str, topology: dict,
     sources, manifests = {}, {}
     for i in committed:
         try:
-            m = manifest.read_manifest(root, i, storage)
+            m = (known or {}).get(i) or manifest.read_manifest(root, i, storage)
         except manifest.ManifestError as exc:
             print(f"megatron-pec: rank {rank}: skipping iteration {i}: {exc}", file=sys.stderr, flush=True)
             continue

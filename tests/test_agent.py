@@ -332,16 +332,22 @@ def test_agent_never_carries_from_another_job_or_an_abandoned_timeline(trainers,
         other.close()
 
 
-def test_retire_removes_half_written_files_of_killed_agents(tmp_path):
+def test_retire_removes_half_written_files_of_killed_agents_only(tmp_path):
+    """A killed writer's file goes everywhere; a live writer's (an agent still persisting while its
+    trainer restarts: ``Settle`` does not wait for persists) stays unless its iteration is retired."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
     root = str(tmp_path)
     for i in (4, 8):
         d = tmp_path / f"iter_{i:07d}" / "pec"
         d.mkdir(parents=True)
-        (d / "rank_00000.safetensors.tmp4242").write_bytes(b"half")
+        (d / f"rank_00000.safetensors.tmp{dead.pid}").write_bytes(b"half")
+        (d / f"rank_00002.safetensors.tmp{os.getpid()}").write_bytes(b"being written")
         (d / "rank_00001.safetensors").write_bytes(b"whole")
     manifest.retire_after(root, 4)
-    left = sorted(p.name for p in tmp_path.rglob("rank_*"))
-    assert left == ["rank_00001.safetensors", "rank_00001.safetensors"]
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("rank_*"))
+    writing = f"iter_0000004/pec/rank_00002.safetensors.tmp{os.getpid()}"
+    assert left == ["iter_0000004/pec/rank_00001.safetensors", writing, "iter_0000008/pec/rank_00001.safetensors"]
 
 
 def test_too_long_socket_path_is_refused_with_the_fix():

@@ -1,0 +1,116 @@
+"""The loader's agreement on expert versions: two ranks as threads over an in-process all-reduce.
+
+A restore plans optimistically (each rank its own newest versions) and agrees in one all-reduce
+when every rank holding an expert planned the same version; where they differ, every rank must
+end with the oldest planned version and the ranks must still call the same collectives. The
+sources are stand-ins that record what was opened: the files behind them are the concern of the
+round-trip and fault tests, which run this same code over gloo.
+"""
+
+import argparse
+import threading
+from types import SimpleNamespace
+
+from megatron_pec.config import PecConfig
+from megatron_pec.items import NON_EXPERT, ExpertId, item_name
+from megatron_pec.loader import LoadContext, Loader
+from megatron_pec.pec_state import Level, PecState
+from megatron_pec.sources import Source
+
+EXPERTS = (ExpertId(1, 0), ExpertId(1, 1))
+TARGET = 10
+
+
+class ThreadCollectives:
+    """``reduce`` over ranks that are threads of this process; counts the collectives called."""
+
+    def __init__(self, world: int):
+        self.rows = [None] * world
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.calls = 0
+
+    def of(self, rank: int):
+        return SimpleNamespace(reduce=lambda values, op: self._reduce(rank, values, op))
+
+    def _reduce(self, rank: int, values: list[int], op: str) -> list[int]:
+        self.rows[rank] = list(values)
+        self.barrier.wait()
+        merged = [max(column) if op == "max" else min(column) for column in zip(*self.rows)]
+        self.barrier.wait()  # every rank has read the rows before any writes the next ones
+        if rank == 0:
+            self.calls += 1
+        return merged
+
+
+class RecordingSource(Source):
+    def open(self, storage, items=None):
+        self.opened = getattr(self, "opened", set()) | set(items or self.items)
+
+
+def memory_slot(iteration: int, versions: dict[ExpertId, int]) -> RecordingSource:
+    items = {NON_EXPERT: iteration, **{item_name(x): v for x, v in versions.items()}}
+    pec = PecState(Level(2), Level(1)).dumps()
+    header = SimpleNamespace(pec=pec, tokens={item_name(x): 0 for x in versions})
+    return RecordingSource("memory", iteration, items, f"slot@{iteration}", {}, header=header)
+
+
+def plan_on_two_ranks(tmp_path, slots_of_rank: dict[int, list[RecordingSource]]):
+    """Each rank's (plan, error, verdict) from ``Loader._plan``, and the number of collectives."""
+    collectives = ThreadCollectives(2)
+    config = PecConfig.from_args(argparse.Namespace(save=None, load=str(tmp_path), pec_job_id="j"))
+    results, failures = {}, []
+
+    def rank_main(rank):
+        ctx = LoadContext(rank=rank, node_dir=str(tmp_path), job_id="j", fingerprint="f", topology={},
+                          config=config, slice_items={}, experts_held=EXPERTS, all_experts=EXPERTS,
+                          num_experts=2, collectives=collectives.of(rank))
+        try:
+            results[rank] = Loader(ctx, str(tmp_path))._plan(TARGET, slots_of_rank[rank], {}, {})
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            failures.append(exc)
+            collectives.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    return results, collectives.calls
+
+
+def versions(plan) -> dict[str, int]:
+    return {item: source.items[item] for item, source in plan.items()}
+
+
+def test_ranks_that_planned_the_same_versions_agree_in_one_collective(tmp_path):
+    same = {ExpertId(1, 0): 10, ExpertId(1, 1): 8}
+    results, calls = plan_on_two_ranks(tmp_path, {r: [memory_slot(TARGET, same)] for r in (0, 1)})
+    assert calls == 1
+    for plan, error, (every_rank_can, _, state) in results.values():
+        assert error is None and every_rank_can and state is not None
+        assert versions(plan) == {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 8}
+
+
+def test_ranks_that_planned_different_versions_all_take_the_oldest(tmp_path):
+    """Rank 1 also holds a newer snapshot of expert L1.E1 (iteration 10 carried it, rank 0's did
+    not): both must restore L1.E1 from its version 8, from rank 1's slot that holds it."""
+    rank0 = [memory_slot(TARGET, {ExpertId(1, 0): 10, ExpertId(1, 1): 8})]
+    rank1_newest = memory_slot(TARGET, {ExpertId(1, 0): 10, ExpertId(1, 1): 10})
+    rank1_older = memory_slot(8, {ExpertId(1, 0): 8, ExpertId(1, 1): 8})
+    results, calls = plan_on_two_ranks(tmp_path, {0: rank0, 1: [rank1_newest, rank1_older]})
+    assert calls == 3  # the optimistic all-reduce, then the fallback flags and the final plan's
+    for plan, error, (every_rank_can, _, _) in results.values():
+        assert error is None and every_rank_can
+        assert versions(plan) == {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 8}
+    plan1 = results[1][0]
+    assert plan1["L1.E1"] is rank1_older and "L1.E1" in rank1_older.opened
+
+
+def test_an_expert_no_rank_can_restore_fails_the_plan_on_every_rank(tmp_path):
+    rank0 = [memory_slot(TARGET, {ExpertId(1, 0): 10})]
+    rank1 = [memory_slot(TARGET, {ExpertId(1, 0): 10})]
+    results, calls = plan_on_two_ranks(tmp_path, {0: rank0, 1: rank1})
+    assert calls == 1
+    for _, error, (every_rank_can, _, _) in results.values():
+        assert "no saved version of L1.E1" in error and not every_rank_can
