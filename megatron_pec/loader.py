@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_pec import manifest, plt, reshard
 from megatron_pec.agent.memory import JobKey
@@ -120,11 +120,24 @@ class Loader:
             except SourceError as exc:
                 error = f"megatron-pec: {exc}"
         self._warn_stale_tracker(manifests)
+        candidates = {s.iteration for s in memory} | set(stored)
+        # First every rank plans its own newest iteration: the plan's all-reduce also says whether it
+        # is every rank's (usually), then that one collective is the whole agreement. Otherwise, and
+        # after a rank could not read the agreed iteration, the ranks agree on an iteration first.
         excluded: set[int] = set()
+        target = max(candidates) if candidates and error is None else None
         while True:
-            # (the first agreement also carries any rank's error: one collective less per restore)
-            target = self._agree({s.iteration for s in memory} | set(stored), excluded, error)
-            error = None  # raised above if any rank had one
+            plan, unreadable, agreed = self._plan(target, memory, stored, manifests, error)
+            if agreed.failed:
+                raise CheckpointError(error or ANOTHER_RANK_FAILED)
+            if agreed.every_rank_can:
+                self._retire_newer(target)
+                return self._decide(target, plan, agreed.accounted, agreed.state)
+            if agreed.same_iteration:
+                say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
+                    f"{unreadable or 'another rank cannot'}; falling back to an older checkpoint")
+                excluded.add(target)
+            target = self._agree(candidates, excluded)
             if target is None:
                 if excluded:
                     raise CheckpointError(f"megatron-pec: no valid checkpoint left under {self.root} after "
@@ -134,14 +147,6 @@ class Loader:
                 if not manifests:
                     self._retire_newer(0)  # node markers of an abandoned run must not join a new commit
                 return None
-            plan, unreadable, (every_rank_can, accounted, state) = self._plan(target, memory, stored, manifests)
-            if not every_rank_can:
-                say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
-                    f"{unreadable or 'another rank cannot'}; falling back to an older checkpoint")
-                excluded.add(target)
-                continue
-            self._retire_newer(target)
-            return self._decide(target, plan, accounted, state)
 
     # ---- another layout -------------------------------------------------------------------------
     def _newest_committed(self) -> Manifest | None:
@@ -208,24 +213,27 @@ class Loader:
             say(f"megatron-pec: WARNING {self.root}/{TRACKER} names iteration {tracker}, which has no valid "
                 f"manifest; ignoring it and using the newest committed iteration")
 
-    def _agree(self, mine: set[int], excluded: set[int], error: str | None = None) -> int | None:
-        """The newest iteration every rank can restore; raises on every rank if any has an ``error``."""
+    def _agree(self, mine: set[int], excluded: set[int]) -> int | None:
+        """The newest iteration every rank can restore."""
         mine = sorted((i for i in mine if i not in excluded), reverse=True)[:MAX_CANDIDATES]
-        every = self.coll.gather([0 if error is None else 1] + mine, MAX_CANDIDATES + 1)
-        if any(row[0] for row in every):
-            raise CheckpointError(error or ANOTHER_RANK_FAILED)
-        common = set.intersection(*({x for x in row[1:] if x >= 0} for row in every))
+        every = self.coll.gather(mine, MAX_CANDIDATES)
+        common = set.intersection(*({x for x in row if x >= 0} for row in every))
         return max(common) if common else None
 
     # ---- 8. source -----------------------------------------------------------------------------
-    def _plan(self, target: int, memory: list[Source], stored: dict[int, Source], manifests: dict):
+    def _plan(self, target: int | None, memory: list[Source], stored: dict[int, Source], manifests: dict,
+              listing_error: str | None = None) -> tuple[dict, str | None, "Agreement"]:
         """Sources for T's non-expert state and each held expert's version, agreed across ranks, opened
-        and verified: (plan, this rank's error, ``_agree_plan``'s verdict).
+        and verified: (plan, this rank's error, the ``Agreement``). ``target``: the iteration this rank
+        plans (None: none); ``listing_error``: this rank could not list its sources (all ranks raise).
 
         Optimistic: each rank first plans the newest version of each expert it can read itself; the
         all-reduce that agrees on the plan also says whether every rank holding an expert planned
         the same version of it, which is the usual case. Only where they differ is the plan redone
         from the agreed (oldest) versions: two more all-reduces."""
+        if target is None or listing_error is not None:
+            plan, error = {NON_EXPERT: None}, listing_error or "no checkpoint to restore"
+            return plan, error, self._agree_plan(target, plan, error, {}, listing_error is not None)
         dense, dense_error = self._dense_source(target, memory, stored)
         persisted = max((i for i in manifests if i <= target), default=None)
         manifest_t = manifests.get(persisted)
@@ -238,10 +246,10 @@ class Loader:
             best[item] = max(versions, default=None)
         plan = self._sources(dense, best, memory, stored, manifest_t)
         error = self._open(plan, target, dense_error)
-        verdict, agreed = self._agree_plan(plan, error, best)
-        if agreed is None:
-            return plan, error, verdict
-        plan = self._sources(dense, agreed, memory, stored, manifest_t)
+        agreed = self._agree_plan(target, plan, error, best)
+        if agreed.versions is None:
+            return plan, error, agreed
+        plan = self._sources(dense, agreed.versions, memory, stored, manifest_t)
         # Where some rank lacks the agreed version, everyone takes the persisted one (shared storage).
         retry = self._agree_flags([plan[i] is None for i in held])
         for item, redo in zip(held, retry):
@@ -250,7 +258,7 @@ class Loader:
                 plan[item] = expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t) \
                     if version is not None else None
         error = self._open(plan, target, dense_error)
-        return plan, error, self._agree_plan(plan, error)[0]
+        return plan, error, self._agree_plan(target, plan, error)
 
     def _sources(self, dense: Source | None, versions: dict[str, int | None], memory: list[Source],
                  stored: dict[int, Source], manifest_t: Manifest | None) -> dict[str, Source | None]:
@@ -277,15 +285,17 @@ class Loader:
                     error = str(exc)
         return error
 
-    def _agree_plan(self, plan: dict[str, Source | None], error: str | None, planned: dict | None = None):
-        """((every rank can restore its plan, the PLT accounting's vectors completed across ranks, the
-        dense source's PEC state), None or the agreed versions): one MAX all-reduce for all of it.
+    def _agree_plan(self, target: int | None, plan: dict[str, Source | None], error: str | None,
+                    planned: dict | None = None, failed: bool = False) -> "Agreement":
+        """The ``Agreement`` on this rank's plan for ``target``: one MAX all-reduce carries whether any
+        rank failed or cannot restore its plan, the highest and (negated) lowest iteration planned,
+        and the PLT accounting's vectors (a rank that cannot contributes only its flags).
 
-        With ``planned`` (the version this rank planned per held expert) the same all-reduce carries,
-        per expert of the model, the highest and the lowest version any rank planned and whether
-        any rank lacks a source for it; unless all agree, the second value is, per held expert, the
-        newest version every rank holding it can restore (the lowest planned). A failed rank
-        contributes only its flag to the accounting (``_account``)."""
+        With ``planned`` (the version this rank planned per held expert) it also carries, per expert
+        of the model, the highest and lowest version any rank planned and whether any rank lacks a
+        source for it; unless all agree, ``versions`` is then, per held expert, the newest version
+        every rank holding it can restore (the lowest planned), and the plans are redone from it
+        whatever their errors were (a rank may have failed only for lack of the newer version)."""
         experts = self.ctx.all_experts
         state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and experts else None
         vectors = self._account_vectors(plan, state) if state is not None else [-1] * (ACCOUNT_VECTORS * len(experts))
@@ -295,17 +305,22 @@ class Loader:
             lacking = {item: int(plan[item] is None and version is not None) for item, version in planned.items()}
             check = (self._expert_vector(mine, -2) + [-v for v in self._expert_vector(mine, NONE)]
                      + self._expert_vector(lacking, 0))
-        merged = self.coll.reduce([0 if error is None else 1] + vectors + check, "max")
-        verdict = (merged[0] == 0, merged[1:1 + len(vectors)], state)
-        if planned is None:
-            return verdict, None
-        n = len(experts)
-        high, low, lack = (merged[1 + len(vectors) + i * n:1 + len(vectors) + (i + 1) * n] for i in range(3))
+        iteration = -1 if target is None else target
+        flags = [int(failed), int(error is not None), iteration, -iteration]
+        merged = self.coll.reduce(flags + vectors + check, "max")
+        same_iteration = merged[2] == -merged[3] >= 0
+        agreed = Agreement(bool(merged[0]), same_iteration, same_iteration and not merged[1],
+                           merged[len(flags):len(flags) + len(vectors)], state)
+        if planned is None or not same_iteration:
+            return agreed
+        n, at = len(experts), len(flags) + len(vectors)
+        high, low, lack = (merged[at + i * n:at + (i + 1) * n] for i in range(3))
         low = [-v for v in low]
         if not any(lack) and all(lo == NONE or lo == hi for hi, lo in zip(high, low)):
-            return verdict, None
+            return agreed
         names = [item_name(x) for x in experts]
-        return verdict, {name: (v if 0 <= v < NONE else None) for name, v in zip(names, low) if name in planned}
+        versions = {name: (v if 0 <= v < NONE else None) for name, v in zip(names, low) if name in planned}
+        return replace(agreed, versions=versions)
 
     def _dense_source(self, target: int, memory: list[Source], stored: dict[int, Source]):
         candidates = [s for s in memory if s.iteration == target] + ([stored[target]] if target in stored else [])
@@ -397,6 +412,18 @@ class Loader:
                         f"Dynamic-K raises snapshot K {state.snapshot.k} -> {k}, persist K "
                         f"{state.persist.k} -> {persist_k}")
                 state.set_k(k, persist_k)
+
+
+@dataclass
+class Agreement:
+    """What the ranks agreed about their plans (``Loader._agree_plan``), the same on every rank."""
+
+    failed: bool                  # some rank could not list its sources: every rank raises
+    same_iteration: bool          # every rank planned the same iteration
+    every_rank_can: bool          # ... and every rank can restore its plan for it
+    accounted: list[int]          # the PLT accounting's vectors, completed over the ranks
+    state: PecState | None        # the dense source's PEC state (None without MoE or on failure)
+    versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
 
 
 def _levels(state: PecState) -> tuple[dict, dict, dict, dict]:

@@ -1,21 +1,22 @@
-"""The loader's agreement on expert versions: two ranks as threads over an in-process all-reduce.
+"""The loader's agreement: two ranks as threads over in-process collectives.
 
-A restore plans optimistically (each rank its own newest versions) and agrees in one all-reduce
-when every rank holding an expert planned the same version; where they differ, every rank must
-end with the oldest planned version and the ranks must still call the same collectives. The
-sources are stand-ins that record what was opened: the files behind them are the concern of the
-round-trip and fault tests, which run this same code over gloo.
+A restore plans optimistically (each rank its own newest iteration and expert versions) and
+agrees in one all-reduce when every rank planned the same; where they differ, every rank must end
+with the same iteration and the oldest planned versions, and the ranks must still call the same
+collectives. The sources are stand-ins that record what was opened: the files behind them are the
+concern of the round-trip and fault tests, which run this same code over gloo.
 """
 
 import argparse
 import threading
 from types import SimpleNamespace
 
+from megatron_pec import loader
 from megatron_pec.config import PecConfig
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader
 from megatron_pec.pec_state import Level, PecState
-from megatron_pec.sources import Source
+from megatron_pec.sources import Source, SourceError
 
 EXPERTS = (ExpertId(1, 0), ExpertId(1, 1))
 TARGET = 10
@@ -30,20 +31,31 @@ class ThreadCollectives:
         self.calls = 0
 
     def of(self, rank: int):
-        return SimpleNamespace(reduce=lambda values, op: self._reduce(rank, values, op))
+        return SimpleNamespace(reduce=lambda values, op: self._reduce(rank, values, op),
+                               gather=lambda values, width: self._gather(rank, values, width))
 
-    def _reduce(self, rank: int, values: list[int], op: str) -> list[int]:
+    def _exchange(self, rank: int, values: list[int]) -> list[list[int]]:
         self.rows[rank] = list(values)
         self.barrier.wait()
-        merged = [max(column) if op == "max" else min(column) for column in zip(*self.rows)]
+        every = [list(row) for row in self.rows]
         self.barrier.wait()  # every rank has read the rows before any writes the next ones
         if rank == 0:
             self.calls += 1
-        return merged
+        return every
+
+    def _reduce(self, rank: int, values: list[int], op: str) -> list[int]:
+        return [max(column) if op == "max" else min(column) for column in zip(*self._exchange(rank, values))]
+
+    def _gather(self, rank: int, values: list[int], width: int) -> list[list[int]]:
+        return self._exchange(rank, values + [-1] * (width - len(values)))
 
 
 class RecordingSource(Source):
+    corrupt = False
+
     def open(self, storage, items=None):
+        if self.corrupt:
+            raise SourceError(f"{self.where} fails its checksum")
         self.opened = getattr(self, "opened", set()) | set(items or self.items)
 
 
@@ -54,8 +66,8 @@ def memory_slot(iteration: int, versions: dict[ExpertId, int]) -> RecordingSourc
     return RecordingSource("memory", iteration, items, f"slot@{iteration}", {}, header=header)
 
 
-def plan_on_two_ranks(tmp_path, slots_of_rank: dict[int, list[RecordingSource]]):
-    """Each rank's (plan, error, verdict) from ``Loader._plan``, and the number of collectives."""
+def on_two_ranks(tmp_path, work):
+    """``work(loader)`` on two ranks (threads), each with its own Loader; (results, collectives called)."""
     collectives = ThreadCollectives(2)
     config = PecConfig.from_args(argparse.Namespace(save=None, load=str(tmp_path), pec_job_id="j"))
     results, failures = {}, []
@@ -65,7 +77,7 @@ def plan_on_two_ranks(tmp_path, slots_of_rank: dict[int, list[RecordingSource]])
                           config=config, slice_items={}, experts_held=EXPERTS, all_experts=EXPERTS,
                           num_experts=2, collectives=collectives.of(rank))
         try:
-            results[rank] = Loader(ctx, str(tmp_path))._plan(TARGET, slots_of_rank[rank], {}, {})
+            results[rank] = work(Loader(ctx, str(tmp_path)))
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             failures.append(exc)
             collectives.barrier.abort()
@@ -79,6 +91,18 @@ def plan_on_two_ranks(tmp_path, slots_of_rank: dict[int, list[RecordingSource]])
     return results, collectives.calls
 
 
+def plan_on_two_ranks(tmp_path, slots_of_rank: dict[int, list[RecordingSource]]):
+    """Each rank's (plan, error, agreement) from ``Loader._plan``, and the number of collectives."""
+    return on_two_ranks(tmp_path, lambda ld: ld._plan(TARGET, slots_of_rank[ld.rank], {}, {}))
+
+
+def load_on_two_ranks(tmp_path, monkeypatch, slots_of_rank: dict[int, list[RecordingSource]]):
+    """Each rank's (iteration, versions) that ``Loader.load`` decided on, and the number of collectives."""
+    monkeypatch.setattr(loader, "memory_sources", lambda node_dir, rank, *_: slots_of_rank[rank])
+    monkeypatch.setattr(Loader, "_decide", lambda self, target, plan, *_: (target, versions(plan)))
+    return on_two_ranks(tmp_path, lambda ld: ld.load())
+
+
 def versions(plan) -> dict[str, int]:
     return {item: source.items[item] for item, source in plan.items()}
 
@@ -87,8 +111,8 @@ def test_ranks_that_planned_the_same_versions_agree_in_one_collective(tmp_path):
     same = {ExpertId(1, 0): 10, ExpertId(1, 1): 8}
     results, calls = plan_on_two_ranks(tmp_path, {r: [memory_slot(TARGET, same)] for r in (0, 1)})
     assert calls == 1
-    for plan, error, (every_rank_can, _, state) in results.values():
-        assert error is None and every_rank_can and state is not None
+    for plan, error, agreed in results.values():
+        assert error is None and agreed.every_rank_can and agreed.state is not None
         assert versions(plan) == {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 8}
 
 
@@ -100,8 +124,8 @@ def test_ranks_that_planned_different_versions_all_take_the_oldest(tmp_path):
     rank1_older = memory_slot(8, {ExpertId(1, 0): 8, ExpertId(1, 1): 8})
     results, calls = plan_on_two_ranks(tmp_path, {0: rank0, 1: [rank1_newest, rank1_older]})
     assert calls == 3  # the optimistic all-reduce, then the fallback flags and the final plan's
-    for plan, error, (every_rank_can, _, _) in results.values():
-        assert error is None and every_rank_can
+    for plan, error, agreed in results.values():
+        assert error is None and agreed.every_rank_can
         assert versions(plan) == {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 8}
     plan1 = results[1][0]
     assert plan1["L1.E1"] is rank1_older and "L1.E1" in rank1_older.opened
@@ -112,5 +136,35 @@ def test_an_expert_no_rank_can_restore_fails_the_plan_on_every_rank(tmp_path):
     rank1 = [memory_slot(TARGET, {ExpertId(1, 0): 10})]
     results, calls = plan_on_two_ranks(tmp_path, {0: rank0, 1: rank1})
     assert calls == 1
-    for _, error, (every_rank_can, _, _) in results.values():
-        assert "no saved version of L1.E1" in error and not every_rank_can
+    for _, error, agreed in results.values():
+        assert "no saved version of L1.E1" in error and agreed.same_iteration and not agreed.every_rank_can
+
+
+def test_ranks_with_the_same_newest_iteration_agree_on_it_in_one_collective(tmp_path, monkeypatch):
+    experts = {ExpertId(1, 0): 10, ExpertId(1, 1): 10}
+    results, calls = load_on_two_ranks(tmp_path, monkeypatch, {r: [memory_slot(10, experts)] for r in (0, 1)})
+    assert calls == 1
+    assert results[0] == results[1] == (10, {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 10})
+
+
+def test_ranks_with_different_newest_iterations_agree_on_the_newest_common_one(tmp_path, monkeypatch):
+    """Rank 0 holds a snapshot of 12 that rank 1 never completed: both restore 10."""
+    older = {ExpertId(1, 0): 10, ExpertId(1, 1): 10}
+    newer = {ExpertId(1, 0): 12, ExpertId(1, 1): 12}
+    slots = {0: [memory_slot(12, newer), memory_slot(10, older)], 1: [memory_slot(10, older)]}
+    results, calls = load_on_two_ranks(tmp_path, monkeypatch, slots)
+    assert calls == 3  # the optimistic all-reduce, the iterations' all-gather, the plan's all-reduce
+    assert results[0] == results[1] == (10, {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 10})
+
+
+def test_a_rank_that_cannot_read_the_agreed_iteration_makes_every_rank_fall_back(tmp_path, monkeypatch, capfd):
+    experts = {ExpertId(1, 0): 8, ExpertId(1, 1): 8}
+    corrupt = memory_slot(10, {ExpertId(1, 0): 10, ExpertId(1, 1): 10})
+    corrupt.corrupt = True
+    slots = {0: [memory_slot(10, {ExpertId(1, 0): 10, ExpertId(1, 1): 10}), memory_slot(8, experts)],
+             1: [corrupt, memory_slot(8, experts)]}
+    results, _ = load_on_two_ranks(tmp_path, monkeypatch, slots)
+    assert results[0] == results[1] == (8, {NON_EXPERT: 8, "L1.E0": 8, "L1.E1": 8})
+    err = capfd.readouterr().err
+    assert "rank 1: cannot restore iteration 10: slot@10 fails its checksum" in err
+    assert "rank 0: cannot restore iteration 10: another rank cannot" in err
