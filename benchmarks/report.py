@@ -125,8 +125,9 @@ def markdown(result: dict) -> str:
             "compared with one writer's write+fsync floor. `fsync: no` methods (Megatron legacy torch.save, "
             "DLRover) return before their bytes reach the disk, so their persist rate is partly page-cache speed. "
             "Restore = time until the training state is back in place; restore from storage is the median of "
-            "three, each after dropping the page cache of the files (megatron-pec: each by a fresh engine "
-            "without node memory); restore from memory is the median of three restores into the running job, its "
+            "five, each after dropping the page cache of the files (megatron-pec: each by a fresh engine "
+            "without node memory), started after a sync and a 3 s pause (the disk no longer flushing the "
+            "method's own saves); restore from memory is the median of seven restores into the running job, its "
             "floor one memcpy of the optimizer state. Throughput = iterations/s with a checkpoint every iteration "
             "÷ without. Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
             "node persisted (carrying experts forward included).", ""]

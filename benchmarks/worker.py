@@ -27,7 +27,9 @@ import torch  # noqa: E402
 from benchmarks import floors  # noqa: E402
 from benchmarks.common import SHM_ROOT, STORAGE_ROOT, loadavg, median, p90  # noqa: E402
 
-STORAGE_RESTORES = 3  # per method; each reads its newest checkpoint cold
+MEMORY_RESTORES = 7  # per method, the median reported (a restore is ~20 ms: scheduling noise matters)
+STORAGE_RESTORES = 5  # per method; each reads its newest checkpoint cold
+STORAGE_SETTLE_S = 3.0  # pause before them, after syncing the method's writes
 
 
 def log(msg: str) -> None:
@@ -192,11 +194,15 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     out["train_throughput_ratio"] = tput.get("1")
     out["skipped_saves_in_throughput_runs"] = method.skipped - skipped_before
     # restores (last: they change the training state)
-    memory = [method.restore_memory() for _ in range(3)] if method.has_memory else []
+    memory = [method.restore_memory() for _ in range(MEMORY_RESTORES)] if method.has_memory else []
     out["restore_memory_s_all"] = memory
     out["restore_memory_s"] = median(memory) if memory else None
     ctx.invalidate()
-    # (a cold read's time varies by tens of ms on a shared disk: the median of three, every method alike)
+    # (a cold read's time varies by tens of ms on a shared disk: the median of five, every method alike;
+    # and it takes 2-3x as long while the disk still flushes the method's own saves just before, which
+    # would charge the methods that persisted the most bytes: each starts after a sync and a pause)
+    os.sync()
+    time.sleep(STORAGE_SETTLE_S)
     storage = []
     for _ in range(STORAGE_RESTORES):
         storage.append(method.restore_storage())
