@@ -416,7 +416,8 @@ class Loader:
 
 @dataclass
 class Agreement:
-    """What the ranks agreed about their plans (``Loader._agree_plan``), the same on every rank."""
+    """What the ranks agreed about their plans (``Loader._agree_plan``): all but ``state`` and
+    ``versions`` (this rank's experts) the same on every rank."""
 
     failed: bool                  # some rank could not list its sources: every rank raises
     same_iteration: bool          # every rank planned the same iteration
