@@ -91,6 +91,7 @@ class Engine:
         self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.deferred = self.copy_stream is not None or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         self.pending = None
+        self.written_into: dict[int, set[str]] = {}  # slot -> items written since the agent last had it
         self._runs: dict[int, dict[str, tuple[list, list]]] = {}  # slot -> item -> its copies (see _copy_lists)
         self._runs_of = None  # the live views those copies read
         if self.deferred:
@@ -267,7 +268,8 @@ class Engine:
             small=smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)),
             pec=self.pec.dumps(self.held_json), run=self.run)
         persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
-        self.pending = (slot, header, SnapshotReady(slot, iteration, persistent, persist_items), done)
+        announcement = SnapshotReady(slot, iteration, persistent, persist_items, sorted(self.written_into[slot]))
+        self.pending = (slot, header, announcement, done)
         if not self.deferred:
             self.finish_snapshot()
 
@@ -294,6 +296,7 @@ class Engine:
     def _copy(self, slot: int, live: dict, items: set[str]):
         """Copy the slices of ``items`` into the slot; returns the CUDA event marking the end (None
         on CPU, where the copy is a synchronous memcpy, and when there is nothing to copy)."""
+        self.written_into.setdefault(slot, set()).update(items)  # (before: a copy cut short changed them too)
         dst, src = self._copy_lists(slot, live, items)
         if not dst:
             return None
@@ -345,6 +348,7 @@ class Engine:
             self.grants.revoke_all()
             self._skip(header.iteration, "the node agent died")
             return
+        self.written_into.pop(slot, None)  # the agent's now; its next grant starts clean
         self.stats["saves"] += 1
 
     def _plan(self, persistent: bool, cumulative) -> tuple[frozenset, frozenset]:

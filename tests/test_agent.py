@@ -63,7 +63,7 @@ class Trainer:
                             tokens={f"L1.E{e}": 100 * iteration + e for e in range(4)}, small="{}", pec="{}",
                             run=self.run)
         self.files.write_header(slot, header.to_metadata())
-        assert self.client.send(SnapshotReady(slot, iteration, persist, persist_items))
+        assert self.client.send(SnapshotReady(slot, iteration, persist, persist_items, sorted(written)))
         if not wait:
             return slot
         for _ in range(100):
@@ -249,6 +249,58 @@ def test_agent_carries_unwritten_experts_forward_from_its_newest_snapshot(traine
     assert t.memory().slots[0][third].tokens == {"L1.E1": 101, "L1.E2": 102, "L1.E3": 103}
     found, _ = t.memory().restorable(0, JobKey("t", "f", t.root))
     assert [r.iteration for _, r, _ in found] == [3, 2, 1]
+
+
+def _mark_in_slot(t, slot, item, value):
+    """Change an item's bytes behind everyone's back (what no carry would leave alone)."""
+    for name, view in t.files.views[slot].items():
+        if name.split("/")[0] == item:
+            view.fill_(value)
+
+
+def _value_in_slot(t, slot, item):
+    values = {float(v.flatten()[0]) for n, v in t.files.views[slot].items() if n.split("/")[0] == item}
+    assert len(values) == 1, values
+    return values.pop()
+
+
+def test_a_carry_leaves_in_place_what_the_slot_still_holds(trainers):
+    """One expert of four per snapshot: into the slot its own trainer last filled, a carry copies only
+    the experts written since (E0, E1); E3, unchanged since that slot's snapshot, is already there.
+    A mark put on E3 behind the agent's back proves it was not copied; every copied byte is checked."""
+    t = trainers(0, nodes=1)
+    first, _ = t.snapshot(1, persist=False)
+    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
+    t.snapshot(3, written=("dense", "L1.E1"), persist=False)
+    assert t.grants._free[0] == first  # oldest contents first
+    _mark_in_slot(t, first, "L1.E3", 7.0)
+    slot, _ = t.snapshot(4, written=("dense", "L1.E2"), persist=False)
+    assert slot == first
+    record = t.memory().slots[0][slot]
+    assert record.items == {"dense": 4, "L1.E0": 2, "L1.E1": 3, "L1.E2": 4, "L1.E3": 1}
+    assert [_value_in_slot(t, slot, i) for i in ("L1.E0", "L1.E1", "L1.E2", "L1.E3")] == [2.5, 3.5, 4.5, 7.0]
+    mapping, header = open_slot(os.path.join(t.directory, f"rank0.slot{slot}"))
+    try:
+        copied = {"dense", "L1.E0", "L1.E1", "L1.E2"}
+        assert item_checksums(mapping, header, copied) == {i: record.crcs[i] for i in copied}
+    finally:
+        mapping.close()
+
+
+def test_a_slot_another_trainer_was_granted_is_carried_in_full(trainers):
+    """A trainer killed mid-copy may have written anything into its granted slot: once another trainer
+    (process) was granted the slot, nothing in it is trusted and every unwritten expert is copied."""
+    t = trainers(0, nodes=1)
+    first, _ = t.snapshot(1, persist=False)
+    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
+    t.snapshot(3, written=("dense", "L1.E1"), persist=False)
+    t.client.close(detach=False)  # killed: the slots it was granted go to its successor
+    successor = trainers(0, nodes=1, resumed_from=3)
+    assert successor.grants._free[0] == first
+    _mark_in_slot(successor, first, "L1.E3", 7.0)
+    slot, _ = successor.snapshot(4, written=("dense", "L1.E2"), persist=False)
+    assert slot == first
+    assert _value_in_slot(successor, slot, "L1.E3") == 1.5  # carried from iteration 3's slot
 
 
 def test_a_snapshot_is_restorable_before_its_experts_are_carried(trainers, monkeypatch):

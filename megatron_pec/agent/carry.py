@@ -20,10 +20,15 @@ from megatron_pec.slots import SlotCache
 
 
 def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: SlotRecord,
-                  base_header: SlotHeader, slots: SlotCache) -> SlotRecord:
+                  base_header: SlotHeader, slots: SlotCache,
+                  in_place: tuple[SlotRecord, frozenset[str]] | None = None) -> SlotRecord:
     """``record`` completed with every item of the base that the new snapshot did not write: their
     bytes copied from ``base_path`` into ``path``, their versions, crcs and cumulative token counts
     at that version (which a restore needs to account the lost tokens).
+
+    ``in_place``: the slot's previous record and the items the trainer wrote since; an item the slot
+    still holds at the base's version (same timeline, version and crc, not written since) is not
+    copied again. With K of E experts per snapshot most are: only those that later snapshots wrote.
 
     The caller has checked that the base is restorable for the same job (``NodeMemory.is_restorable``).
     Raises OSError, FormatError or ValueError (another tensor layout: bytes of different tensors
@@ -32,13 +37,18 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     take = {i: v for i, v in base_record.items.items() if i not in record.items and i in base_record.crcs}
     if not take:
         return record
+    kept = set()
+    if in_place is not None and in_place[0].run == base_record.run:
+        previous, written = in_place
+        kept = {i for i, v in take.items() if i not in written and previous.items.get(i) == v
+                and previous.crcs.get(i) == base_record.crcs[i]}
     mapping, header = slots.open(path)
     _, base_tensors = slots.open(base_path)
     same = base_tensors.tensors is header.tensors or base_tensors.tensors == header.tensors
     source = None if same else {e.name: e for e in base_tensors.tensors}
     copies = []  # (to, from, length), adjacent ones joined: one memcpy per run of carried bytes
     for e in header.tensors:
-        if e.item in take:
+        if e.item in take and e.item not in kept:
             b = e if same else source.get(e.name)
             if b is None or b.end - b.begin != e.end - e.begin:
                 raise ValueError(f"{base_path} lays out {e.name} differently")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import itertools
 import os
 import queue
 import signal
@@ -66,6 +67,9 @@ def log(message: str) -> None:
     print(f"[megatron-pec agent {os.getpid()}] {message}", file=sys.stderr, flush=True)
 
 
+_LINKS = itertools.count()
+
+
 @dataclass
 class Link:
     """One trainer's connection: who it is, which timeline it writes, which slots it holds."""
@@ -75,6 +79,7 @@ class Link:
     job: JobInfo
     run: str | None = None            # set by Begin
     granted: set[int] = field(default_factory=set)
+    serial: int = field(default_factory=lambda: next(_LINKS))  # unlike id(), never reused
 
     @property
     def key(self) -> JobKey:
@@ -97,6 +102,10 @@ class Agent:
         self.restoring: dict[int, float] = {}           # rank -> until when its restore holds carries back
         self.send_locks: dict[socket.socket, threading.Lock] = {}     # the worker and a client thread both answer
         self.links: dict[int, Link] = {}                # rank -> its current trainer
+        # (rank, slot) this agent recorded complete -> serials of the links granted it since: a slot
+        # granted to one trainer only still holds its record's bytes outside what that trainer wrote
+        self.granted_since: dict[tuple[int, int], set[int]] = {}
+        self.in_place: dict[tuple[int, int], tuple[SlotRecord, frozenset[str]]] = {}  # see _in_place
         self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
         self.detached: set[int] = set()
         self.planned_exit = False                       # every trainer detached cleanly
@@ -330,6 +339,8 @@ class Agent:
             busy |= self.replicator.busy(link.rank)  # being sent to a peer
         grants = self.memory.grantable(link.rank, busy, uncarried=in_flight)
         link.granted.update(grants)
+        for slot in grants:
+            self.granted_since.get((link.rank, slot), set()).add(link.serial)
         return grants
 
     def _grant_starved(self) -> None:
@@ -443,7 +454,8 @@ class Agent:
         error, if any. Raises if the slot cannot be checked or its rank file not written."""
         rank, root = link.rank, link.job.save
         link.granted.discard(msg.slot)
-        self.memory.forget(rank, msg.slot)  # the old contents are gone
+        self._note_in_place(link, msg)
+        self.memory.forget(rank, msg.slot)  # the old contents are gone (but for what _note_in_place kept)
         target = manifest.rank_file(root, msg.iteration, rank) if msg.persist else None
         persist_items = set(msg.persist_items) if msg.persist_items is not None else None
         try:
@@ -468,6 +480,17 @@ class Agent:
             return record, f"{type(exc).__name__}: {exc}"
         return record, None
 
+    def _note_in_place(self, link: Link, msg: SnapshotReady) -> None:
+        """Keep the slot's previous record for its carry when its bytes outside ``msg.written`` are
+        still that record's: this agent recorded it complete and granted it since to this trainer
+        only (another trainer, e.g. one killed mid-copy, may have written anything)."""
+        key = (link.rank, msg.slot)
+        previous = self.memory.slots.get(link.rank, {}).get(msg.slot)
+        if self.granted_since.pop(key, None) == {link.serial} and previous is not None and msg.written is not None:
+            self.in_place[key] = (previous, frozenset(msg.written))
+        else:
+            self.in_place.pop(key, None)
+
     def _recorded(self, rank: int) -> None:
         with self.lock:
             self.unrecorded[rank] -= 1
@@ -479,6 +502,7 @@ class Agent:
         faults.point("agent_carried", iteration=msg.iteration)
         self.memory.record(rank, msg.slot, record)
         self.memory.write()
+        self.granted_since[(rank, msg.slot)] = set()
         if self.replicator is not None and self.memory.on_lineage(rank, record):
             self._publish(link.job)
             self.replicator.offer(rank, slot_path(self.directory, rank, msg.slot), msg.slot, record,
@@ -490,6 +514,7 @@ class Agent:
         newest complete slot (carries run in order: every older snapshot's is done, newer ones are
         still in flight); on any failure they restore from storage."""
         path = slot_path(self.directory, rank, slot)
+        in_place = self.in_place.pop((rank, slot), None)
         newest = self.memory.newest(rank, exclude=self.in_flight.get(rank, set()))
         if newest is None:
             return record
@@ -501,7 +526,7 @@ class Agent:
         base_record, base_header = verdict
         try:
             return carry_forward(path, record, slot_path(self.directory, rank, newest[0]), base_record, base_header,
-                                 self.slots)
+                                 self.slots, in_place)
         except (OSError, FormatError, ValueError) as exc:
             log(f"rank {rank}: cannot carry experts forward into iteration {record.iteration}: {exc}")
             return record
