@@ -105,7 +105,7 @@ class Agent:
         # (rank, slot) this agent recorded complete -> serials of the links granted it since: a slot
         # granted to one trainer only still holds its record's bytes outside what that trainer wrote
         self.granted_since: dict[tuple[int, int], set[int]] = {}
-        self.in_place: dict[tuple[int, int], tuple[SlotRecord, frozenset[str]]] = {}  # see _in_place
+        self.in_place: dict[tuple[int, int], tuple[SlotRecord, frozenset[str]]] = {}  # see _note_in_place
         self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
         self.detached: set[int] = set()
         self.planned_exit = False                       # every trainer detached cleanly
