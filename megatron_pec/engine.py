@@ -268,7 +268,9 @@ class Engine:
             small=smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)),
             pec=self.pec.dumps(self.held_json), run=self.run)
         persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
-        announcement = SnapshotReady(slot, iteration, persistent, persist_items, sorted(self.written_into[slot]))
+        # (only what skipped attempts wrote besides ``written``: usually nothing, the header names the rest)
+        announcement = SnapshotReady(slot, iteration, persistent, persist_items,
+                                     sorted(self.written_into[slot] - written))
         self.pending = (slot, header, announcement, done)
         if not self.deferred:
             self.finish_snapshot()

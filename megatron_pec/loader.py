@@ -98,6 +98,7 @@ class Loader:
         self.storage = PosixStorage()
         self.rank = ctx.rank
         self.coll = ctx.collectives
+        self.names = [item_name(x) for x in ctx.all_experts]  # the vectors' index space, spelled once
 
     # ---- 7. agree ------------------------------------------------------------------------------
     def load(self) -> RestoreResult | None:
@@ -318,8 +319,7 @@ class Loader:
         low = [-v for v in low]
         if not any(lack) and all(lo == NONE or lo == hi for hi, lo in zip(high, low)):
             return agreed
-        names = [item_name(x) for x in experts]
-        versions = {name: (v if 0 <= v < NONE else None) for name, v in zip(names, low) if name in planned}
+        versions = {name: (v if 0 <= v < NONE else None) for name, v in zip(self.names, low) if name in planned}
         return replace(agreed, versions=versions)
 
     def _dense_source(self, target: int, memory: list[Source], stored: dict[int, Source]):
@@ -336,12 +336,12 @@ class Loader:
 
     def _expert_vector(self, values: dict[str, int], absent: int) -> list[int]:
         """One int per expert of the model (``absent`` where this rank has no value)."""
-        return [values.get(item_name(x), absent) for x in self.ctx.all_experts]
+        return [values.get(name, absent) for name in self.names]
 
     def _agree_flags(self, flags: list[bool]) -> list[bool]:
         held = [item_name(x) for x in self.ctx.experts_held]
         merged = self.coll.reduce(self._expert_vector(dict(zip(held, map(int, flags))), 0), "max")
-        position = {item_name(x): i for i, x in enumerate(self.ctx.all_experts)}
+        position = {name: i for i, name in enumerate(self.names)}
         return [bool(merged[position[n]]) for n in held]
 
     # ---- 9. decide -----------------------------------------------------------------------------

@@ -203,9 +203,9 @@ class SnapshotReady(Record):
     iteration: int
     persist: bool
     persist_items: list[str] | None  # experts to persist besides the dense state; None: all it wrote
-    # Every item whose bytes the trainer changed in the slot since it was granted, skipped attempts
-    # included (None: not known); the agent does not carry forward what the slot still holds.
-    written: list[str] | None = None
+    # Items whose bytes earlier, skipped attempts changed in the slot besides this snapshot's own
+    # (None: not known); the agent does not carry forward what the slot still holds.
+    also_written: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

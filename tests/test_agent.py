@@ -50,9 +50,10 @@ class Trainer:
         self.grants.add(answer.grants)
         return answer.grants
 
-    def snapshot(self, iteration, persist_items=None, written=ALL, persist=True, slot=None, wait=True):
+    def snapshot(self, iteration, persist_items=None, written=ALL, persist=True, slot=None, wait=True,
+                 also_written=()):
         """Write ``written`` items at ``iteration`` into a granted slot, announce, wait for the release
-        (``wait=False``: return the slot at once)."""
+        (``wait=False``: return the slot at once); ``also_written``: items a skipped attempt changed."""
         slot = self.grants.take() if slot is None else slot
         assert slot is not None, "the agent granted no free slot"
         for name, view in self.files.views[slot].items():
@@ -63,7 +64,7 @@ class Trainer:
                             tokens={f"L1.E{e}": 100 * iteration + e for e in range(4)}, small="{}", pec="{}",
                             run=self.run)
         self.files.write_header(slot, header.to_metadata())
-        assert self.client.send(SnapshotReady(slot, iteration, persist, persist_items, sorted(written)))
+        assert self.client.send(SnapshotReady(slot, iteration, persist, persist_items, sorted(also_written)))
         if not wait:
             return slot
         for _ in range(100):
@@ -285,6 +286,20 @@ def test_a_carry_leaves_in_place_what_the_slot_still_holds(trainers):
         assert item_checksums(mapping, header, copied) == {i: record.crcs[i] for i in copied}
     finally:
         mapping.close()
+
+
+def test_an_expert_a_skipped_attempt_wrote_is_carried_again(trainers):
+    """A save skipped after its copy began (another rank could not snapshot) leaves the slot granted
+    with bytes of its plan; the next snapshot into it names them (``also_written``) and they are
+    carried, not taken for the slot's previous contents."""
+    t = trainers(0, nodes=1)
+    first, _ = t.snapshot(1, persist=False)
+    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
+    t.snapshot(3, written=("dense", "L1.E1"), persist=False)
+    _mark_in_slot(t, first, "L1.E3", 7.0)  # the skipped attempt's copy of E3
+    slot, _ = t.snapshot(4, written=("dense", "L1.E2"), persist=False, also_written=("L1.E3",))
+    assert slot == first
+    assert _value_in_slot(t, slot, "L1.E3") == 1.5
 
 
 def test_a_slot_another_trainer_was_granted_is_carried_in_full(trainers):

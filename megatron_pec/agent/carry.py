@@ -26,9 +26,10 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     bytes copied from ``base_path`` into ``path``, their versions, crcs and cumulative token counts
     at that version (which a restore needs to account the lost tokens).
 
-    ``in_place``: the slot's previous record and the items the trainer wrote since; an item the slot
-    still holds at the base's version (same timeline, version and crc, not written since) is not
-    copied again. With K of E experts per snapshot most are: only those that later snapshots wrote.
+    ``in_place``: the slot's previous record and the items the trainer wrote since besides
+    ``record``'s own; an item the slot still holds at the base's version (same timeline, version
+    and crc, not written since) is not copied again. With K of E experts per snapshot most are:
+    only those that later snapshots wrote.
 
     The caller has checked that the base is restorable for the same job (``NodeMemory.is_restorable``).
     Raises OSError, FormatError or ValueError (another tensor layout: bytes of different tensors

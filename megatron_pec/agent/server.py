@@ -481,13 +481,15 @@ class Agent:
         return record, None
 
     def _note_in_place(self, link: Link, msg: SnapshotReady) -> None:
-        """Keep the slot's previous record for its carry when its bytes outside ``msg.written`` are
-        still that record's: this agent recorded it complete and granted it since to this trainer
-        only (another trainer, e.g. one killed mid-copy, may have written anything)."""
+        """Keep the slot's previous record for its carry when its bytes are still that record's
+        outside what the snapshot wrote and ``msg.also_written``: this agent recorded it complete and
+        granted it since to this trainer only (another trainer, e.g. one killed mid-copy, may have
+        written anything)."""
         key = (link.rank, msg.slot)
         previous = self.memory.slots.get(link.rank, {}).get(msg.slot)
-        if self.granted_since.pop(key, None) == {link.serial} and previous is not None and msg.written is not None:
-            self.in_place[key] = (previous, frozenset(msg.written))
+        if self.granted_since.pop(key, None) == {link.serial} and previous is not None \
+                and msg.also_written is not None:
+            self.in_place[key] = (previous, frozenset(msg.also_written))
         else:
             self.in_place.pop(key, None)
 
