@@ -33,9 +33,10 @@ class Collectives:
         """Element-wise ``op`` (sum, min, max) of int64 ``values`` over all ranks."""
         return self.start_reduce(values, op).result() if values else []
 
-    def start_reduce(self, values: list[int], op: str) -> "PendingReduce":
-        """``reduce`` of non-empty ``values`` started in the background; ``result()`` waits for it."""
-        tensor = torch.tensor(values, dtype=torch.int64)
+    def start_reduce(self, values: list[int] | torch.Tensor, op: str) -> "PendingReduce":
+        """``reduce`` of non-empty ``values`` (a list, or an int64 tensor reduced in place) started in
+        the background; ``result()`` (or ``tensor()``) waits for it."""
+        tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
         return PendingReduce(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True), tensor)
 
     def gather(self, values: list[int], width: int, pad: int = -1) -> list[list[int]]:
@@ -63,5 +64,8 @@ class PendingReduce:
         self.work, self.tensor = work, tensor
 
     def result(self) -> list[int]:
+        return self.reduced().tolist()
+
+    def reduced(self) -> torch.Tensor:
         self.work.wait()
-        return self.tensor.tolist()
+        return self.tensor

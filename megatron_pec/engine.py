@@ -19,6 +19,7 @@ import time
 import uuid
 import warnings
 
+import numpy
 import torch
 
 from megatron_pec import faults, manifest, policy, smallstate
@@ -26,10 +27,11 @@ from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socke
 from megatron_pec.coalesce import coalesced
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
+from megatron_pec.expert_values import ExpertValues, HeldExperts
 from megatron_pec.gcpause import without_gc
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
-from megatron_pec.pec_state import ExpertNames, Level, PecState
+from megatron_pec.pec_state import Level, PecState
 from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Granted, Hello, JobInfo, Record, Released, Settle,
                                    SlotHeader, SnapshotReady)
 from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
@@ -65,13 +67,18 @@ class Engine:
         self.num_nodes = self.world_size // self.local_world_size
         self.fingerprint = self._global_fingerprint(self.adapter.local_fingerprint)
         self.held_names = {x: item_name(x) for x in self.adapter.experts_held}  # formatted once, used every save
-        self.held_json = ExpertNames(self.held_names)
         self.expert_layout = self._expert_layout()
         self.all_experts = self._all_experts()
-        self.token_offsets = [self.all_experts.index(ExpertId(layer, 0)) for layer in self.adapter.moe_layers]
-        self.cumulative = {x: 0 for x in self.all_experts if x.layer in self.adapter.moe_layers}
-        self._layer_experts = [[ExpertId(layer, e) for e in range(self.adapter.num_experts)]
-                               for layer in self.adapter.moe_layers]  # built once, not per save
+        # Per-expert state as arrays over this stage's experts (the layout's order): a save records,
+        # plans and encodes whole arrays, whatever the number of experts.
+        self.order = self.expert_layout.order if self.expert_layout else None
+        self.held = HeldExperts(self.adapter.experts_held, self.order) if self.order else None
+        self.cumulative = ExpertValues(self.order, numpy.zeros(len(self.order), dtype=numpy.int64)) \
+            if self.order else ExpertValues()
+        # Where this stage's token counts sit in the agreement's vector over all the model's experts.
+        self.token_positions = torch.tensor([self.all_experts.index(ExpertId(layer, 0)) + e
+                                             for layer in self.adapter.moe_layers
+                                             for e in range(self.adapter.num_experts)], dtype=torch.int64)
         self.pec = self._initial_pec_state()
         self.node_dir = node_dir(self.config.shm_dir, self.config.job_id, self.node_rank)
         self.save_root = os.path.abspath(self.config.save) if self.config.save else ""
@@ -129,7 +136,8 @@ class Engine:
         if self.config.snapshot_k and self.config.snapshot_k > n:
             warnings.warn(f"megatron-pec: --pec-snapshot-k {self.config.snapshot_k} exceeds the {n} experts per "
                           f"layer; saving all of them", stacklevel=3)
-        return PecState(Level(snap_k), Level(persist_k))
+        state = PecState(Level(snap_k), Level(persist_k))
+        return state.laid_out(self.order) if self.order else state
 
     def _replicas(self) -> int:
         """Copies of each snapshot in other nodes' memory: --pec-replicas, by default 1 across nodes."""
@@ -177,10 +185,11 @@ class Engine:
 
     def _header_reserve(self) -> int:
         """Header room for a save's metadata, sized now so that no save runs out of it: per expert this
-        rank holds its version, token count and PEC versions (each JSON entry at most the item name plus
-        a 20-digit number, escaped once more inside the metadata string), plus the small state."""
+        rank holds, its version in ``items`` (the name and a number, escaped once more inside the metadata
+        string), its name in the packed token counts and PEC state, and five base64 int64 values; plus
+        the small state. (The bound of the JSON form these replaced, which keeps the slots' size.)"""
         longest = max((len(name) for name in self.held_names.values()), default=0)
-        per_expert = 6 * (longest + 28)  # items, tokens, 2 levels x (saved_at, tokens_at): \"name\":number,
+        per_expert = 6 * (longest + 28)
         return per_expert * len(self.held_names) + 2 * self.adapter.small_state_bound() + (16 << 10)
 
     def _pin_slots(self) -> None:
@@ -264,9 +273,9 @@ class Engine:
         header = SlotHeader(
             job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root, rank=self.rank,
             world_size=self.world_size, iteration=iteration, items=dict.fromkeys(sorted(written), iteration),
-            tokens=dict(zip(self.held_names.values(), map(cumulative.__getitem__, self.held_names))),
+            tokens=self.held.column(cumulative) if self.held else {},
             small=smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)),
-            pec=self.pec.dumps(self.held_json), run=self.run)
+            pec=self.pec.dumps(self.held), run=self.run)
         persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
         # (only what skipped attempts wrote besides ``written``: usually nothing, the header names the rest)
         announcement = SnapshotReady(slot, iteration, persistent, persist_items,
@@ -278,22 +287,17 @@ class Engine:
     def _start_agreement(self, ok: bool):
         """The one collective of a save, started: a single small all-reduce over all ranks that sums
         the token counts since the last save and the number of ranks that cannot snapshot."""
-        n, width = len(self.all_experts), self.adapter.num_experts
-        values = [0] * (n + 1)
-        for row, offset in zip(self.adapter.tokens.take(), self.token_offsets):
-            values[offset:offset + width] = row
+        n = len(self.all_experts)
+        values = torch.zeros(n + 1, dtype=torch.int64)
+        values[self.token_positions] = self.adapter.tokens.take().reshape(-1)
         values[n] = 0 if ok else 1
         return self.coll.start_reduce(values, "sum")
 
-    def _finish_agreement(self, vote) -> tuple[bool, dict[ExpertId, int]]:
+    def _finish_agreement(self, vote) -> tuple[bool, ExpertValues]:
         """(every rank can snapshot, cumulative token counts) once the agreement's all-reduce ends."""
-        totals, n, width = vote.result(), len(self.all_experts), self.adapter.num_experts
-        replicas, cumulative = self.adapter.token_replicas, self.cumulative
-        for offset, experts in zip(self.token_offsets, self._layer_experts):
-            for x, total in zip(experts, totals[offset:offset + width]):
-                if total:
-                    cumulative[x] += total // replicas
-        return totals[n] == 0, cumulative
+        totals = vote.reduced()
+        self.cumulative.array += (totals[self.token_positions] // self.adapter.token_replicas).numpy()
+        return int(totals[-1]) == 0, self.cumulative
 
     def _copy(self, slot: int, live: dict, items: set[str]):
         """Copy the slices of ``items`` into the slot; returns the CUDA event marking the end (None
@@ -513,8 +517,9 @@ class Engine:
         # them all, a partial one would leave versions only the other layout's files hold.
         self.rewrite_all = result.resharded
         if result.pec is not None:
-            self.pec = result.pec
-            self.cumulative.update(result.tokens_at_target)
+            self.pec = result.pec.laid_out(self.order) if self.order else result.pec
+            if self.order:
+                self.cumulative.update({x: v for x, v in result.tokens_at_target.items() if x in self.order.index})
             if not config.dynamic_k:  # flags win over the restored K unless Dynamic-K owns it
                 fresh = self._initial_pec_state()
                 self.pec.set_k(fresh.snapshot.k, fresh.persist.k)

@@ -8,7 +8,7 @@ spelling here.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 NON_EXPERT = "dense"
 
@@ -37,3 +37,26 @@ def parse_item(name: str) -> ExpertId | None:
         return ExpertId(int(layer[1:]), int(expert[1:]))
     except (ValueError, IndexError):
         raise ValueError(f"not a megatron-pec item name: {name!r}") from None
+
+
+class ExpertOrder:
+    """A fixed sequence of experts and each one's position (shared by the arrays laid out in it)."""
+
+    def __init__(self, experts: Sequence[ExpertId], index: dict[ExpertId, int] | None = None):
+        self.experts = tuple(experts)
+        self.index = index if index is not None else {x: i for i, x in enumerate(self.experts)}
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def positions(self, experts):
+        """Positions of ``experts`` (all in this order) as a numpy index array."""
+        import numpy  # (here: the node agent imports this module, and starts without numpy)
+
+        return numpy.fromiter(map(self.index.__getitem__, experts), dtype=numpy.intp, count=len(experts))
+
+    def extended(self, more: list[ExpertId]) -> "ExpertOrder":
+        index = dict(self.index)
+        for x in more:
+            index.setdefault(x, len(index))
+        return ExpertOrder(tuple(index), index)

@@ -11,12 +11,12 @@ parts back into the full state (``Loader``).
 from __future__ import annotations
 
 import json
-import operator
-from dataclasses import dataclass, field
-from itertools import repeat
+from dataclasses import dataclass, field, replace
 
 from megatron_pec import plt as lost, policy
-from megatron_pec.items import ExpertId, item_name, parse_item
+from megatron_pec.expert_values import ExpertOrder, ExpertValues, HeldExperts, values_in
+from megatron_pec.items import ExpertId, parse_item
+from megatron_pec.packed import PackedColumn
 
 
 @dataclass
@@ -24,61 +24,57 @@ class Level:
     """One checkpoint level (snapshot in memory, or persist to storage)."""
 
     k: int
-    saved_at: dict[ExpertId, int] = field(default_factory=dict)      # iteration of the last saved version
-    tokens_at: dict[ExpertId, int] = field(default_factory=dict)     # cumulative tokens at that version
+    saved_at: ExpertValues = field(default_factory=ExpertValues)   # iteration of the last saved version
+    tokens_at: ExpertValues = field(default_factory=ExpertValues)  # cumulative tokens at that version
     checkpoints: int = 0
 
-    def input(self, layout: policy.ExpertLayout, cumulative: dict[ExpertId, int], budget: int | None,
+    def __post_init__(self) -> None:
+        for name in ("saved_at", "tokens_at"):  # (a dict from a caller, e.g. a test)
+            if not isinstance(getattr(self, name), ExpertValues):
+                setattr(self, name, ExpertValues.of(getattr(self, name)))
+
+    def input(self, layout: policy.ExpertLayout, cumulative, budget: int | None,
               candidates=None, tokens: bool = True) -> policy.SelectionInput:
         """``tokens=False``: without the unsaved token counts, for a policy that never reads them."""
-        experts = layout.all_experts()  # (map and zip: no Python call per expert, 15k of them at scale)
-        unsaved = dict(zip(experts, map(operator.sub, map(cumulative.get, experts, repeat(0)),
-                                        map(self.tokens_at.get, experts, repeat(0))))) if tokens else {}
+        unsaved = ExpertValues()
+        if tokens:  # (whole arrays: 15k experts at scale)
+            order = layout.order
+            unsaved = ExpertValues(order, values_in(cumulative, order, 0) - values_in(self.tokens_at, order, 0))
         return policy.SelectionInput(layout=layout, k=self.k, unsaved_tokens=unsaved, last_saved=self.saved_at,
                                      checkpoint_index=self.checkpoints, budget_bytes=budget, candidates=candidates)
 
-    def record(self, experts, iteration: int, cumulative: dict[ExpertId, int]) -> None:
-        for e in experts:
-            self.saved_at[e] = iteration
-            self.tokens_at[e] = cumulative.get(e, 0)
+    def record(self, experts, iteration: int, cumulative) -> None:
+        """``experts`` were saved at ``iteration``, with ``cumulative`` tokens (missing: 0)."""
+        experts = list(experts)
+        at = self.saved_at.order
+        tokens = values_in(cumulative, at, 0) if self.tokens_at.order is at else None
+        if tokens is not None and all(map(at.index.__contains__, experts)):
+            where = at.positions(experts)
+            self.saved_at.array[where] = iteration
+            self.tokens_at.array[where] = tokens[where]
+        else:
+            self.saved_at.update(dict.fromkeys(experts, iteration))
+            self.tokens_at.update({e: cumulative.get(e, 0) for e in experts})
         self.checkpoints += 1
 
-    def to_json(self, names: dict[ExpertId, str] | None = None) -> dict:
-        """``names``: the experts to include, with their item names (None: every expert)."""
-        if names is None:
-            names = {e: item_name(e) for e in self.saved_at.keys() | self.tokens_at.keys()}
-        return {"k": self.k, "checkpoints": self.checkpoints,
-                "saved_at": {n: self.saved_at[e] for e, n in names.items() if e in self.saved_at},
-                "tokens_at": {n: self.tokens_at[e] for e, n in names.items() if e in self.tokens_at}}
+    def laid_out(self, order: ExpertOrder) -> "Level":
+        """This level with its per-expert values laid out in ``order`` (what a save's arrays need)."""
+        return Level(self.k, ExpertValues.of(self.saved_at, order), ExpertValues.of(self.tokens_at, order),
+                     self.checkpoints)
 
-    def json_text(self, names: "ExpertNames") -> str:
-        """``json.dumps(self.to_json(names.names), separators=(",", ":"))``, at every save."""
-        return (f'{{"k":{json.dumps(self.k)},"checkpoints":{json.dumps(self.checkpoints)},'
-                f'"saved_at":{names.object_text(self.saved_at)},"tokens_at":{names.object_text(self.tokens_at)}}}')
+    def to_json(self, held: HeldExperts) -> dict:
+        """The level with the ``held`` experts' values (packed: see ``packed.PackedColumn``)."""
+        return {"k": self.k, "checkpoints": self.checkpoints,
+                "saved_at": held.column(self.saved_at).encoded()["values"],
+                "tokens_at": held.column(self.tokens_at).encoded()["values"]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Level":
-        return cls(k=data["k"], checkpoints=data["checkpoints"],
-                   saved_at={parse_item(k): v for k, v in data["saved_at"].items()},
-                   tokens_at={parse_item(k): v for k, v in data["tokens_at"].items()})
-
-
-class ExpertNames:
-    """The experts whose versions a rank's checkpoint stores, with their item names: encodes a level's
-    per-expert values as the JSON object ``json.dumps`` writes, without a Python call per expert
-    (a save at scale writes 4 x 7k of them; the names' JSON is built once)."""
-
-    def __init__(self, names: dict[ExpertId, str]):
-        self.names = names
-        self._experts = tuple(names)
-        self._keys = tuple(json.dumps(name) + ":" for name in names.values())
-
-    def object_text(self, values: dict[ExpertId, int]) -> str:
-        """``{name: values[expert]}`` as compact JSON, for the experts that have a value."""
-        if all(map(values.__contains__, self._experts)):  # (values are ints: iterations and token counts)
-            encoded = map(str, map(values.__getitem__, self._experts))
-            return "{" + ",".join(map(operator.add, self._keys, encoded)) + "}"
-        return json.dumps({n: values[e] for e, n in self.names.items() if e in values}, separators=(",", ":"))
+    def from_json(cls, data: dict, experts: str | None) -> "Level":
+        """``experts``: the names the packed values belong to (None: a file whose values are JSON objects)."""
+        columns = [data[name] if experts is None else PackedColumn.decoded({"experts": experts, "values": data[name]})
+                   for name in ("saved_at", "tokens_at")]
+        saved_at, tokens_at = ({parse_item(k): v for k, v in column.items()} for column in columns)
+        return cls(k=data["k"], checkpoints=data["checkpoints"], saved_at=saved_at, tokens_at=tokens_at)
 
 
 @dataclass
@@ -112,18 +108,23 @@ class PecState:
     def set_k(self, snapshot_k: int, persist_k: int) -> None:
         self.snapshot.k, self.persist.k = snapshot_k, persist_k
 
-    def dumps(self, names: ExpertNames | dict[ExpertId, str] | None = None) -> str:
-        """``names``: the experts whose versions to include, with their item names (None: all)."""
-        if not isinstance(names, ExpertNames):
-            return json.dumps({"snapshot": self.snapshot.to_json(names), "persist": self.persist.to_json(names),
-                               "lost_tokens": self.lost_tokens, "plt": self.plt, "recoveries": self.recoveries},
-                              separators=(",", ":"))
-        return (f'{{"snapshot":{self.snapshot.json_text(names)},"persist":{self.persist.json_text(names)},'
-                f'"lost_tokens":{json.dumps(self.lost_tokens)},"plt":{json.dumps(self.plt)},'
-                f'"recoveries":{json.dumps(self.recoveries)}}}')
+    def laid_out(self, order: ExpertOrder) -> "PecState":
+        return replace(self, snapshot=self.snapshot.laid_out(order), persist=self.persist.laid_out(order))
+
+    def dumps(self, held: HeldExperts | None = None) -> str:
+        """``held``: the experts whose versions to include (None: every expert either level has)."""
+        if held is None:
+            experts = sorted(set(self.snapshot.saved_at) | set(self.snapshot.tokens_at) | set(self.persist.saved_at)
+                             | set(self.persist.tokens_at))
+            held = HeldExperts(experts, ExpertOrder(experts))
+        return json.dumps({"experts": held.names_text, "snapshot": self.snapshot.to_json(held),
+                           "persist": self.persist.to_json(held), "lost_tokens": self.lost_tokens, "plt": self.plt,
+                           "recoveries": self.recoveries}, separators=(",", ":"))
 
     @classmethod
     def loads(cls, text: str) -> "PecState":
+        """Raises ValueError (or KeyError, TypeError) for a malformed text."""
         d = json.loads(text)
-        return cls(Level.from_json(d["snapshot"]), Level.from_json(d["persist"]), d["lost_tokens"], d["plt"],
-                   d["recoveries"])
+        experts = d.get("experts")  # (absent: written before the values were packed, as JSON objects)
+        return cls(Level.from_json(d["snapshot"], experts), Level.from_json(d["persist"], experts),
+                   d["lost_tokens"], d["plt"], d["recoveries"])

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Callable, Mapping
 
-from .items import ExpertId
+from .items import ExpertId, ExpertOrder
 
 __all__ = ["POLICIES", "ExpertLayout", "SelectionInput", "select_experts", "select_two_level", "bytes_per_ep_rank"]
 
@@ -52,6 +52,7 @@ class ExpertLayout:
     expert_bytes: int  # checkpoint bytes per expert (param + exp_avg + exp_avg_sq)
     _experts: tuple[ExpertId, ...] = field(default=(), init=False, repr=False, compare=False)
     _index: dict = field(default=None, init=False, repr=False, compare=False)  # expert -> place in _experts
+    order: ExpertOrder = field(default=None, init=False, repr=False, compare=False)  # the two of them
 
     def __post_init__(self) -> None:
         if not self.layers or any(b <= a for a, b in zip(self.layers, self.layers[1:])) or self.layers[0] < 1:
@@ -65,6 +66,7 @@ class ExpertLayout:
         object.__setattr__(self, "_experts", tuple(ExpertId(layer, e) for layer in self.layers
                                                    for e in range(self.num_experts)))
         object.__setattr__(self, "_index", {e: i for i, e in enumerate(self._experts)})
+        object.__setattr__(self, "order", ExpertOrder(self._experts, self._index))
 
     def ep_rank_of(self, expert: int) -> int:
         if not 0 <= expert < self.num_experts:
@@ -103,12 +105,20 @@ class SelectionInput:
             raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
         for name, keys in (("unsaved_tokens", self.unsaved_tokens), ("last_saved", self.last_saved),
                            ("candidates", self.candidates or ())):
-            if not all(map(lay._index.__contains__, keys)):
+            if _array(keys, lay) is None and not all(map(lay._index.__contains__, keys)):
                 unknown = [e for e in keys if e not in lay._index]
                 raise ValueError(f"{name} names experts outside the layout: {sorted(unknown)[:5]}")
-        if min(self.unsaved_tokens.values(), default=0) < 0:
+        unsaved = _array(self.unsaved_tokens, lay)
+        if (unsaved.min(initial=0) < -1 if unsaved is not None else min(self.unsaved_tokens.values(), default=0) < 0):
             negative = sorted(e for e, n in self.unsaved_tokens.items() if n < 0)
             raise ValueError(f"unsaved_tokens must be >= 0; negative for {negative[:5]}")
+
+
+def _array(values, lay: ExpertLayout):
+    """The int64 array of an ``expert_values.ExpertValues`` laid out in ``lay``'s order (-1: none), else
+    None (a plain mapping, read expert by expert)."""
+    aligned = getattr(values, "aligned", None)
+    return aligned(lay.order) if aligned is not None else None
 
 
 def bytes_per_ep_rank(layout: ExpertLayout, selected: frozenset[ExpertId] | set[ExpertId]) -> list[int]:
@@ -161,27 +171,28 @@ def select_experts(policy: str, inp: SelectionInput) -> frozenset[ExpertId]:
 NEVER = -(1 << 62)  # the age of a never-saved expert in ``_vectorised``'s arrays
 
 
-def _vectorised(policy: str, inp: SelectionInput) -> frozenset[ExpertId] | None:
+def _vectorised(policy: str, inp: SelectionInput, pool=None) -> frozenset[ExpertId] | None:
     """``select_experts`` for sequential and load-aware with numpy, or None where the reference must
     decide. Each layer ranks its experts by the same (unique) key as the reference and takes its
     first ``quota - never-saved``; when no EP rank then exceeds its capacity, that is exactly the
     set the reference's greedy pass takes (walking the global order, it takes each such expert
     while its layer and rank are below their limits and skips every other), so no augmenting swap
-    is needed. Otherwise None."""
+    is needed. Otherwise None. ``pool``: the candidates as a boolean array over the layout's order
+    (instead of ``inp.candidates``)."""
     import numpy  # (here: the node agent imports this package's config, and starts without numpy)
 
     lay, k = inp.layout, inp.k
     rows, width = len(lay.layers), lay.num_experts
     experts, index = lay.all_experts(), lay._index
-    if inp.candidates is None:
+    within = pool is not None or inp.candidates is not None
+    if pool is None and inp.candidates is None:
         pool = numpy.ones(rows * width, dtype=bool)
-    else:
+    elif pool is None:
         pool = numpy.zeros(rows * width, dtype=bool)
         pool[numpy.fromiter(map(index.__getitem__, inp.candidates), dtype=numpy.int64,
                             count=len(inp.candidates))] = True
     pool = pool.reshape(rows, width)
-    age = numpy.fromiter(map(inp.last_saved.get, experts, repeat(NEVER)), dtype=numpy.int64,
-                         count=len(experts)).reshape(rows, width)
+    age = _ages(inp).reshape(rows, width)
     never = pool & (age == NEVER)
     rest = pool & ~never
     per_rank = width // lay.ep_size
@@ -190,10 +201,12 @@ def _vectorised(policy: str, inp: SelectionInput) -> frozenset[ExpertId] | None:
     starts = (inp.checkpoint_index + numpy.arange(rows, dtype=numpy.int64)) * k
     offset = (interleaved[None, :] - starts[:, None]) % width
     if policy == "load-aware":
-        tokens = numpy.fromiter(map(inp.unsaved_tokens.get, experts, repeat(0)), dtype=numpy.int64,
-                                count=len(experts)).reshape(rows, width)
-        keys = (offset, -tokens)
-    elif inp.candidates is None:
+        tokens = _array(inp.unsaved_tokens, lay)
+        if tokens is None:
+            tokens = numpy.fromiter(map(inp.unsaved_tokens.get, experts, repeat(0)), dtype=numpy.int64,
+                                    count=len(experts))
+        keys = (offset, -numpy.maximum(tokens, 0).reshape(rows, width))  # (-1 in an array: none, 0 tokens)
+    elif not within:
         keys = (offset,)
     else:
         keys = (offset, age)  # stalest first inside a candidate set (see select_experts)
@@ -208,6 +221,18 @@ def _vectorised(policy: str, inp: SelectionInput) -> frozenset[ExpertId] | None:
     if chosen.reshape(rows, lay.ep_size, per_rank).sum(axis=(0, 2)).max() > capacity:
         return None
     return frozenset(map(experts.__getitem__, numpy.flatnonzero(chosen).tolist()))
+
+
+def _ages(inp: SelectionInput):
+    """Each expert's last saved iteration at this level (``NEVER``: never saved), over the layout."""
+    import numpy
+
+    lay = inp.layout
+    saved = _array(inp.last_saved, lay)
+    if saved is None:
+        return numpy.fromiter(map(inp.last_saved.get, lay.all_experts(), repeat(NEVER)), dtype=numpy.int64,
+                              count=len(lay.all_experts()))
+    return numpy.where(saved < 0, NEVER, saved)
 
 
 def select_two_level(policy: str, snapshot: SelectionInput,
@@ -228,6 +253,10 @@ def select_two_level(policy: str, snapshot: SelectionInput,
         raise ValueError("snapshot and persist inputs must share the same ExpertLayout")
     persisted = select_experts(policy, persist)
     lay = snapshot.layout
+    if policy != "popularity" and _array(snapshot.last_saved, lay) is not None:
+        chosen = _two_level_vectorised(policy, snapshot, persist, persisted)
+        if chosen is not None:
+            return chosen
     rest = (snapshot.candidates if snapshot.candidates is not None else frozenset(lay.all_experts())) - persisted
     never = rest.difference(snapshot.last_saved)
     if snapshot.k <= persist.k or not rest:
@@ -237,6 +266,25 @@ def select_two_level(policy: str, snapshot: SelectionInput,
     top_up = select_experts(policy, replace(snapshot, k=snapshot.k - persist.k, candidates=rest,
                                             budget_bytes=budget))
     return persisted | top_up, persisted
+
+
+def _two_level_vectorised(policy: str, snapshot: SelectionInput, persist: SelectionInput,
+                           persisted: frozenset[ExpertId]) -> tuple[frozenset, frozenset] | None:
+    """``select_two_level`` after the persist set, with boolean arrays over the layout instead of sets
+    of its 15k experts; None where ``_vectorised`` leaves the choice to the reference."""
+    import numpy
+
+    lay = snapshot.layout
+    rest = numpy.ones(len(lay.all_experts()), dtype=bool)
+    if snapshot.candidates is not None:
+        rest[:] = False
+        rest[lay.order.positions(list(snapshot.candidates))] = True
+    rest[lay.order.positions(list(persisted))] = False
+    if snapshot.k <= persist.k or not rest.any():
+        never = numpy.flatnonzero(rest & (_ages(snapshot) == NEVER)).tolist()
+        return persisted | frozenset(map(lay.all_experts().__getitem__, never)), persisted
+    top_up = _vectorised(policy, replace(snapshot, k=snapshot.k - persist.k, candidates=None), pool=rest)
+    return None if top_up is None else (persisted | top_up, persisted)
 
 
 def _round_robin_offsets(inp: SelectionInput) -> Callable[[ExpertId], tuple[int, int]]:

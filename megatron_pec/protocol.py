@@ -20,12 +20,15 @@ saying so. Pure Python: the node agent imports it without torch.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Mapping
+
+from megatron_pec.packed import PackedColumn
 
 __all__ = [
     "ProtocolError", "Record", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",
@@ -52,6 +55,15 @@ def _check(value, hint, where: str):
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return _check(value, inner, where)
+    if origin is collections.abc.Mapping:  # a per-expert column: packed, or a JSON object
+        if isinstance(value, PackedColumn):
+            return value
+        if not PackedColumn.is_packed(value):
+            return _check(value, dict[args], where)
+        try:
+            return PackedColumn.decoded(value)
+        except ValueError as exc:
+            raise ProtocolError(f"{where}: {exc}") from None
     if isinstance(hint, type) and issubclass(hint, Record):
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
@@ -137,6 +149,8 @@ _HINTS: dict[type, dict] = {}  # resolved field types per record class
 def _plain(value):
     if isinstance(value, Record):
         return value._fields()
+    if isinstance(value, PackedColumn):
+        return value.encoded()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -287,7 +301,7 @@ class SlotHeader(Record):
     world_size: int
     iteration: int
     items: dict[str, int]     # item -> version held (the items this file holds)
-    tokens: dict[str, int]    # expert item -> cumulative tokens at this iteration (the experts this rank holds)
+    tokens: Mapping[str, int]  # expert item -> cumulative tokens at this iteration (the experts this rank holds)
     small: str                # smallstate JSON (optimizer param_groups, scheduler, RNG, args)
     pec: str                  # PecState JSON (expert versions: the experts this rank holds)
     run: str = ""             # the timeline that wrote it ("" in files of megatron-pec before timelines)
@@ -295,8 +309,9 @@ class SlotHeader(Record):
     # v2: ``tokens`` and the PEC state's expert versions cover only the experts of this rank (v1: every
     # expert); a restore merges them over ranks, which reads v1 files too. An older megatron-pec would
     # take a v2 file's partial counts for the whole model: the version makes it refuse instead.
-    VERSION: ClassVar[int] = 2
-    WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "2", "state": "writing"}
+    # v3: ``tokens`` and the PEC state's per-expert values may be packed (``packed.PackedColumn``).
+    VERSION: ClassVar[int] = 3
+    WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "3", "state": "writing"}
     _JSON_FIELDS: ClassVar[tuple[str, ...]] = ("items", "tokens")
 
     def to_metadata(self) -> dict[str, str]:
@@ -304,6 +319,8 @@ class SlotHeader(Record):
         out = {"type": self.KIND, "v": str(self.VERSION), "state": "complete"}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, PackedColumn):
+                value = value.encoded()
             out[f.name] = json.dumps(value, separators=(",", ":")) if f.name in self._JSON_FIELDS else str(value)
         return out
 

@@ -35,6 +35,8 @@ import pytest
 from conftest import REPO
 from megatron_pec import manifest
 from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.items import item_name
+from megatron_pec.pec_state import PecState
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.stformat import decode_header
 from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, parse_plt, persist_only_plt, run_megatron_pec
@@ -343,7 +345,8 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
         path = os.path.join(str(c.save), entry.file)
         with open(path, "rb") as f:
             meta = decode_header(f.read(1 << 20), file_len=os.path.getsize(path)).metadata
-        saved_at.update(json.loads(SlotHeader.from_metadata(meta).pec)["snapshot"]["saved_at"])
+        versions = PecState.loads(SlotHeader.from_metadata(meta).pec).snapshot.saved_at
+        saved_at.update({item_name(x): v for x, v in versions.items()})
     restored = {**restores[0].older, **restores[1].older}
     assert restored == {item: v for item, v in saved_at.items() if v < target}, (restored, saved_at)
     plt, storage_plt = parse_plt(c.log(0, 2)), persist_only_plt(c.save, stored)

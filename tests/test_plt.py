@@ -111,24 +111,42 @@ def test_next_k_rejects_bad_values(args, match):
         next_k(*args)
 
 
-def test_pec_state_json_per_rank_is_json_dumps_of_the_named_experts():
-    """A save encodes its rank's expert versions without json.dumps (ExpertNames): the text must be
-    exactly what json.dumps writes, also when some named experts have no version yet."""
+def test_pec_state_text_packs_the_held_experts_values():
+    """A save encodes its rank's expert versions from whole arrays (``HeldExperts``): a state laid out
+    in the rank's expert order and one set expert by expert give the same text; ``loads`` gives back
+    exactly the held experts' values, also when some have none yet; the JSON-object form of older
+    files still loads."""
     import json
     import random
 
-    from megatron_pec.items import ExpertId, item_name
-    from megatron_pec.pec_state import ExpertNames, Level, PecState
+    from megatron_pec.expert_values import HeldExperts
+    from megatron_pec.items import ExpertId, ExpertOrder
+    from megatron_pec.pec_state import Level, PecState
 
     rng = random.Random(3)
     experts = [ExpertId(layer, e) for layer in (2, 5) for e in range(6)]
+    order = ExpertOrder(experts)
     for held_everything in (True, False):
-        state = PecState(Level(2), Level(1), lost_tokens=17, plt=0.0123456789, recoveries=2)
+        by_expert = PecState(Level(2), Level(1), lost_tokens=17, plt=0.0123456789, recoveries=2)
+        laid_out = by_expert.laid_out(order)
         saved = experts if held_everything else experts[::2]
-        state.snapshot.record(saved, 7, {x: rng.randrange(10**12) for x in experts})
-        state.persist.record(saved[:3], 4, {x: rng.randrange(100) for x in experts})
-        names = {x: item_name(x) for x in experts[1:]}
-        text = state.dumps(ExpertNames(names))
-        assert text == state.dumps(names)
-        assert json.loads(text)["snapshot"]["saved_at"] == {item_name(x): 7 for x in saved if x in names}
-        assert PecState.loads(text).persist.saved_at == {x: 4 for x in saved[:3] if x in names}
+        tokens = [{x: rng.randrange(10**12) for x in experts}, {x: rng.randrange(100) for x in experts}]
+        for state in (by_expert, laid_out):
+            state.snapshot.record(saved, 7, tokens[0])
+            state.persist.record(saved[:3], 4, tokens[1])
+        assert laid_out.snapshot.saved_at.aligned(order) is not None  # (the arrays' path was taken)
+        held = HeldExperts(experts[1:], order)
+        text = laid_out.dumps(held)
+        assert text == by_expert.dumps(held)
+        back = PecState.loads(text)
+        mine = [x for x in saved if x in held.experts]
+        assert back.snapshot.saved_at == {x: 7 for x in mine}
+        assert back.snapshot.tokens_at == {x: tokens[0][x] for x in mine}
+        assert back.persist.saved_at == {x: 4 for x in saved[:3] if x in held.experts}
+        assert back.persist.tokens_at == {x: tokens[1][x] for x in saved[:3] if x in held.experts}
+        assert (back.snapshot.k, back.snapshot.checkpoints, back.lost_tokens, back.plt, back.recoveries) == \
+            (2, 1, 17, 0.0123456789, 2)
+    level = {"k": 2, "checkpoints": 1, "saved_at": {"L2.E0": 7}, "tokens_at": {"L2.E0": 9}}
+    older = PecState.loads(json.dumps({"snapshot": level, "persist": {**level, "saved_at": {}, "tokens_at": {}},
+                                       "lost_tokens": 0, "plt": 0.0, "recoveries": 0}))
+    assert older.snapshot.saved_at == {ExpertId(2, 0): 7} and older.snapshot.tokens_at == {ExpertId(2, 0): 9}

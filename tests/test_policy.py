@@ -438,3 +438,42 @@ def test_vectorised_selection_is_the_reference_selection(monkeypatch):
         lay = layout(num_layers=5, num_experts=ep * per_rank, ep=ep)
         if k <= lay.num_experts:
             assert policy._vectorised("sequential", inp(lay, k, index=index)) is not None, (ep, per_rank, k, index)
+
+
+def test_per_expert_arrays_choose_what_dicts_choose(monkeypatch):
+    """A save passes its per-expert state as arrays laid out in the layout's order (``ExpertValues``),
+    which ``_vectorised`` and ``select_two_level`` read without a Python call per expert; on random
+    states every policy picks, at one and at two levels, exactly what it picks from plain dicts."""
+    from megatron_pec import policy
+    from megatron_pec.expert_values import ExpertValues
+
+    rng = random.Random(11)
+    decided = []
+    two_level = policy._two_level_vectorised
+    monkeypatch.setattr(policy, "_two_level_vectorised", lambda *a: decided.append(two_level(*a)) or decided[-1])
+    for _ in range(300):
+        ep = rng.choice([1, 2, 4])
+        lay = layout(num_layers=rng.randint(1, 4), num_experts=ep * rng.randint(1, 5), ep=ep)
+        experts = lay.all_experts()
+        levels = []
+        for _level in range(2):
+            last = {e: rng.randrange(5) for e in experts if rng.random() > rng.choice([0.0, 0.2, 0.8])}
+            tokens = {e: rng.randrange(4) for e in experts}
+            levels.append((last, tokens, rng.randrange(6)))
+        snap_k = rng.randint(1, lay.num_experts)
+        persist_k = rng.randint(1, snap_k)
+
+        def inputs(as_arrays):
+            made = []
+            for (last, tokens, index), k in zip(levels, (snap_k, persist_k)):
+                if as_arrays:
+                    last, tokens = ExpertValues.of(last, lay.order), ExpertValues.of(tokens, lay.order)
+                made.append(SelectionInput(lay, k, tokens, last, index, 3 * EB * k))
+            return made
+
+        (snap_d, persist_d), (snap_a, persist_a) = inputs(False), inputs(True)
+        for name in POLICIES:
+            assert select_experts(name, snap_a) == select_experts(name, snap_d), name
+            assert select_two_level(name, snap_a, persist_a) == select_two_level(name, snap_d, persist_d), name
+    # (dicts never take the arrays' two-level path; arrays do, and decide most of the time)
+    assert len(decided) == 2 * 300 and sum(x is not None for x in decided) > 450, len(decided)

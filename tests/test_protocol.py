@@ -126,7 +126,29 @@ def test_slot_header_round_trips_as_safetensors_metadata():
         p.SlotHeader.from_metadata({**meta, "items": "{"})
     with pytest.raises(p.ProtocolError, match="slot-header: field 'job_id' is missing"):
         p.SlotHeader.from_metadata({k: v for k, v in meta.items() if k != "job_id"})
-    with pytest.raises(p.ProtocolError, match="record version 3"):
-        p.SlotHeader.from_metadata({**meta, "v": "3"})
-    # v1 (every expert's counts in every rank's file) still reads: a restore merges over ranks either way
+    with pytest.raises(p.ProtocolError, match="record version 4"):
+        p.SlotHeader.from_metadata({**meta, "v": "4"})
+    # v1 (every expert's counts in every rank's file) and v2 (JSON-object counts) still read
     assert p.SlotHeader.from_metadata({**meta, "v": "1"}) == header
+    assert p.SlotHeader.from_metadata({**meta, "v": "2"}) == header
+
+
+def test_slot_header_packs_per_expert_token_counts():
+    """A save writes the token counts of a rank's experts packed (the names once, the values as base64);
+    they read back as the same mapping, and a malformed column is a ProtocolError naming the field."""
+    from megatron_pec.packed import PackedColumn
+
+    raw = b"".join(v.to_bytes(8, "little", signed=True) for v in (77, -1, 2**40))
+    header = p.SlotHeader(job_id="j", fingerprint="f", save="/ckpt", rank=3, world_size=4, iteration=12,
+                          items={"dense": 12}, tokens=PackedColumn("L1.E0,L1.E1,L2.E0", raw), small="{}", pec="{}")
+    meta = header.to_metadata()
+    assert '"experts":"L1.E0,L1.E1,L2.E0"' in meta["tokens"]
+    back = p.SlotHeader.from_metadata(meta)
+    assert dict(back.tokens) == {"L1.E0": 77, "L2.E0": 2**40} and back == header  # (-1: no count)
+    assert back.tokens.get("L1.E1") is None and back.tokens["L2.E0"] == 2**40
+    assert p.SlotHeader.loads(header.dumps()) == header
+    short = meta["tokens"].replace('"L1.E0,L1.E1,L2.E0"', '"L1.E0,L1.E1,L2.E0,L3.E0"')
+    with pytest.raises(p.ProtocolError, match="slot-header: field 'tokens': 4 experts but 3 values"):
+        p.SlotHeader.from_metadata({**meta, "tokens": short})
+    with pytest.raises(p.ProtocolError, match="field 'tokens': 'values' is not base64"):
+        p.SlotHeader.from_metadata({**meta, "tokens": '{"experts":"L1.E0","values":"***"}'})

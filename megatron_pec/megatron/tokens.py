@@ -50,11 +50,12 @@ class TokenCounter:
             handle.remove()
         self._hooks = []
 
-    def take(self) -> list[list[int]]:
-        """This rank's counts since the last call, one row per layer of ``layers``; resets them."""
+    def take(self) -> torch.Tensor:
+        """This rank's counts since the last call, one row per layer of ``layers`` (int64, on the CPU:
+        a [0, 0] tensor without MoE layers); resets them."""
         if not self._counts:
-            return []
+            return torch.zeros(0, 0, dtype=torch.int64)
         local = torch.stack(self._counts)
         for c in self._counts:
             c.zero_()
-        return local.cpu().tolist()
+        return local.cpu()
