@@ -8,8 +8,9 @@ iteration (snapshot K=8, persisted every 2nd iteration with K=4). Per E:
 
 * blocking time of a save on rank 0 (median of saves 2..N: the first one binds the optimizer views);
 * the bytes that save copies (its items in the slot's tensor table) and the memcpy time of as many
-  bytes on this machine: the difference is the fixed per-save cost (planning, the agreement
-  all-reduce, small state, header);
+  bytes on this machine, from memory not in the caches (as a save's sources are after a training
+  step): the difference is the fixed per-save cost (planning, the agreement all-reduce, small state,
+  header, and one copy call per run of contiguous bytes: ~1,400 runs per save here at every E);
 * the slot header (its tensor table and the metadata a save rewrites) and the persisted rank file's
   header.
 
@@ -33,6 +34,7 @@ from benchmarks.common import REPO, RESULTS, machine, wait_for_quiet
 
 SHM = Path("/dev/shm/bench_helper/metadata_scale")
 WORK = Path("/tmp/bench_helper_metadata_scale")
+CACHE_EVICT_BYTES = 256 << 20  # written before each timed floor copy: several times any last-level cache
 MODEL = ["--num-layers", "58", "--moe-router-topk", "8", "--expert-model-parallel-size", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--moe-ffn-hidden-size", "16", "--ffn-hidden-size", "64", "--seq-length", "32",
          "--micro-batch-size", "1", "--global-batch-size", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
@@ -100,7 +102,9 @@ def _rank_file_facts(root: Path) -> dict:
 
 def _memcpy_s(nbytes: int) -> float:
     """One copy of ``nbytes`` into a mapped tmpfs file, as a snapshot writes its slot (pages touched once
-    before, as the slots' are)."""
+    before, as the slots' are), from memory that is not in the CPU's caches: the training step between
+    two saves streams far more than the last-level cache through it (a hot copy of a few MiB would run
+    from the cache and make the floor several times too low)."""
     import mmap
 
     import torch
@@ -113,9 +117,11 @@ def _memcpy_s(nbytes: int) -> float:
         mapping = mmap.mmap(f.fileno(), 4 * n)
     try:
         dst, src = torch.frombuffer(mapping, dtype=torch.float32, count=n), torch.rand(n)
+        evict = torch.empty(CACHE_EVICT_BYTES // 4)
         dst.copy_(src)
         times = []
         for _ in range(7):
+            evict.fill_(1.0)
             t = time.perf_counter()
             dst.copy_(src)
             times.append(time.perf_counter() - t)

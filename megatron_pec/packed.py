@@ -13,6 +13,8 @@ import sys
 from array import array
 from collections.abc import Mapping
 
+from megatron_pec.jsontext import Quoted
+
 ABSENT = -1  # no value: the counters (iterations, token counts) are never negative
 
 
@@ -26,6 +28,11 @@ class PackedColumn(Mapping):
 
     def encoded(self) -> dict[str, str]:
         return {"experts": self.names_text, "values": base64.b64encode(self.raw).decode()}
+
+    def text(self) -> Quoted:
+        """``encoded()`` as compact JSON, its names and base64 never escaped (see ``jsontext``)."""
+        return Quoted.join([('{"experts":"', False), (self.names_text, True), ('","values":"', False),
+                            (self.encoded()["values"], True), ('"}', False)])
 
     @staticmethod
     def is_packed(data) -> bool:

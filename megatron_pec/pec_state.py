@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from megatron_pec import plt as lost, policy
 from megatron_pec.expert_values import ExpertOrder, ExpertValues, HeldExperts, values_in
 from megatron_pec.items import ExpertId, parse_item
+from megatron_pec.jsontext import Quoted
 from megatron_pec.packed import PackedColumn
 
 
@@ -62,11 +63,12 @@ class Level:
         return Level(self.k, ExpertValues.of(self.saved_at, order), ExpertValues.of(self.tokens_at, order),
                      self.checkpoints)
 
-    def to_json(self, held: HeldExperts) -> dict:
-        """The level with the ``held`` experts' values (packed: see ``packed.PackedColumn``)."""
-        return {"k": self.k, "checkpoints": self.checkpoints,
-                "saved_at": held.column(self.saved_at).encoded()["values"],
-                "tokens_at": held.column(self.tokens_at).encoded()["values"]}
+    def json_parts(self, held: HeldExperts) -> list[tuple[str, bool]]:
+        """The level as JSON with the ``held`` experts' values packed (see ``packed.PackedColumn``), in
+        ``Quoted.join``'s parts."""
+        return [(f'{{"k":{json.dumps(self.k)},"checkpoints":{json.dumps(self.checkpoints)},"saved_at":"', False),
+                (held.column(self.saved_at).encoded()["values"], True), ('","tokens_at":"', False),
+                (held.column(self.tokens_at).encoded()["values"], True), ('"}', False)]
 
     @classmethod
     def from_json(cls, data: dict, experts: str | None) -> "Level":
@@ -111,15 +113,18 @@ class PecState:
     def laid_out(self, order: ExpertOrder) -> "PecState":
         return replace(self, snapshot=self.snapshot.laid_out(order), persist=self.persist.laid_out(order))
 
-    def dumps(self, held: HeldExperts | None = None) -> str:
-        """``held``: the experts whose versions to include (None: every expert either level has)."""
+    def dumps(self, held: HeldExperts | None = None) -> Quoted:
+        """``held``: the experts whose versions to include (None: every expert either level has).
+        Built from parts, not by ``json.dumps``: its long parts (names, base64) are never escaped."""
         if held is None:
             experts = sorted(set(self.snapshot.saved_at) | set(self.snapshot.tokens_at) | set(self.persist.saved_at)
                              | set(self.persist.tokens_at))
             held = HeldExperts(experts, ExpertOrder(experts))
-        return json.dumps({"experts": held.names_text, "snapshot": self.snapshot.to_json(held),
-                           "persist": self.persist.to_json(held), "lost_tokens": self.lost_tokens, "plt": self.plt,
-                           "recoveries": self.recoveries}, separators=(",", ":"))
+        totals = (f',"lost_tokens":{json.dumps(self.lost_tokens)},"plt":{json.dumps(self.plt)},'
+                  f'"recoveries":{json.dumps(self.recoveries)}}}')
+        return Quoted.join([('{"experts":"', False), (held.names_text, True), ('","snapshot":', False),
+                            *self.snapshot.json_parts(held), (',"persist":', False), *self.persist.json_parts(held),
+                            (totals, False)])
 
     @classmethod
     def loads(cls, text: str) -> "PecState":

@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
+from megatron_pec.jsontext import Quoted
 from megatron_pec.packed import PackedColumn
 
 __all__ = [
@@ -320,8 +321,11 @@ class SlotHeader(Record):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, PackedColumn):
-                value = value.encoded()
-            out[f.name] = json.dumps(value, separators=(",", ":")) if f.name in self._JSON_FIELDS else str(value)
+                out[f.name] = value.text()
+            elif isinstance(value, Quoted):
+                out[f.name] = value  # (str() would drop its literal)
+            else:
+                out[f.name] = json.dumps(value, separators=(",", ":")) if f.name in self._JSON_FIELDS else str(value)
         return out
 
     @classmethod

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatron_pec.checksum import crc32
+from megatron_pec.jsontext import dumps_object
 
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1}
 
@@ -114,7 +115,7 @@ def header_tail(metadata: dict[str, str], room: int, after_entries: bool) -> byt
     """The header bytes that follow the tensor table, unpadded: the metadata and the closing brace.
     A slot rewrites only these at each save (its table never changes). Raises FormatError when they
     exceed ``room``."""
-    meta = json.dumps(metadata, separators=(",", ":")).encode()
+    meta = dumps_object(metadata).encode()
     tail = (b"," if after_entries else b"") + b'"__metadata__":' + meta + b"}"
     if len(tail) > room:
         raise FormatError(f"header needs {len(tail) - room} bytes more than the {room} reserved for its metadata")

@@ -169,3 +169,19 @@ def test_the_agents_slot_cache_keeps_a_mapping_and_its_table_until_the_file_chan
     files.close()
     assert third_map is not first_map and len(third_map) == os.path.getsize(path)
     assert third.tensors == other and third.metadata == {"iteration": "5"}
+
+
+def test_quoted_text_encodes_as_json_dumps_does():
+    """A header's long per-expert text carries its JSON literal (built from parts, the long ones never
+    escaped): the metadata object it lands in reads back exactly as one written by ``json.dumps``."""
+    import json
+
+    from megatron_pec.jsontext import Quoted, dumps_object
+
+    quoted = Quoted.join([('{"experts":"', False), ("L1.E0,L1.E1", True), ('","values":"', False),
+                          ("AAEC+/==", True), ('"} tab\t, quote", backslash\\ and é', False)])
+    assert quoted == '{"experts":"L1.E0,L1.E1","values":"AAEC+/=="} tab\t, quote", backslash\\ and é'
+    assert quoted.literal == json.dumps(str(quoted))
+    metadata = {"pec": quoted, "plain": 'with "quotes"\n', "é": "x"}
+    assert dumps_object(metadata) == json.dumps(metadata, separators=(",", ":"))
+    assert json.loads(dumps_object(metadata)) == metadata
