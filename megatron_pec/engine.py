@@ -296,7 +296,7 @@ class Engine:
     def _finish_agreement(self, vote) -> tuple[bool, ExpertValues]:
         """(every rank can snapshot, cumulative token counts) once the agreement's all-reduce ends."""
         totals = vote.reduced()
-        self.cumulative.array += (totals[self.token_positions] // self.adapter.token_replicas).numpy()
+        self.cumulative.add((totals[self.token_positions] // self.adapter.token_replicas).numpy())
         return int(totals[-1]) == 0, self.cumulative
 
     def _copy(self, slot: int, live: dict, items: set[str]):

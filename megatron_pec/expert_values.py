@@ -84,6 +84,10 @@ class ExpertValues(MutableMapping):
         grown[:len(self.array)] = self.array
         self.array = grown
 
+    def add(self, amounts: numpy.ndarray) -> None:
+        """Add ``amounts``, laid out in this order, to every expert's value (none counts as 0)."""
+        self.array[:] = numpy.maximum(self.array, 0) + amounts
+
     def copy(self) -> "ExpertValues":
         return ExpertValues(self.order, self.array.copy())
 

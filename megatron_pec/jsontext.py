@@ -14,13 +14,17 @@ class Quoted(str):
 
     literal: str
 
+    def __new__(cls, text: str, literal: str) -> "Quoted":
+        self = super().__new__(cls, text)
+        self.literal = literal
+        return self
+
     @classmethod
     def join(cls, parts: list[tuple[str, bool]]) -> "Quoted":
         """``parts``: (text, plain) pairs; plain text has only ASCII characters that JSON strings
         take as they are (no '"', no backslash, no control character), e.g. item names and base64."""
-        out = cls("".join(text for text, _ in parts))
-        out.literal = '"' + "".join(text if plain else json.dumps(text)[1:-1] for text, plain in parts) + '"'
-        return out
+        return cls("".join(text for text, _ in parts),
+                   '"' + "".join(text if plain else json.dumps(text)[1:-1] for text, plain in parts) + '"')
 
 
 def dumps_object(values: dict[str, str]) -> str:

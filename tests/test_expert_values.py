@@ -68,3 +68,10 @@ def test_packed_column_round_trips_and_rejects_what_is_malformed():
         PackedColumn.decoded({"experts": "L1.E0,L1.E1", "values": column.encoded()["values"]})
     with pytest.raises(ValueError, match="must be strings"):
         PackedColumn.decoded({"experts": ["L1.E0"], "values": ""})
+
+
+def test_adding_counts_to_every_expert():
+    order = ExpertOrder(EXPERTS[:3])
+    values = ExpertValues.of({EXPERTS[0]: 5, EXPERTS[2]: 1}, order)
+    values.add(numpy.array([1, 2, 0]))
+    assert values == {EXPERTS[0]: 6, EXPERTS[1]: 2, EXPERTS[2]: 1}
