@@ -90,6 +90,10 @@ class PecState:
     def plan(self, selection: str, layout: policy.ExpertLayout, cumulative: dict[ExpertId, int],
              persist: bool, budget_bytes: int | None) -> tuple[frozenset, frozenset]:
         """Experts to snapshot, and the subset to persist (empty when this save is memory-only)."""
+        if budget_bytes is None and min(self.snapshot.k, self.persist.k if persist else self.snapshot.k) \
+                >= layout.num_experts:  # every expert, whatever the policy (what each of them picks then)
+            every = frozenset(layout.all_experts())
+            return every, every if persist else frozenset()
         tokens = selection not in policy.TOKEN_BLIND  # (15k experts at scale: not counted when unread)
         snap_in = self.snapshot.input(layout, cumulative, budget_bytes, tokens=tokens)
         if not persist:

@@ -150,3 +150,24 @@ def test_pec_state_text_packs_the_held_experts_values():
     older = PecState.loads(json.dumps({"snapshot": level, "persist": {**level, "saved_at": {}, "tokens_at": {}},
                                        "lost_tokens": 0, "plt": 0.0, "recoveries": 0}))
     assert older.snapshot.saved_at == {ExpertId(2, 0): 7} and older.snapshot.tokens_at == {ExpertId(2, 0): 9}
+
+
+def test_planning_every_expert_is_what_each_policy_picks():
+    """K = all experts (no byte budget) plans every expert without asking the policy: exactly what each
+    policy picks then, at one level and at two."""
+    from megatron_pec import policy
+    from megatron_pec.items import ExpertId
+    from megatron_pec.pec_state import Level, PecState
+
+    lay = policy.ExpertLayout((1, 3), 4, 2, 100)
+    cumulative = {x: 10 * x.expert + x.layer for x in lay.all_experts()}
+    for name in policy.POLICIES:
+        state = PecState(Level(4), Level(4))
+        state.snapshot.record([ExpertId(1, 2)], 5, cumulative)
+        for persist in (False, True):
+            planned = state.plan(name, lay, cumulative, persist, None)
+            assert planned == (frozenset(lay.all_experts()), frozenset(lay.all_experts()) if persist else frozenset())
+            snap_in = state.snapshot.input(lay, cumulative, None)
+            picked = policy.select_two_level(name, snap_in, state.persist.input(lay, cumulative, None)) if persist \
+                else (policy.select_experts(name, snap_in), frozenset())
+            assert planned == picked, (name, persist)
