@@ -108,8 +108,8 @@ class PecState:
         holds exactly the versions that were restored."""
         self.lost_tokens, self.plt = lost.accumulate(self.lost_tokens, report)
         self.recoveries += 1
-        for x in restored:
-            self.snapshot.saved_at[x], self.snapshot.tokens_at[x] = version_of[x], tokens_at_version[x]
+        self.snapshot.saved_at.update({x: version_of[x] for x in restored})  # (one update: 15k experts)
+        self.snapshot.tokens_at.update({x: tokens_at_version[x] for x in restored})
 
     def set_k(self, snapshot_k: int, persist_k: int) -> None:
         self.snapshot.k, self.persist.k = snapshot_k, persist_k

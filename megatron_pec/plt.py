@@ -18,6 +18,8 @@ from typing import Mapping
 
 from .items import ExpertId
 
+LISTED_PER_LAYER = 16  # stale experts named per layer in the log; beyond, the count and the costliest
+
 __all__ = ["PltReport", "lost_tokens", "accumulate", "next_k"]
 
 
@@ -49,10 +51,17 @@ class PltReport:
         stale_layers = sorted({e.layer for e in self.stale_experts})
         lines = [f"PLT {100 * self.fraction:.4f}% ({self.lost_tokens} of {self.total_tokens} expert-tokens lost; "
                  f"{len(self.stale_experts)} stale experts in {len(stale_layers)} of {len(self.per_layer)} MoE layers)"]
+        by_layer: dict[int, list] = {layer: [] for layer in stale_layers}
+        for e, (version, n) in sorted(self.stale_experts.items()):
+            by_layer[e.layer].append((e, version, n))
         for layer in stale_layers:
             lost, total = self.per_layer[layer]
-            experts = ", ".join(f"E{e.expert}@{version} (-{n})"
-                                for e, (version, n) in sorted(self.stale_experts.items()) if e.layer == layer)
+            stale = by_layer[layer]
+            listed = stale if len(stale) <= LISTED_PER_LAYER else \
+                sorted(stale, key=lambda s: -s[2])[:LISTED_PER_LAYER]  # (256 experts a layer: the costliest)
+            experts = ", ".join(f"E{e.expert}@{version} (-{n})" for e, version, n in listed)
+            if len(listed) < len(stale):
+                experts = f"{len(stale)}, the {len(listed)} that lost most: {experts}"
             lines.append(f"  layer {layer}: PLT {100 * self.per_layer_fraction(layer):.4f}% "
                          f"({lost}/{total}); stale expert@version (-lost tokens): {experts}")
         return lines

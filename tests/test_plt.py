@@ -44,6 +44,20 @@ def test_format_lines():
     assert len(lines) == 3
 
 
+def test_format_lines_name_the_costliest_experts_of_a_crowded_layer():
+    """A layer of 256 experts restored stale would log all of them: past LISTED_PER_LAYER, the line
+    gives their count and names the ones that lost most."""
+    from megatron_pec.plt import LISTED_PER_LAYER
+
+    experts = [ExpertId(2, e) for e in range(40)]
+    at_version = {x: 100 for x in experts}
+    at_target = {x: 100 + x.expert for x in experts}  # E39 lost most, E0 nothing
+    lines = lost_tokens(at_target, at_version, {x: 5 for x in experts}, 9).format_lines()
+    named = [f"E{e}@5 (-{e})" for e in range(39, 39 - LISTED_PER_LAYER, -1)]
+    assert lines[1].endswith(f"stale expert@version (-lost tokens): 40, the {LISTED_PER_LAYER} that lost most: "
+                             + ", ".join(named)), lines[1]
+
+
 def test_zero_loss_when_everything_is_fresh():
     counts = {A: 10, B: 0, C: 7}
     r = lost_tokens(counts, counts, {e: 50 for e in counts}, 50)

@@ -20,7 +20,10 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
     for rank in (0, 1):
         r = json.loads((tmp_path / f"roundtrip.rank{rank}.json").read_text())
         assert r["fresh"] == [0, 0]
-        assert r["in_place"] == [True, True], "a restore into the running job reallocated the optimizer state"
+        # (the third: a fresh optimizer's state allocated without Megatron's load_state_dict)
+        assert r["in_place"] == [True, True, True], "a restore into the running job reallocated the optimizer state"
+        assert r["fresh_structure"] == {"same": True, "own_steps": True}, \
+            "a fresh optimizer's restored state differs from what Megatron's load_state_dict leaves"
         # Saves asked the optimizer for its state_dict with one parameter per group (no walk over
         # every parameter), and that gives exactly Megatron's full state_dict.
         assert r["state_dict"]["trimmed_used"] is True
@@ -32,7 +35,7 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
         assert c["unchanged"], "placing the moments contiguously changed the optimizer state"
         assert c["moment_storages"] < c["moment_tensors"] / 4, c
         assert c["runs"] < c["slices"] / 2, c
-        for leg in ("memory", "storage"):
+        for leg in ("memory", "storage", "restart", "restart, Megatron's load_state_dict"):
             assert r[leg]["returned"] == [6, 600.0], leg
             assert r[leg]["differences"] == [], f"{leg}: state differs from iteration 6 in {r[leg]['differences']}"
             assert r[leg]["losses"] == r["reference"], f"{leg}: losses after restore differ"

@@ -17,10 +17,11 @@ from megatron_pec.megatron.collect import Slice, main_param, state_kinds
 
 
 @torch.no_grad()
-def place_state_contiguously(optimizers: list, slot_slices: list[Slice]) -> None:
+def place_state_contiguously(optimizers: list, slot_slices: list[Slice], keep_values: bool = True) -> None:
     """Move each bucket's state tensors (per kind) into one tensor, params in ``slot_slices``' order.
     Tensors already laid out so, or not all alike (dtype, device, layout), stay. The extra memory at
-    any moment is one bucket's tensors of one kind."""
+    any moment is one bucket's tensors of one kind. ``keep_values=False``: their values are not
+    copied (a restore overwrites every one of them next)."""
     order: dict[tuple, dict[int, None]] = {}  # (optimizer, buffer, dtype, bucket) -> its params' entries
     for s in slot_slices:
         if s.kind == "param":
@@ -38,7 +39,9 @@ def place_state_contiguously(optimizers: list, slot_slices: list[Slice]) -> None
                 offset = 0
                 for state in states:
                     old = state[kind]
-                    state[kind] = flat[offset:offset + old.numel()].view(old.shape).copy_(old)
+                    state[kind] = flat[offset:offset + old.numel()].view(old.shape)
+                    if keep_values:
+                        state[kind].copy_(old)
                     offset += old.numel()  # (the old tensor is freed: the optimizer held the only reference)
 
 

@@ -104,10 +104,12 @@ def fit_optimizer_state(saved, optimizers: list):
 def restore_optimizer(optimizer, state: dict) -> bool:
     """The saved optimizer state_dict (hyperparameters, step) into ``optimizer``; the Adam moments
     come next, as slices. Megatron's load_state_dict reallocates and deep-copies every moment; a
-    restore into a running job (torch Adam, every param's state present) is done in place instead.
-    Returns whether it was (then the optimizer's state tensors are the same objects as before)."""
+    restore into a running job (torch Adam, every param's state present) is done in place instead,
+    and so is the allocation of a fresh optimizer's moments. Returns whether the optimizer's state
+    tensors are the same objects as before."""
+    had_state = any(o.optimizer.state for o in distributed_optimizers(optimizer))
     if _load_in_place(optimizer, state):
-        return True
+        return had_state
     optimizer.load_state_dict(state)
     untie_steps(optimizer)
     return False
@@ -116,7 +118,12 @@ def restore_optimizer(optimizer, state: dict) -> bool:
 def _load_in_place(optimizer, state) -> bool:
     """What Megatron's DistributedOptimizer.load_state_dict leaves behind without apex/TE (each live
     param group updated from the saved group of the same identity, every param's ``step`` set to the
-    saved one), when that is all there is to do; False (nothing changed) otherwise."""
+    saved one, and in a fresh optimizer, a restart, the moments it allocates: the slices overwrite
+    them next), when that is all there is to do; False (nothing changed) otherwise.
+
+    A fresh optimizer matters most: Megatron's path ends in torch's ``Optimizer.load_state_dict``,
+    which looks each state value's param up in a list of them all (12 s at 30k params, 58 MoE
+    layers of 256 experts on one rank)."""
     from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
@@ -141,23 +148,40 @@ def _load_in_place(optimizer, state) -> bool:
         if None in matched or len(saved) != len(inner.param_groups) or any(g.get("amsgrad") for g in matched):
             return False
         params = [p for g in inner.param_groups for p in g["params"]]
-        if not all(torch.is_tensor(inner.state.get(p, {}).get("step")) and "exp_avg" in inner.state[p]
-                   and "exp_avg_sq" in inner.state[p] for p in params):
-            return False  # a fresh optimizer (a restart): Megatron allocates the state
-        if len({id(inner.state[p]["step"]) for p in params}) != len(params):
+        fresh = not any(inner.state.get(p) for p in params)
+        if fresh and not _allocates_plain_moments(opt):
+            return False
+        if not fresh and not all(torch.is_tensor(inner.state.get(p, {}).get("step")) and "exp_avg" in inner.state[p]
+                                 and "exp_avg_sq" in inner.state[p] for p in params):
+            return False
+        if not fresh and len({id(inner.state[p]["step"]) for p in params}) != len(params):
             return False  # steps shared by every param (see untie_steps): Megatron's path unties them
         steps |= {g.get("step") for g in matched}
-        plans.append((inner, matched, params))
+        plans.append((inner, matched, params, fresh))
     if len(steps) != 1 or None in steps:
         return False
     step = float(steps.pop())
     with torch.no_grad():
-        for inner, matched, params in plans:
+        for inner, matched, params, fresh in plans:
             for live, group in zip(inner.param_groups, matched):
                 live.update({k: v for k, v in group.items() if k != "params"})
             for p in params:
-                inner.state[p]["step"].fill_(step)
+                if fresh:  # (Megatron's allocation, cast to the param as torch's load_state_dict casts it)
+                    inner.state[p] = {"exp_avg": torch.empty_like(p), "exp_avg_sq": torch.empty_like(p),
+                                      "step": torch.tensor(step, dtype=torch.float)}
+                else:
+                    inner.state[p]["step"].fill_(step)
     return True
+
+
+def _allocates_plain_moments(opt) -> bool:
+    """Whether Megatron's load_state_dict gives a fresh optimizer nothing but fp32 Adam moments and a
+    CPU ``step`` per param (no precision-aware optimizer, no fused or capturable Adam)."""
+    config = opt.config
+    if getattr(config, "use_precision_aware_optimizer", False) or any(
+            getattr(config, name, torch.float32) != torch.float32 for name in ("exp_avg_dtype", "exp_avg_sq_dtype")):
+        return False
+    return not any(g.get("fused") or g.get("capturable") for g in opt.optimizer.param_groups)
 
 
 def untie_steps(optimizer) -> None:

@@ -48,6 +48,20 @@ def differences(a, b) -> list[str]:
     return bad
 
 
+def optimizer_structure(optimizer) -> list:
+    """Every param's optimizer state (keys; each tensor's dtype, shape, device, and the step's value),
+    whether every param has a step tensor of its own, and the param groups' hyperparameters."""
+    out = []
+    for o in optimizer.chained_optimizers:
+        params = [p for g in o.optimizer.param_groups for p in g["params"]]
+        states = [[(k, str(v.dtype), list(v.shape), v.device.type, v.item() if k == "step" else None)
+                   for k, v in sorted(o.optimizer.state[p].items())] for p in params]
+        out.append({"groups": repr([{k: v for k, v in g.items() if k != "params"} for g in o.optimizer.param_groups]),
+                    "states": states, "own_steps": len({id(o.optimizer.state[p]["step"]) for p in params})
+                    == len(params)})
+    return out
+
+
 def copies(engine, optimizer) -> dict:
     """How a full save copies (slices, coalesced runs) and how many storages hold the moments."""
     runs = next(iter(engine._runs.values()))
@@ -104,6 +118,23 @@ def main():
         after = capture(args, model, optimizer, scheduler)
         resumed = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
         result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed}
+    # A restart's optimizer has no state yet: the restore allocates it without Megatron's load_state_dict
+    # (torch's is quadratic in the params), leaving exactly what that would have left.
+    structures = {}
+    for leg, megatron_path in (("restart", False), ("restart, Megatron's load_state_dict", True)):
+        restore.clear_optimizer_state(optimizer)
+        api._engine.adapter.state_replaced()
+        recording = restore._load_in_place
+        if megatron_path:
+            restore._load_in_place = lambda *a: False
+        loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
+        restore._load_in_place = recording
+        after = capture(args, model, optimizer, scheduler)
+        structures[leg] = optimizer_structure(optimizer)
+        resumed = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
+        result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed}
+    result["fresh_structure"] = {"same": structures["restart"] == structures["restart, Megatron's load_state_dict"],
+                                 "own_steps": all(o["own_steps"] for o in structures["restart"])}
     result["in_place"] = in_place
     report("roundtrip", result)
     torch.distributed.barrier()
