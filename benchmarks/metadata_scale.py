@@ -1,6 +1,6 @@
 """Metadata at scale: what a save costs besides its copy, against the experts per layer.
 
-    python -m benchmarks.metadata_scale [--experts 8,64,256] [--iters 5] [--repo PATH]   # ~5 min on 2 cores
+    python -m benchmarks.metadata_scale [--experts 8,64,256] [--iters 5] [--repo PATH]   # ~8 min on 2 cores
 
 The example trainer at DeepSeek-V3's expert topology (58 MoE layers, top-8, EP=2 on 2 CPU ranks;
 hidden 32 and expert FFN 16 so that it runs on CPU) with E experts per layer, a snapshot every
@@ -12,7 +12,9 @@ iteration (snapshot K=8, persisted every 2nd iteration with K=4). Per E:
   step): the difference is the fixed per-save cost (planning, the agreement all-reduce, small state,
   header, and one copy call per run of contiguous bytes: ~1,400 runs per save here at every E);
 * the slot header (its tensor table and the metadata a save rewrites) and the persisted rank file's
-  header.
+  header;
+* a restart's restore from node memory (rank 0, as it logs it: choosing, reading and checking the
+  sources; applying them to Megatron), the restarted trainer's optimizer without state, as after a crash.
 
 ``--repo`` runs another checkout of megatron-pec (e.g. ``git worktree add /tmp/old <commit>``) for a
 before/after table. Prints a table and writes ``benchmarks/results/metadata_scale{,_<label>}.{json,md}``.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -34,6 +37,8 @@ from benchmarks.common import REPO, RESULTS, machine, wait_for_quiet
 
 SHM = Path("/dev/shm/bench_helper/metadata_scale")
 WORK = Path("/tmp/bench_helper_metadata_scale")
+RESTORE_TOOK = re.compile(r"rank 0: restore took ([\d.]+) s \(waiting for the agent [\d.]+ s, choosing, reading and "
+                          r"checking ([\d.]+) s, applying ([\d.]+) s")
 CACHE_EVICT_BYTES = 256 << 20  # written before each timed floor copy: several times any last-level cache
 MODEL = ["--num-layers", "58", "--moe-router-topk", "8", "--expert-model-parallel-size", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--moe-ffn-hidden-size", "16", "--ffn-hidden-size", "64", "--seq-length", "32",
@@ -67,8 +72,22 @@ def run(repo: Path, experts: int, iters: int) -> dict:
     row.update(_rank_file_facts(WORK / "ckpt"))
     row["memcpy_ms"] = round(1000 * _memcpy_s(row["bytes_per_save"]), 2)
     row["fixed_ms"] = round(row["blocking_ms"] - row["memcpy_ms"], 2)
+    row.update(_restart(repo, cmd, env, iters))
     _stop_agents()
     return row
+
+
+def _restart(repo: Path, cmd: list[str], env: dict, iters: int) -> dict:
+    """A restarted trainer (fresh processes, the node agent and its memory kept) restores the newest
+    snapshot from node memory and trains one more iteration: rank 0's restore time, as it logs it."""
+    again = [*cmd[:cmd.index("--train-iters")], "--train-iters", str(iters + 1), "--load", str(WORK / "ckpt"),
+             *cmd[cmd.index("--train-iters") + 2:]]
+    proc = subprocess.run(again, capture_output=True, text=True, env=env, cwd=repo, timeout=1800)
+    took = RESTORE_TOOK.search(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or took is None:
+        return {"restore_error": "the restart failed" if proc.returncode else "no restore logged"}
+    return {"restore_s": float(took.group(1)), "restore_reading_s": float(took.group(2)),
+            "restore_applying_s": float(took.group(3))}
 
 
 def _slot_facts() -> dict:
@@ -143,17 +162,24 @@ def _stop_agents() -> None:
 
 def table(rows: list[dict]) -> str:
     head = ("| E per layer | tensors per rank | slot header | metadata per save | persisted header | bytes per save "
-            "| blocking | memcpy of those bytes | fixed per save |\n|---|---|---|---|---|---|---|---|---|")
+            "| blocking | memcpy of those bytes | fixed per save | restore from memory (reading; applying) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['experts']} | failed: {r['error']} |||||||| ")
+            lines.append(f"| {r['experts']} | failed: {r['error']} ||||||||| ")
             continue
         lines.append(f"| {r['experts']} | {r['tensors_per_rank']:,} | {r['slot_header_bytes'] / 2**20:.2f} MiB | "
                      f"{r['metadata_bytes'] / 2**10:.0f} KiB | {r['rank_file_header_bytes'] / 2**10:.0f} KiB | "
                      f"{r['bytes_per_save'] / 2**20:.2f} MiB | {r['blocking_ms']:.1f} ms | {r['memcpy_ms']:.2f} ms | "
-                     f"{r['fixed_ms']:.1f} ms |")
+                     f"{r['fixed_ms']:.1f} ms | {_restore_cell(r)} |")
     return "\n".join(lines)
+
+
+def _restore_cell(r: dict) -> str:
+    if "restore_s" not in r:
+        return r.get("restore_error", "-")
+    return f"{r['restore_s']:.2f} s ({r['restore_reading_s']:.2f}; {r['restore_applying_s']:.2f})"
 
 
 def main(argv=None) -> int:
