@@ -1,5 +1,5 @@
 """A per-expert column of a header (item name -> int) in its compact stored form: the names once,
-joined by commas, and the values as base64 of native int64, ``ABSENT`` where there is none.
+joined by commas, and the values as base64 of little-endian int64, ``ABSENT`` where there is none.
 
 Written at every save for every expert a rank holds (thousands at scale): encoding it is a copy,
 not a Python call per expert. Decoded lazily, with the standard library only (the node agent
