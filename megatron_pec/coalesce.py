@@ -18,7 +18,13 @@ def coalesced(dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list[to
     stretch of pairs where the next pair continues the previous one in memory on both sides (same
     storage, same dtype) merged into one pair of views spanning the stretch. Copying the result
     copies exactly the same bytes."""
-    out_dst, out_src = [], []
+    out_dst, out_src, _ = coalesced_with_starts(dst, src)
+    return out_dst, out_src
+
+
+def coalesced_with_starts(dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list, list, list[int]]:
+    """``coalesced``, and the index in ``dst`` of each run's first pair."""
+    out_dst, out_src, starts = [], [], []
     i, n = 0, len(dst)
     while i < n:
         d0, s0 = dst[i], src[i]
@@ -28,6 +34,7 @@ def coalesced(dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list[to
             while j < n and _continues(d0, d_end, dst[j]) and _continues(s0, s_end, src[j]):
                 d_end, s_end = _end(dst[j]), _end(src[j])
                 j += 1
+        starts.append(i)
         if j == i + 1:
             out_dst.append(d0)
             out_src.append(s0)
@@ -36,7 +43,12 @@ def coalesced(dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list[to
             out_dst.append(d0.as_strided((numel,), (1,), d0.storage_offset()))
             out_src.append(s0.as_strided((numel,), (1,), s0.storage_offset()))
         i = j
-    return out_dst, out_src
+    return out_dst, out_src, starts
+
+
+def run_view(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """The view of a run of ``numel`` elements that starts at the 1-D view ``first``."""
+    return first if first.numel() == numel else first.as_strided((numel,), (1,), first.storage_offset())
 
 
 def _continues(first: torch.Tensor, end: int, t: torch.Tensor) -> bool:
@@ -53,4 +65,4 @@ def _flat(t: torch.Tensor) -> bool:
     return t.dim() == 1 and t.is_contiguous()
 
 
-__all__ = ["coalesced"]
+__all__ = ["coalesced", "coalesced_with_starts", "run_view"]

@@ -24,7 +24,7 @@ import torch
 
 from megatron_pec import faults, manifest, policy, smallstate
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, check_socket_path, ensure_agent
-from megatron_pec.coalesce import coalesced
+from megatron_pec.coalesce import coalesced_with_starts, run_view
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
 from megatron_pec.expert_values import ExpertValues, HeldExperts
@@ -101,6 +101,7 @@ class Engine:
         self.written_into: dict[int, set[str]] = {}  # slot -> items written since the agent last had it
         self._runs: dict[int, dict[str, tuple[list, list]]] = {}  # slot -> item -> its copies (see _copy_lists)
         self._runs_of = None  # the live views those copies read
+        self._run_starts = None  # item -> the first slice and size of each run, and its live views
         if self.deferred:
             self.adapter.before_each_step(self.finish_snapshot)
         if self.config.save:
@@ -324,17 +325,33 @@ class Engine:
         contiguous on both sides as one pair (``coalesce``); built once per slot and binding of the
         live views (none is kept of an old binding: it would keep the replaced tensors alive)."""
         if self._runs_of is not live:
-            self._runs, self._runs_of = {}, live
+            self._runs, self._runs_of, self._run_starts = {}, live, None
         runs = self._runs.get(slot)
         if runs is None:
-            views, pairs = self.files.views[slot], {}
-            for s in self.adapter.slot_slices:
-                dst, src = pairs.setdefault(s.item, ([], []))
-                dst.append(views[s.name])
-                src.append(live[s.name])
-            runs = self._runs[slot] = {item: coalesced(dst, src) for item, (dst, src) in pairs.items()}
+            runs = self._runs[slot] = self._slot_runs(slot, live)
         items = [item for item in written if item in runs]  # (a few of the rank's thousands)
         return [v for item in items for v in runs[item][0]], [v for item in items for v in runs[item][1]]
+
+    def _slot_runs(self, slot: int, live: dict) -> dict[str, tuple[list, list]]:
+        """Per item, (slot views, live views) of its runs. The first slot coalesces its slices; the
+        others take the same runs at the same offsets of their own mapping (every slot has one
+        layout): a view per run, not the walk over every slice (0.4 s at 90k slices)."""
+        views = self.files.views[slot]
+        if self._run_starts is not None:
+            return {item: ([run_view(views[name], numel) for name, numel in zip(names, numels)], src)
+                    for item, (names, numels, src) in self._run_starts.items()}
+        pairs: dict[str, tuple[list, list, list]] = {}
+        for s in self.adapter.slot_slices:
+            dst, src, names = pairs.setdefault(s.item, ([], [], []))
+            dst.append(views[s.name])
+            src.append(live[s.name])
+            names.append(s.name)
+        runs, self._run_starts = {}, {}
+        for item, (dst, src, names) in pairs.items():
+            run_dst, run_src, starts = coalesced_with_starts(dst, src)
+            runs[item] = (run_dst, run_src)
+            self._run_starts[item] = ([names[i] for i in starts], [t.numel() for t in run_dst], run_src)
+        return runs
 
     @without_gc
     def finish_snapshot(self) -> None:
@@ -550,7 +567,7 @@ class Engine:
         if self.files is None:
             return
         self.pending = None
-        self._runs, self._runs_of = {}, None
+        self._runs, self._runs_of, self._run_starts = {}, None, None
         if self.pinning is not None:
             self.pinning.unpin_all()
         try:

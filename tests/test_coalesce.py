@@ -31,3 +31,22 @@ def test_separate_storages_and_dtypes_are_never_merged():
     out_dst, _ = coalesced([buf[0:8], same_bytes_other_dtype[8:16]], [torch.zeros(16)[0:8], torch.zeros(16)[8:16]])
     assert len(out_dst) == 2
     assert coalesced([], []) == ([], [])
+
+
+def test_another_slot_of_the_same_layout_takes_the_first_slots_runs():
+    """The engine coalesces the first slot's slices and gives every other slot (same layout, its own
+    mapping) the same runs from each run's first slice: the copies are the ones coalescing that slot
+    would give, and copy the same bytes."""
+    from megatron_pec.coalesce import coalesced_with_starts, run_view
+
+    src_flat = torch.arange(60, dtype=torch.float32)
+    src = [src_flat[0:10], src_flat[10:30], src_flat[35:40], src_flat[40:60]]
+    slots = [torch.zeros(55), torch.zeros(55)]
+    views = [[flat[0:10], flat[10:30], flat[30:35], flat[35:55]] for flat in slots]
+    first_dst, first_src, starts = coalesced_with_starts(views[0], src)
+    assert starts == [0, 2] and [t.numel() for t in first_dst] == [30, 25]
+    other = [run_view(views[1][i], t.numel()) for i, t in zip(starts, first_dst)]
+    direct, _ = coalesced(views[1], src)
+    assert [(t.data_ptr(), t.numel()) for t in other] == [(t.data_ptr(), t.numel()) for t in direct]
+    torch._foreach_copy_(other, first_src)
+    assert torch.equal(slots[1], torch.cat([src_flat[0:30], src_flat[35:60]]))
