@@ -35,7 +35,7 @@ class Collectives:
 
     def start_reduce(self, values: list[int] | torch.Tensor, op: str) -> "PendingReduce":
         """``reduce`` of non-empty ``values`` (a list, or an int64 tensor reduced in place) started in
-        the background; ``result()`` (or ``tensor()``) waits for it."""
+        the background; ``result()`` (or ``reduced()``, the tensor) waits for it."""
         tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
         return PendingReduce(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True), tensor)
 

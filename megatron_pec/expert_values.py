@@ -88,16 +88,13 @@ class ExpertValues(MutableMapping):
         """Add ``amounts``, laid out in this order, to every expert's value (none counts as 0)."""
         self.array[:] = numpy.maximum(self.array, 0) + amounts
 
-    def copy(self) -> "ExpertValues":
-        return ExpertValues(self.order, self.array.copy())
-
     def __repr__(self) -> str:
         return f"ExpertValues({dict(self.items())})"
 
 
 def values_in(values: Mapping, order: ExpertOrder, default: int) -> numpy.ndarray:
-    """``values`` as an array over ``order``, ``default`` where it has none (no copy when aligned
-    and nothing is absent)."""
+    """``values`` as an array over ``order``, ``default`` where it has none (with ``default=ABSENT``,
+    an aligned ``ExpertValues``' own array, not a copy)."""
     array = values.aligned(order) if isinstance(values, ExpertValues) else None
     if array is None:
         array = numpy.fromiter(map(values.get, order.experts, [ABSENT] * len(order)), dtype=numpy.int64,
@@ -117,11 +114,7 @@ class HeldExperts:
 
     def column(self, values: Mapping) -> "PackedColumn":
         """The held experts' values of ``values`` (``ABSENT`` where it has none)."""
-        array = values.aligned(self.order) if isinstance(values, ExpertValues) else None
-        if array is not None:
-            return PackedColumn(self.names_text, array[self.positions].astype("<i8", copy=False).tobytes())
-        return PackedColumn(self.names_text, numpy.fromiter(
-            map(values.get, self.experts, [ABSENT] * len(self.experts)), dtype=numpy.int64,
-            count=len(self.experts)).astype("<i8", copy=False).tobytes())
+        picked = values_in(values, self.order, ABSENT)[self.positions]
+        return PackedColumn(self.names_text, picked.astype("<i8", copy=False).tobytes())
 
 

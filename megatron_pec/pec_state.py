@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
+import numpy
+
 from megatron_pec import plt as lost, policy
 from megatron_pec.expert_values import ExpertOrder, ExpertValues, HeldExperts, values_in
 from megatron_pec.items import ExpertId, parse_item
 from megatron_pec.jsontext import Quoted
-from megatron_pec.packed import PackedColumn
+from megatron_pec.packed import ABSENT, PackedColumn
 
 
 @dataclass
@@ -48,11 +50,10 @@ class Level:
         """``experts`` were saved at ``iteration``, with ``cumulative`` tokens (missing: 0)."""
         experts = list(experts)
         at = self.saved_at.order
-        tokens = values_in(cumulative, at, 0) if self.tokens_at.order is at else None
-        if tokens is not None and all(map(at.index.__contains__, experts)):
+        if self.tokens_at.order is at and all(map(at.index.__contains__, experts)):  # (K experts, not 15k)
             where = at.positions(experts)
             self.saved_at.array[where] = iteration
-            self.tokens_at.array[where] = tokens[where]
+            self.tokens_at.array[where] = numpy.maximum(values_in(cumulative, at, ABSENT)[where], 0)
         else:
             self.saved_at.update(dict.fromkeys(experts, iteration))
             self.tokens_at.update({e: cumulative.get(e, 0) for e in experts})
