@@ -1,0 +1,59 @@
+"""A checkpoint written by an earlier megatron-pec release restores as that release restored it.
+
+argv: MODE SAVE_DIR SHM_DIR, results in $PEC_TEST_OUT. Snapshot-K = persist-K = 1 of 8 experts, a
+persistent save every 2 iterations: the newest checkpoint's experts come from four iterations.
+
+* ``write``:   train 8 iterations with saves (run once, by the earlier release, to make the fixture);
+* ``restore``: a fresh process with empty node memory restores SAVE_DIR from storage and reports what
+  it restored: each item's bytes (sha256 of its slices), the PEC state, PLT, the losses of the next
+  two iterations. The fixture's ``expected`` is this report as the earlier release wrote it.
+"""
+
+import hashlib
+import sys
+
+import torch
+
+import megatron_pec
+from common import report, setup, train
+from megatron_pec import api
+from megatron_pec.items import item_name
+from megatron_pec.megatron import collect
+
+ARGS = ["--train-iters", "12", "--pec-snapshot-k", "1", "--pec-persist-k", "1", "--pec-keep", "0",
+        "--pec-wait-for-slot"]
+
+
+def restored_state(optimizer) -> dict:
+    engine = api._engine
+    live = collect.live_views(engine.adapter.slices, optimizer)
+    digests = {}
+    for s in engine.adapter.slices:  # (slot order: the same on both releases)
+        digests.setdefault(s.item, hashlib.sha256()).update(live[s.name].contiguous().view(torch.uint8).numpy())
+    return {"items": {item: d.hexdigest() for item, d in sorted(digests.items())},
+            "snapshot_versions": {item_name(x): v for x, v in sorted(engine.pec.snapshot.saved_at.items())},
+            "persist_versions": {item_name(x): v for x, v in sorted(engine.pec.persist.saved_at.items())},
+            "tokens": {item_name(x): v for x, v in sorted(engine.cumulative.items())},
+            "plt": engine.pec.plt, "k": [engine.pec.snapshot.k, engine.pec.persist.k]}
+
+
+def main():
+    mode, save, shm = sys.argv[1:4]
+    args, model, optimizer, scheduler, data_from = setup(
+        ARGS + ["--hidden-size", "16", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "prev"])
+    iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)
+    if mode == "write":
+        data = data_from(0)
+        for i in range(1, 9):
+            train(args, model, optimizer, scheduler, data, 1)
+            megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 2 != 0)
+        api._engine.flush()  # every save committed before the process ends
+        return
+    result = {"iteration": iteration, "consumed": args.consumed_train_samples, **restored_state(optimizer)}
+    result["losses"] = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), 2)
+    report("previous_format", result)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
