@@ -117,7 +117,7 @@ def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
             continue
         memory, storage = m.get("restore_memory_s"), m.get("restore_storage_s")
         if memory:
-            ratio = memory / fl["memcpy_s"]
+            ratio = memory / report.restore_floor(fl)
             text = f"{name}: restore from memory {memory * 1000:.0f} ms = {ratio:.1f}× the memcpy floor " \
                    f"(target ≤ 1.5×: {verdict(ratio <= 1.5)})"
             if dl.get("restore_memory_s"):
@@ -126,6 +126,11 @@ def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
             if name != "megatron-pec K=all" and full.get("restore_memory_s"):
                 text += f"; K=all {full['restore_memory_s'] * 1000:.0f} ms (target not slower: " \
                         f"{verdict(memory <= full['restore_memory_s'] * 1.05)})"
+            if m.get("restore_memory_phases_s"):
+                text += f" [ms: {report.phase_list(m['restore_memory_phases_s'])}"
+                if dl.get("restore_memory_phases_s"):
+                    text += f"; DLRover: {report.phase_list(dl['restore_memory_phases_s'])}"
+                text += "]"
             out.append(text)
         if storage and dl.get("restore_storage_s"):
             out.append(f"{name}: restore from storage {storage * 1000:.0f} ms, checksums verified; DLRover "
@@ -134,15 +139,23 @@ def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
     if full.get("blocking_s_median") and full.get("memcpy_floor_s"):
         ratio = full["blocking_s_median"] / full["memcpy_floor_s"]
         out.append(f"megatron-pec K=all: blocking {ratio:.2f}× the memcpy floor "
-                   f"(target ≤ 1.2×: {verdict(ratio <= 1.2)})")
+                   f"(target ≤ 1.2×: {verdict(ratio <= 1.2)})"
+                   + (f" [ms: {report.phase_list(full['save_phases_s'])}]" if full.get("save_phases_s") else ""))
     if full.get("train_throughput_ratio") and dl.get("train_throughput_ratio"):
         out.append(f"throughput with a checkpoint every iteration: K=all {full['train_throughput_ratio']:.2f}, DLRover "
                    f"{dl['train_throughput_ratio']:.2f} (target ≥ DLRover: "
                    f"{verdict(full['train_throughput_ratio'] >= dl['train_throughput_ratio'])})")
     one = ms.get("megatron-pec K=1", {})
     if one.get("train_throughput_ratio"):
-        out.append(f"throughput with a checkpoint every iteration: K=1 {one['train_throughput_ratio']:.2f} "
-                   f"(target ≥ 0.9: {verdict(one['train_throughput_ratio'] >= 0.9)})")
+        text = (f"throughput with a checkpoint every iteration: K=1 {one['train_throughput_ratio']:.2f} "
+                f"(target ≥ 0.9: {verdict(one['train_throughput_ratio'] >= 0.9)})")
+        if one.get("save_phases_s"):
+            text += f" [save blocks {one['blocking_s_median'] * 1000:.1f} ms: {report.phase_list(one['save_phases_s'])}"
+            per = one.get("agent_cpu_by_phase_s_per_save")
+            if per:
+                text += f"; the node agent's CPU per checkpoint {sum(per.values()) * 1000:.0f} ms: {report.phase_list(per)}"
+            text += "]"
+        out.append(text)
     return out
 
 

@@ -39,7 +39,8 @@ def _tmpfs_map(path: str, nbytes: int) -> mmap.mmap:
 
 def memcpy_floor(shm_dir: str, rank: int, nbytes: int, reps: int = 5) -> dict:
     """Seconds for one ``copy_`` of ``nbytes`` into a tmpfs mapping (median over reps of the
-    slower rank); both ranks copy at the same time, as they do in a save."""
+    slower rank), and back out of it (``memcpy_from_tmpfs_s``, a restore's copy); both ranks copy
+    at the same time, as they do in a save and a restore."""
     os.makedirs(shm_dir, exist_ok=True)
     path = os.path.join(shm_dir, f"floor_rank{rank}")
     numel = nbytes // 4
@@ -47,17 +48,22 @@ def memcpy_floor(shm_dir: str, rank: int, nbytes: int, reps: int = 5) -> dict:
     m = _tmpfs_map(path, numel * 4)
     dst = torch.frombuffer(m, dtype=torch.float32, count=numel)
     dst.copy_(src)  # warm-up: page tables populated as they are for reused snapshot slots
-    times = []
+    times, back = [], []
     for _ in range(reps):
         torch.distributed.barrier()
         t = time.perf_counter()
         dst.copy_(src)
         times.append(_max(time.perf_counter() - t))
+    for _ in range(reps):  # the other direction: what a restore from node memory copies
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        src.copy_(dst)
+        back.append(_max(time.perf_counter() - t))
     del dst
-    times.sort()
-    median = times[len(times) // 2]
+    median, back_median = sorted(times)[len(times) // 2], sorted(back)[len(back) // 2]
     return {"memcpy_s": median, "memcpy_bytes_per_rank": numel * 4,
-            "memcpy_GBps_per_rank": numel * 4 / median / 1e9, "_map": m, "_path": path}
+            "memcpy_GBps_per_rank": numel * 4 / median / 1e9, "memcpy_from_tmpfs_s": back_median,
+            "_map": m, "_path": path}
 
 
 def slices_memcpy(m: mmap.mmap, tensors: list, reps: int = 5) -> float:

@@ -98,6 +98,14 @@ class Method:
         """CPU seconds used so far by the process that persists in the background (None: none)."""
         return None
 
+    def background_cpu_phases(self):
+        """That process's CPU seconds so far by what it was doing (None: not known)."""
+        return None
+
+    def phases(self, kind: str):
+        """Seconds by phase of this rank's latest ``kind`` ("save", "restore"), None: not known."""
+        return None
+
     def restore_memory(self):
         return None
 
@@ -199,6 +207,15 @@ class Pec(Method):
 
         pid = agent_pid(self.engine.node_dir)
         return process_cpu_s(pid) if pid else None
+
+    def background_cpu_phases(self):
+        from megatron_pec.agent.cpu import read_ledger
+
+        self.engine.flush()  # (the agent writes its ledger when flushed)
+        return read_ledger(self.engine.node_dir)
+
+    def phases(self, kind: str):
+        return dict((self.engine.save_phases if kind == "save" else self.engine.restore_phases).seconds)
 
     def restore_memory(self):
         c = self.ctx
@@ -461,6 +478,7 @@ class DLRover(Method):
     family = "dlrover"
     name = "DLRover flash ckpt"
     has_memory = True
+    _phases = None  # the latest restore from memory's
     persists_async = True
 
     def setup(self):
@@ -523,25 +541,34 @@ class DLRover(Method):
     def snapshot_bytes(self):
         return sum(t.numel() * t.element_size() for t in self.ctx.live_views().values())
 
-    def _apply(self, state):
+    def _apply(self, state) -> tuple[float, float]:
+        """The loaded state into the job: (seconds copying, seconds of the param sync)."""
         from megatron_pec.megatron.collect import distributed_optimizers
 
         c = self.ctx
+        t = time.perf_counter()
         live = c.live_views()
         with torch.no_grad():
             for name, tensor in live.items():
                 tensor.copy_(state[name])
+        copied = time.perf_counter()
         # Megatron's own param sync after a load (what a DLRover user runs), not megatron-pec's
         for opt in distributed_optimizers(c.optimizer):
             opt._copy_main_params_to_model_params()
         for chunk in c.model:
             chunk.start_param_sync(force_sync=True)
+        return copied - t, time.perf_counter() - copied
+
+    def phases(self, kind: str):
+        return self._phases if kind == "restore" else None
 
     def restore_memory(self):
         barrier()
         t = time.perf_counter()
         state = self.ckpt.load_checkpoint()
-        self._apply(state)
+        loaded = time.perf_counter() - t
+        copy, sync = self._apply(state)
+        self._phases = {"reading node memory": loaded, "copy": copy, "param sync": sync}
         return _max(time.perf_counter() - t)
 
     def restore_storage(self):

@@ -42,10 +42,49 @@ def method_table(run: dict) -> str:
             f"{_ms(min(m['blocking_s_all']) if m.get('blocking_s_all') else None)} | {_f(over, '{:.1f}×')} "
             f"| {_f(speed, '{:.1f}×')} | {_mb(m.get('bytes_per_rank'))} | {_mb(m.get('snapshot_bytes_per_rank'))} "
             f"| {_f(m.get('persist_MBps'), '{:.0f}')} ({_f(pct, '{:.0f}%')}) | {_f(m.get('restore_memory_s'), '{:.3f}')} "
-            f"({_f(m['restore_memory_s'] / fl['memcpy_s'] if m.get('restore_memory_s') else None, '{:.1f}×')}) "
+            f"({_f(m['restore_memory_s'] / restore_floor(fl) if m.get('restore_memory_s') else None, '{:.1f}×')}) "
             f"| {_f(m.get('restore_storage_s'), '{:.3f}')} | {_f(m.get('train_throughput_ratio'), '{:.2f}')} "
             f"| {_f(m.get('agent_cpu_s_per_GB'), '{:.2f}')} | {'yes' if m.get('fsync') else 'no'} |")
     return "\n".join(lines)
+
+
+def phase_list(phases: dict | None, keep: float = 0.00005) -> str:
+    """``"copy 6.6, param sync 2.4"`` (ms), largest first, phases under ``keep`` seconds left out."""
+    if not phases:
+        return "–"
+    ranked = sorted(((s, n) for n, s in phases.items() if s >= keep), reverse=True)
+    return ", ".join(f"{n} {s * 1000:.1f}" for s, n in ranked)
+
+
+def restore_floor(fl: dict) -> float:
+    """A restore from node memory's copy floor: out of tmpfs (older results: into it)."""
+    return fl.get("memcpy_from_tmpfs_s") or fl["memcpy_s"]
+
+
+def breakdown_tables(run: dict) -> list[str]:
+    """Where a save's, a memory restore's and the persisting process's time goes, per method."""
+    ms, fl = run["methods"], run["floors"]
+    out = ["Blocking save by phase (ms; median over the measured saves, each the slower rank's; floor: one "
+           "memcpy of the snapshot's bytes):", "",
+           "| method | blocking | floor | phases |", "|---|---|---|---|"]
+    for name, m in ms.items():
+        if m.get("save_phases_s"):
+            out.append(f"| {name} | {_ms(m.get('blocking_s_median'))} | {_ms(m.get('memcpy_floor_s'))} "
+                       f"| {phase_list(m['save_phases_s'])} |")
+    out += ["", "Restore from node memory by phase (ms; median over the restores, each the slower rank's; "
+            f"floor: one memcpy of the optimizer state out of tmpfs, {restore_floor(fl) * 1000:.1f} ms):", "",
+            "| method | restore | phases |", "|---|---|---|"]
+    for name, m in ms.items():
+        if m.get("restore_memory_phases_s"):
+            out.append(f"| {name} | {_ms(m.get('restore_memory_s'))} | {phase_list(m['restore_memory_phases_s'])} |")
+    out += ["", "Persisting process (the node agent) CPU per checkpoint by phase (ms, both ranks' rank files; "
+            "'other' is its CPU time outside the phases: serving messages):", "",
+            "| method | CPU per checkpoint | phases |", "|---|---|---|"]
+    for name, m in ms.items():
+        if m.get("agent_cpu_by_phase_s_per_save"):
+            per = m["agent_cpu_by_phase_s_per_save"]
+            out.append(f"| {name} | {sum(per.values()) * 1000:.1f} | {phase_list(per)} |")
+    return out + [""]
 
 
 def headline(result: dict) -> str:
@@ -69,7 +108,7 @@ def headline(result: dict) -> str:
         pr = f"{m['persist_MBps'] / fl['write_MBps']:.0%}" if m.get("persist_MBps") else "–"
         rs = f"{m['restore_storage_s'] / td['restore_storage_s']:.2f}×" if m.get("restore_storage_s") and \
             td.get("restore_storage_s") else "–"
-        rm = f"{m['restore_memory_s'] / fl['memcpy_s']:.1f}×" if m.get("restore_memory_s") else "–"
+        rm = f"{m['restore_memory_s'] / restore_floor(fl):.1f}×" if m.get("restore_memory_s") else "–"
         tp = f"{m['train_throughput_ratio']:.2f}" if m.get("train_throughput_ratio") else "–"
         lines.append(f"| {name} | {rel} | {floor} | {size} | {pr}{'' if m.get('fsync') else ' (no fsync)'} | {rs} "
                      f"| {rm} | {tp} |")
@@ -95,14 +134,16 @@ def markdown(result: dict) -> str:
         fl = run["floors"]
         out += [f"## {describe_model(run['model'])}", "",
                 f"Floors (same run): memcpy of {fl['memcpy_bytes_per_rank'] / 1e6:.0f} MB/rank into tmpfs "
-                f"{fl['memcpy_s'] * 1000:.1f} ms ({fl['memcpy_GBps_per_rank']:.1f} GB/s per rank, both ranks at once)"
+                f"{fl['memcpy_s'] * 1000:.1f} ms ({fl['memcpy_GBps_per_rank']:.1f} GB/s per rank, both ranks at once"
+                + (f"; out of tmpfs, as a restore copies, {fl['memcpy_from_tmpfs_s'] * 1000:.1f} ms"
+                   if fl.get("memcpy_from_tmpfs_s") else "") + ")"
                 + (f", or {fl['slices_memcpy_s'] * 1000:.1f} ms as the {fl['slices_count_per_rank']} separate "
                    f"optimizer-shard slices a snapshot copies" if fl.get("slices_memcpy_s") else "") + "; "
                 f"sequential write + fsync {fl['write_MBps']:.0f} MB/s (one writer), "
                 f"{fl['write_MBps_parallel']:.0f} MB/s (one writer per rank). "
                 f"Training without checkpoints: {run['baseline_s_per_iteration'][0] * 1000:.0f} / "
                 f"{run['baseline_s_per_iteration'][1] * 1000:.0f} ms per iteration (start / end of run).", "",
-                method_table(run), ""]
+                method_table(run), ""] + breakdown_tables(run)
         if run.get("errors"):
             out += ["Methods that failed here: " + "; ".join(f"{k}: {v}" for k, v in run["errors"].items()), ""]
     sc = result.get("scaling")
@@ -128,7 +169,7 @@ def markdown(result: dict) -> str:
             "five, each after dropping the page cache of the files (megatron-pec: each by a fresh engine "
             "without node memory), started after a sync and a 3 s pause (the disk no longer flushing the "
             "method's own saves); restore from memory is the median of seven restores into the running job, its "
-            "floor one memcpy of the optimizer state. Throughput = iterations/s with a checkpoint every iteration "
+            "floor one memcpy of the optimizer state out of tmpfs. Throughput = iterations/s with a checkpoint every iteration "
             "÷ without. Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
             "node persisted (carrying experts forward included).", ""]
     return "\n".join(out)

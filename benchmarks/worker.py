@@ -129,7 +129,8 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     t_setup = time.perf_counter()
     method.setup()
     out["setup_s"] = _max(time.perf_counter() - t_setup)
-    blocking, persist, node_bytes, rank_bytes = [], [], [], []
+    blocking, persist, node_bytes, rank_bytes, save_phases = [], [], [], [], []
+    ledger_before = method.background_cpu_phases()
     cpu_before = method.background_cpu_s()
     for _ in range(saves):
         ctx.train(1)
@@ -138,16 +139,20 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
         t0 = time.perf_counter()
         ok = method.save(it)
         tb = time.perf_counter() - t0
+        phases_here = method.phases("save")
         method.wait_persisted(it)
         tp = time.perf_counter() - t0
+        phases = slowest_phases(phases_here)
         tb, tp = _max(tb), _max(tp)
         mine = method.written_bytes(it) if ok else 0
         everyone = _gather(mine)
         if ok:
+            save_phases.append(phases)
             blocking.append(tb)
             persist.append(tp)
             node_bytes.append(sum(everyone))
             rank_bytes.append(everyone)
+    ledger_after = method.background_cpu_phases()  # (first: it waits for the agent's last carries)
     cpu_after = method.background_cpu_s()
     snap = method.snapshot_bytes()
     snap_all = _gather(snap)
@@ -166,6 +171,8 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
         "agent_cpu_s_per_GB": (cpu_after - cpu_before) / (sum(node_bytes) / 1e9)
         if cpu_before is not None and cpu_after is not None and sum(node_bytes) else None,
     })
+    out["save_phases_s"] = median_phases(save_phases)
+    out["agent_cpu_by_phase_s_per_save"] = ledger_per_save(ledger_before, ledger_after, len(blocking))
     if out["snapshot_bytes_per_rank"]:
         out["memcpy_floor_s"] = out["snapshot_bytes_per_rank"] / memcpy_Bps
     # training throughput with a checkpoint every `interval` iterations (same iterations, same data)
@@ -194,7 +201,11 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     out["train_throughput_ratio"] = tput.get("1")
     out["skipped_saves_in_throughput_runs"] = method.skipped - skipped_before
     # restores (last: they change the training state)
-    memory = [method.restore_memory() for _ in range(MEMORY_RESTORES)] if method.has_memory else []
+    memory, restore_phases = [], []
+    for _ in range(MEMORY_RESTORES if method.has_memory else 0):
+        memory.append(method.restore_memory())
+        restore_phases.append(slowest_phases(method.phases("restore")))
+    out["restore_memory_phases_s"] = median_phases(restore_phases)
     out["restore_memory_s_all"] = memory
     out["restore_memory_s"] = median(memory) if memory else None
     ctx.invalidate()
@@ -212,6 +223,31 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     method.close()
     method.cleanup()
     return out
+
+
+def slowest_phases(mine: dict | None) -> dict | None:
+    """The phases of the rank whose total was largest (the one the others waited for)."""
+    every = [p for p in _gather(mine) if p]
+    return max(every, key=lambda p: sum(p.values())) if every else None
+
+
+def median_phases(measured: list) -> dict | None:
+    """Per phase, the median over the measurements (a phase a measurement lacks counts as 0)."""
+    measured = [p for p in measured if p]
+    if not measured:
+        return None
+    names = list(dict.fromkeys(name for p in measured for name in p))
+    return {name: median([p.get(name, 0.0) for p in measured]) for name in names}
+
+
+def ledger_per_save(before: dict | None, after: dict | None, saves: int) -> dict | None:
+    """The persisting process's CPU seconds per save by phase between two ledgers (``agent/cpu.py``),
+    the rest of its CPU time as "other"."""
+    if not before or not after or not saves:
+        return None
+    phases = {name: (s - before["phases"].get(name, 0.0)) / saves for name, s in after["phases"].items()}
+    phases["other"] = (after["process_s"] - before["process_s"]) / saves - sum(phases.values())
+    return phases
 
 
 def baseline(ctx: Ctx, iters: int) -> float:

@@ -32,6 +32,7 @@ from megatron_pec.gcpause import without_gc
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.loader import LoadContext, Loader, RestoreResult, say
 from megatron_pec.pec_state import Level, PecState
+from megatron_pec.phases import Phases
 from megatron_pec.protocol import (Begin, Begun, Flush, Flushed, Granted, Hello, JobInfo, Record, Released, Settle,
                                    SlotHeader, SnapshotReady)
 from megatron_pec.slots import SlotFiles, SlotGrants, SlotSpaceError, node_dir
@@ -93,6 +94,8 @@ class Engine:
         self.resumed_from: int | None = None
         self.begins_unanswered = 0             # Begins sent whose Begun has not arrived (see _tell_timeline)
         self.stats = {"saves": 0, "skipped": 0, "persist_errors": 0}
+        self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
+        self.restore_phases = Phases()  # ... and the latest restore's
         # On GPU a snapshot completes lazily, before the next optimizer step (see finish_snapshot);
         # MEGATRON_PEC_DEFER_SNAPSHOT=1 exercises the same path on CPU in the tests.
         self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -227,63 +230,75 @@ class Engine:
     def save(self, iteration: int, scheduler, flops: float, persistent: bool, rng_key_prefix: str = "") -> None:
         if not self.config.save:
             raise CheckpointError("megatron-pec: save_checkpoint was called but --save is not set")
-        self.finish_snapshot()
-        self._collect_releases()
-        if self.run is None:
-            self._begin(None)  # no load_checkpoint before: this run starts from scratch
-        slot, why = None, None
-        if not self.agent.connected and not self._reconnect():
-            why = "the node agent is not running"
-        elif (slot := self._free_slot(persistent)) is None:
-            why = ("all snapshot slots are still held by the node agent (being persisted or sent to a peer, or "
-                   "kept for recovery); raise the save interval or pass --pec-wait-for-slot")
+        phases = self.save_phases = Phases()
+        with phases("previous snapshot"):  # (deferred: the previous one completes here, else nothing)
+            self.finish_snapshot()
+        with phases("slot"):
+            self._collect_releases()
+            if self.run is None:
+                self._begin(None)  # no load_checkpoint before: this run starts from scratch
+            slot, why = None, None
+            if not self.agent.connected and not self._reconnect():
+                why = "the node agent is not running"
+            elif (slot := self._free_slot(persistent)) is None:
+                why = ("all snapshot slots are still held by the node agent (being persisted or sent to a peer, or "
+                       "kept for recovery); raise the save interval or pass --pec-wait-for-slot")
         # All ranks snapshot or none does: the PEC bookkeeping must stay identical everywhere. The
         # agreement's all-reduce runs while the dense state (written by every snapshot, whatever the
         # plan) is copied; a plan that reads token counts waits for it, one that does not (sequential)
         # is made and copied before (a skipped snapshot leaves its slot marked "being written").
-        vote = self._start_agreement(why is None)
+        with phases("agreement"):
+            vote = self._start_agreement(why is None)
         token_blind = self.config.selection in policy.TOKEN_BLIND
         live, done, planned = None, None, None
         if slot is not None:
-            live = self.adapter.live_views()
-            faults.point("snapshot_begin", iteration=iteration)
-            self.files.invalidate(slot)
-            done = self._copy(slot, live, {NON_EXPERT})
-            faults.point("snapshot_mid", iteration=iteration)
+            with phases("copy"):
+                live = self.adapter.live_views()
+                faults.point("snapshot_begin", iteration=iteration)
+                self.files.invalidate(slot)
+                done = self._copy(slot, live, {NON_EXPERT})
+                faults.point("snapshot_mid", iteration=iteration)
             if token_blind:  # (``self.cumulative`` is not read; the agreement updates it later)
-                planned = self._plan(persistent, self.cumulative)
-                experts = self._held_items(planned[0])
-                done = self._copy(slot, live, experts) or done
-        everyone_can, cumulative = self._finish_agreement(vote)
+                with phases("plan"):
+                    planned = self._plan(persistent, self.cumulative)
+                    experts = self._held_items(planned[0])
+                with phases("copy"):
+                    done = self._copy(slot, live, experts) or done
+        with phases("agreement"):
+            everyone_can, cumulative = self._finish_agreement(vote)
         if not everyone_can:
             if slot is not None:
                 self.grants.add([slot])  # still ours; its header says "being written", never restorable
             self._skip(iteration, why or "another rank cannot snapshot (see its warning)")
             return
         if planned is None:
-            planned = self._plan(persistent, cumulative)
-            experts = self._held_items(planned[0])
-            done = self._copy(slot, live, experts) or done
+            with phases("plan"):
+                planned = self._plan(persistent, cumulative)
+                experts = self._held_items(planned[0])
+            with phases("copy"):
+                done = self._copy(slot, live, experts) or done
         snapshot_set, persist_set = planned
         self.rewrite_all = self.rewrite_all and not persistent
         written = {NON_EXPERT} | experts
         faults.point("snapshot_end", iteration=iteration)
-        self.pec.snapshot.record(snapshot_set, iteration, cumulative)
-        if persistent:
-            self.pec.persist.record(persist_set, iteration, cumulative)
-        header = SlotHeader(
-            job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root, rank=self.rank,
-            world_size=self.world_size, iteration=iteration, items=dict.fromkeys(sorted(written), iteration),
-            tokens=self.held.column(cumulative) if self.held else {},
-            small=smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)),
-            pec=self.pec.dumps(self.held), run=self.run)
-        persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
-        # (only what skipped attempts wrote besides ``written``: usually nothing, the header names the rest)
-        announcement = SnapshotReady(slot, iteration, persistent, persist_items,
-                                     sorted(self.written_into[slot] - written))
+        with phases("metadata"):
+            self.pec.snapshot.record(snapshot_set, iteration, cumulative)
+            if persistent:
+                self.pec.persist.record(persist_set, iteration, cumulative)
+            header = SlotHeader(
+                job_id=self.config.job_id, fingerprint=self.fingerprint, save=self.save_root, rank=self.rank,
+                world_size=self.world_size, iteration=iteration, items=dict.fromkeys(sorted(written), iteration),
+                tokens=self.held.column(cumulative) if self.held else {},
+                small=smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)),
+                pec=self.pec.dumps(self.held), run=self.run)
+            persist_items = sorted(item_name(e) for e in persist_set) if persistent and self.expert_layout else None
+            # (only what skipped attempts wrote besides ``written``: usually nothing, the header names the rest)
+            announcement = SnapshotReady(slot, iteration, persistent, persist_items,
+                                         sorted(self.written_into[slot] - written))
         self.pending = (slot, header, announcement, done)
         if not self.deferred:
-            self.finish_snapshot()
+            with phases("hand-off"):
+                self.finish_snapshot()
 
     def _start_agreement(self, ok: bool):
         """The one collective of a save, started: a single small all-reduce over all ranks that sums
@@ -470,18 +485,18 @@ class Engine:
 
         ``pretrained`` (--pretrained-checkpoint): when ``root`` holds nothing, fine-tune from it,
         as Megatron does; it must then hold a megatron-pec checkpoint."""
-        started = time.perf_counter()
-        self.settle()
-        settled = time.perf_counter()
-        result = Loader(self._load_context(), root).load() if root else None
-        timings = (started, settled, time.perf_counter())
+        phases = self.restore_phases = Phases()
+        with phases("waiting for the agent"):
+            self.settle()
+        with phases("choosing, other"):  # (the loader's own phases inside)
+            result = Loader(self._load_context(phases), root).load() if root else None
         if result is None and pretrained:
             if self.rank == 0:
                 say(f"megatron-pec: no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint "
                     f"{pretrained} (weights only, iteration 0)")
             self.config = dataclasses.replace(self.config, finetune=True)
-            result = Loader(self._load_context(), pretrained).load()
-            timings = (started, settled, time.perf_counter())
+            with phases("choosing, other"):
+                result = Loader(self._load_context(phases), pretrained).load()
             if result is None:
                 raise CheckpointError(
                     f"megatron-pec: --pretrained-checkpoint {pretrained} holds no megatron-pec checkpoint; "
@@ -490,7 +505,7 @@ class Engine:
         if result is None:
             self._begin(None)
             return 0, 0
-        return self._apply(result, scheduler, rng_key_prefix, timings)
+        return self._apply(result, scheduler, rng_key_prefix, phases)
 
     def megatron_checkpoint(self, root: str) -> str | None:
         """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:
@@ -511,7 +526,7 @@ class Engine:
         self.rewrite_all = True
         self._begin(iteration)
 
-    def _load_context(self) -> LoadContext:
+    def _load_context(self, phases: Phases | None = None) -> LoadContext:
         return LoadContext(
             rank=self.rank, node_dir=self.node_dir, job_id=self.config.job_id, fingerprint=self.fingerprint,
             topology=self.adapter.topology, config=self.config,
@@ -519,37 +534,34 @@ class Engine:
             experts_held=tuple(self.adapter.experts_held), all_experts=tuple(self.all_experts),
             num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll,
             layout=self.layout, mapped_slots=self.files.mapped() if self.files is not None else {},
-            slot_table=self.files.table if self.files is not None else None)
+            slot_table=self.files.table if self.files is not None else None, phases=phases or Phases())
 
-    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str,
-               timings: tuple[float, float, float]) -> tuple[int, float]:
+    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str, phases: Phases) -> tuple[int, float]:
         """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state;
-        ``timings`` (start, agent settled, loader done) go into the log."""
+        where the restore's time went (``phases``) goes into the log."""
         config = self.config
         load_optim = not (config.no_load_optim or config.finetune)
         self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
                              load_rng=not (config.no_load_rng or config.finetune), finetune=config.finetune,
-                             rng_key_prefix=rng_key_prefix)
+                             rng_key_prefix=rng_key_prefix, phases=phases)
         # No older file of this layout holds this rank's experts: until a persistent save has written
         # them all, a partial one would leave versions only the other layout's files hold.
         self.rewrite_all = result.resharded
-        if result.pec is not None:
-            self.pec = result.pec.laid_out(self.order) if self.order else result.pec
-            if self.order:
-                self.cumulative.update({x: v for x, v in result.tokens_at_target.items() if x in self.order.index})
-            if not config.dynamic_k:  # flags win over the restored K unless Dynamic-K owns it
-                fresh = self._initial_pec_state()
-                self.pec.set_k(fresh.snapshot.k, fresh.persist.k)
+        with phases("PEC state"):
+            if result.pec is not None:
+                self.pec = result.pec.laid_out(self.order) if self.order else result.pec
+                if self.order:
+                    self.cumulative.update({x: v for x, v in result.tokens_at_target.items()
+                                            if x in self.order.index})
+                if not config.dynamic_k:  # flags win over the restored K unless Dynamic-K owns it
+                    fresh = self._initial_pec_state()
+                    self.pec.set_k(fresh.snapshot.k, fresh.persist.k)
         for line in result.log_lines(self.rank):
             say(line)
-        started, settled, read = timings
-        applied = time.perf_counter()
         iteration = 0 if config.finetune else result.iteration
-        self._begin(iteration)
-        done = time.perf_counter()
-        say(f"megatron-pec: rank {self.rank}: restore took {done - started:.3f} s (waiting for the agent "
-            f"{settled - started:.3f} s, choosing, reading and checking {read - settled:.3f} s, applying "
-            f"{applied - read:.3f} s, telling the agent the new timeline {done - applied:.3f} s)")
+        with phases("telling the agent the new timeline"):
+            self._begin(iteration)
+        say(f"megatron-pec: rank {self.rank}: restore took {phases.total():.3f} s ({phases.describe()})")
         return iteration, result.small["num_floating_point_operations_so_far"]
 
     def close(self, detach: bool = True) -> None:

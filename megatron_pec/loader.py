@@ -28,6 +28,7 @@ from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
 from megatron_pec.pec_state import PecState
+from megatron_pec.phases import Phases
 from megatron_pec.protocol import Manifest, RankLayout
 from megatron_pec.smallstate import loads as load_small_state
 from megatron_pec.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
@@ -61,6 +62,7 @@ class LoadContext:
     layout: RankLayout | None = None    # where this rank's slices lie globally (restores onto another layout)
     mapped_slots: dict = field(default_factory=dict)  # path -> the trainer's own mapping of its slot file
     slot_table: tuple | None = None     # (JSON, entries) of the tensor table the trainer's slots hold
+    phases: Phases = field(default_factory=Phases)  # where this load's time goes (the engine's)
 
 
 @dataclass
@@ -103,24 +105,26 @@ class Loader:
     # ---- 7. agree ------------------------------------------------------------------------------
     def load(self) -> RestoreResult | None:
         """The restore every rank agreed on, read and verified; None when there is nothing to restore."""
-        ctx = self.ctx
+        ctx, phases = self.ctx, self.ctx.phases
         error, memory, stored, manifests = None, [], {}, {}
-        try:
-            memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root),
-                                    ctx.mapped_slots, ctx.slot_table)
-        except SourceError as exc:
-            error = f"megatron-pec: {exc}"
-        newest = self._newest_committed()
+        with phases("listing sources"):
+            try:
+                memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root),
+                                        ctx.mapped_slots, ctx.slot_table)
+            except SourceError as exc:
+                error = f"megatron-pec: {exc}"
+            newest = self._newest_committed()
         other = newest if newest is not None and newest.fingerprint != ctx.fingerprint else None
         if other is not None and self.coll.all_ok(error is None and not memory):
             return self._reshard(other)
-        if error is None:
-            try:
-                stored, manifests = storage_sources(self.root, self.rank, ctx.fingerprint, ctx.topology,
-                                                    self.storage, {newest.iteration: newest} if newest else None)
-            except SourceError as exc:
-                error = f"megatron-pec: {exc}"
-        self._warn_stale_tracker(manifests)
+        with phases("listing sources"):
+            if error is None:
+                try:
+                    stored, manifests = storage_sources(self.root, self.rank, ctx.fingerprint, ctx.topology,
+                                                        self.storage, {newest.iteration: newest} if newest else None)
+                except SourceError as exc:
+                    error = f"megatron-pec: {exc}"
+            self._warn_stale_tracker(manifests)
         candidates = {s.iteration for s in memory} | set(stored)
         # First every rank plans its own newest iteration: the plan's all-reduce also says whether it
         # is every rank's (usually), then that one collective is the whole agreement. Otherwise, and
@@ -132,13 +136,16 @@ class Loader:
             if agreed.failed:
                 raise CheckpointError(error or ANOTHER_RANK_FAILED)
             if agreed.every_rank_can:
-                self._retire_newer(target)
-                return self._decide(target, plan, agreed.accounted, agreed.state)
+                with phases("listing sources"):  # (the directory's bookkeeping)
+                    self._retire_newer(target)
+                with phases("deciding"):
+                    return self._decide(target, plan, agreed.accounted, agreed.state)
             if agreed.same_iteration:
                 say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
                     f"{unreadable or 'another rank cannot'}; falling back to an older checkpoint")
                 excluded.add(target)
-            target = self._agree(candidates, excluded)
+            with phases("agreeing"):
+                target = self._agree(candidates, excluded)
             if target is None:
                 if excluded:
                     raise CheckpointError(f"megatron-pec: no valid checkpoint left under {self.root} after "
@@ -234,8 +241,11 @@ class Loader:
         from the agreed (oldest) versions: two more all-reduces."""
         if target is None or listing_error is not None:
             plan, error = {NON_EXPERT: None}, listing_error or "no checkpoint to restore"
-            return plan, error, self._agree_plan(target, plan, error, {}, listing_error is not None)
-        dense, dense_error = self._dense_source(target, memory, stored)
+            with self.ctx.phases("agreeing"):
+                return plan, error, self._agree_plan(target, plan, error, {}, listing_error is not None)
+        phases = self.ctx.phases
+        with phases("reading and checking"):
+            dense, dense_error = self._dense_source(target, memory, stored)
         persisted = max((i for i in manifests if i <= target), default=None)
         manifest_t = manifests.get(persisted)
         held = [item_name(x) for x in self.ctx.experts_held]
@@ -246,20 +256,25 @@ class Loader:
                 versions.append(manifest_t.experts[item])
             best[item] = max(versions, default=None)
         plan = self._sources(dense, best, memory, stored, manifest_t)
-        error = self._open(plan, target, dense_error)
-        agreed = self._agree_plan(target, plan, error, best)
+        with phases("reading and checking"):
+            error = self._open(plan, target, dense_error)
+        with phases("agreeing"):
+            agreed = self._agree_plan(target, plan, error, best)
         if agreed.versions is None:
             return plan, error, agreed
         plan = self._sources(dense, agreed.versions, memory, stored, manifest_t)
         # Where some rank lacks the agreed version, everyone takes the persisted one (shared storage).
-        retry = self._agree_flags([plan[i] is None for i in held])
+        with phases("agreeing"):
+            retry = self._agree_flags([plan[i] is None for i in held])
         for item, redo in zip(held, retry):
             if redo:
                 version = manifest_t.experts.get(item) if manifest_t else None
                 plan[item] = expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t) \
                     if version is not None else None
-        error = self._open(plan, target, dense_error)
-        return plan, error, self._agree_plan(target, plan, error)
+        with phases("reading and checking"):
+            error = self._open(plan, target, dense_error)
+        with phases("agreeing"):
+            return plan, error, self._agree_plan(target, plan, error)
 
     def _sources(self, dense: Source | None, versions: dict[str, int | None], memory: list[Source],
                  stored: dict[int, Source], manifest_t: Manifest | None) -> dict[str, Source | None]:

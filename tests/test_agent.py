@@ -175,6 +175,25 @@ def test_partial_restore_reads_and_checks_only_the_experts_it_needs(trainers):
         storage_source(root, 10, entry).open(PosixStorage(), {"L1.E2"})
 
 
+def test_a_flush_leaves_the_agents_cpu_time_by_phase(trainers):
+    """The benchmarks' breakdown of what persisting costs: after a flush the agent's ledger holds its
+    CPU time in each phase of the snapshots so far, within its whole CPU time."""
+    from megatron_pec.agent.cpu import read_ledger
+    from megatron_pec.protocol import Flush
+
+    t0, t1 = trainers(0), trainers(1)
+    assert read_ledger(t0.directory) is None  # nothing written before a flush
+    for t in (t0, t1):
+        t.snapshot(10)
+    for t in (t0, t1):  # (a partial snapshot: the agent carries the other experts in)
+        t.snapshot(20, ["L1.E1"], written=("dense", "L1.E1"))
+    t0.client.request(Flush(), Flushed, timeout=30)
+    ledger = read_ledger(t0.directory)
+    assert set(ledger["phases"]) == {"checking and writing", "node-memory index", "committing", "carrying"}
+    assert all(s >= 0 for s in ledger["phases"].values())
+    assert 0 < sum(ledger["phases"].values()) <= ledger["process_s"]
+
+
 def test_retention_keeps_referenced_versions(trainers):
     t0, t1 = trainers(0, keep=1), trainers(1, keep=1)
     for iteration in (10, 20, 30):

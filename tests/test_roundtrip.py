@@ -39,6 +39,12 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir, deferred):
             assert r[leg]["returned"] == [6, 600.0], leg
             assert r[leg]["differences"] == [], f"{leg}: state differs from iteration 6 in {r[leg]['differences']}"
             assert r[leg]["losses"] == r["reference"], f"{leg}: losses after restore differ"
+        # Where a save's and a restore's time went (the benchmarks' breakdowns): every phase timed.
+        assert list(r["save_phases"]) == ["previous snapshot", "slot", "agreement", "copy", "plan", "metadata"] + \
+            (["hand-off"] if deferred == "0" else []), r["save_phases"]
+        assert all(s >= 0 for s in r["save_phases"].values()) and r["save_phases"]["copy"] > 0
+        for leg in ("memory", "storage"):
+            assert {"reading and checking", "agreeing", "copy", "param sync"} <= set(r[leg]["phases"]), r[leg]
         assert f"megatron-pec: rank {rank}: restored iteration 6 from memory" in proc.stdout
         assert f"megatron-pec: rank {rank}: restored iteration 6 from storage" in proc.stdout
     # Never Megatron's legacy marker inside iter_*; nothing unpickled (format is safetensors + JSON).

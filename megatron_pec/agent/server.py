@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from megatron_pec import faults, manifest
 from megatron_pec.agent.carry import carry_forward
+from megatron_pec.agent.cpu import FILE as CPU_LEDGER, CpuLedger
 from megatron_pec.agent.memory import INDEX, JobKey, NodeMemory
 from megatron_pec.agent import peers
 from megatron_pec.agent.persist import check_and_persist
@@ -121,6 +122,7 @@ class Agent:
         self.pending_work = False  # a job is queued or running
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
+        self.cpu = CpuLedger(directory)                 # the worker's CPU time by phase (benchmarks)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -186,7 +188,7 @@ class Agent:
                 pass
         if not self.keep_shm:
             for name in os.listdir(self.directory):
-                if ".slot" in name or name == INDEX:
+                if ".slot" in name or name in (INDEX, CPU_LEDGER):
                     os.unlink(os.path.join(self.directory, name))
             if self.replica_store is not None:
                 self.replica_store.clear()
@@ -318,6 +320,7 @@ class Agent:
             else:  # Flush: everything queued before it is done first
                 while carries:
                     self._finish(*carries.popleft())
+                self._write_cpu_ledger()
                 self._send(job[0].conn, Flushed())
             with self.lock:  # after every step: a stale "busy" kept the agent alive forever
                 self.pending_work = bool(carries) or not self.jobs.empty()
@@ -459,23 +462,26 @@ class Agent:
         target = manifest.rank_file(root, msg.iteration, rank) if msg.persist else None
         persist_items = set(msg.persist_items) if msg.persist_items is not None else None
         try:
-            record, file = check_and_persist(slot_path(self.directory, rank, msg.slot), msg.iteration,
-                                             link.run or "", link.key, persist_items, target, self.storage,
-                                             self.slots)
+            with self.cpu("checking and writing"):
+                record, file = check_and_persist(slot_path(self.directory, rank, msg.slot), msg.iteration,
+                                                 link.run or "", link.key, persist_items, target, self.storage,
+                                                 self.slots)
         except Exception:
             if target is not None:
                 self.failed.add((root, msg.iteration))
             self.memory.write()
             self._recorded(rank)
             raise
-        self.memory.record(rank, msg.slot, record)  # restorable now; phase 7 adds the carried experts
-        self.memory.write()
+        with self.cpu("node-memory index"):
+            self.memory.record(rank, msg.slot, record)  # restorable now; phase 7 adds the carried experts
+            self.memory.write()
         self._recorded(rank)
         if target is None:
             return record, None
         try:
             entry = RankFile(file=manifest.relative(root, target), **file)
-            self._node_progress(link.job, msg.iteration, rank, entry)
+            with self.cpu("committing"):
+                self._node_progress(link.job, msg.iteration, rank, entry)
         except Exception as exc:  # the snapshot itself is sound: it still serves node memory
             return record, f"{type(exc).__name__}: {exc}"
         return record, None
@@ -500,10 +506,12 @@ class Agent:
     def _finish(self, link: Link, msg: SnapshotReady, record: SlotRecord, error: str | None) -> None:
         """Phase 7: carry experts forward, record the slot, release it, grant what is free now."""
         rank = link.rank
-        record = self._carry(rank, msg.slot, record, link.key)
+        with self.cpu("carrying"):
+            record = self._carry(rank, msg.slot, record, link.key)
         faults.point("agent_carried", iteration=msg.iteration)
-        self.memory.record(rank, msg.slot, record)
-        self.memory.write()
+        with self.cpu("node-memory index"):
+            self.memory.record(rank, msg.slot, record)
+            self.memory.write()
         self.granted_since[(rank, msg.slot)] = set()
         if self.replicator is not None and self.memory.on_lineage(rank, record):
             self._publish(link.job)
@@ -532,6 +540,12 @@ class Agent:
         except (OSError, FormatError, ValueError) as exc:
             log(f"rank {rank}: cannot carry experts forward into iteration {record.iteration}: {exc}")
             return record
+
+    def _write_cpu_ledger(self) -> None:
+        try:
+            self.cpu.write()
+        except OSError as exc:  # (only the benchmarks read it)
+            log(f"cannot write {self.cpu.path}: {exc}")
 
     def _node_progress(self, job: JobInfo, iteration: int, rank: int, entry: RankFile) -> None:
         key = (job.save, iteration)

@@ -18,6 +18,7 @@ from megatron_pec.items import ExpertId
 from megatron_pec.megatron import collect, contiguous, layout, restore
 from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.tokens import TokenCounter
+from megatron_pec.phases import Phases
 from megatron_pec.protocol import GlobalParam, RankLayout
 
 
@@ -203,42 +204,48 @@ class MegatronAdapter:
 
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, small: dict, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
-                load_rng: bool, finetune: bool, rng_key_prefix: str = "") -> None:
+                load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None) -> None:
         """Phase 9 on this rank: saved slices into the optimizer shards, then model params (the DDP
-        param all-gather), scheduler, RNG and Megatron's ``args`` side effects.
+        param all-gather), scheduler, RNG and Megatron's ``args`` side effects; each part timed in
+        ``phases``.
 
         Without ``load_optim`` only the main params (the weights) are restored.
         """
-        if load_optim and small["optimizer"] is None:
-            # saved before the first optimizer step: the optimizer goes back to having no state
-            restore.clear_optimizer_state(self.optimizer)
-            self._live = None
-            targets = self._param_views()
-        elif load_optim:
-            if not restore.restore_optimizer(self.optimizer,
-                                             restore.fit_optimizer_state(small["optimizer"], self.optimizers)):
-                self._live = None  # the optimizer's tensors were replaced (allocated anew)
-            # (binding anew places the state contiguously: its values need no copy when every slice
-            # of it is overwritten next, 0.7 s of a restore at 90k slices)
-            targets = self.live_views(keep_values=not all(s.name in tensors for s in self.slot_slices))
-        else:
-            targets = self._param_views()
-        pairs = [(targets[s.name], tensors[s.name]) for s in self.slot_slices
-                 if s.name in targets and s.name in tensors]
-        restore.copy_slices([live for live, _ in pairs], [saved for _, saved in pairs])
-        restore.sync_model_params(self.model, self.optimizer)
-        restore.restore_buffers(self.buffers, small.get("buffers"))
-        if scheduler is not None and load_optim and small["scheduler"] is not None:
-            restore.restore_scheduler(scheduler, small["scheduler"])
-        saved_prefix = small.get("rng_key_prefix", "")
-        if load_rng and saved_prefix != rng_key_prefix:
-            if self.rank == 0:
-                print(f"megatron-pec: WARNING the checkpoint's RNG state was saved under rng_state_key_prefix "
-                      f"{saved_prefix!r}, this load asks for {rng_key_prefix!r}: RNG state not restored",
-                      flush=True)
-        elif load_rng:
-            restore.restore_rng(small["rng"])
-        restore.restore_args(self.args, small, finetune)
+        phases = phases or Phases()
+        with phases("optimizer state"):
+            if load_optim and small["optimizer"] is None:
+                # saved before the first optimizer step: the optimizer goes back to having no state
+                restore.clear_optimizer_state(self.optimizer)
+                self._live = None
+                targets = self._param_views()
+            elif load_optim:
+                if not restore.restore_optimizer(self.optimizer,
+                                                 restore.fit_optimizer_state(small["optimizer"], self.optimizers)):
+                    self._live = None  # the optimizer's tensors were replaced (allocated anew)
+                # (binding anew places the state contiguously: its values need no copy when every slice
+                # of it is overwritten next, 0.7 s of a restore at 90k slices)
+                targets = self.live_views(keep_values=not all(s.name in tensors for s in self.slot_slices))
+            else:
+                targets = self._param_views()
+        with phases("copy"):
+            pairs = [(targets[s.name], tensors[s.name]) for s in self.slot_slices
+                     if s.name in targets and s.name in tensors]
+            restore.copy_slices([live for live, _ in pairs], [saved for _, saved in pairs])
+        with phases("param sync"):
+            restore.sync_model_params(self.model, self.optimizer)
+        with phases("other state"):
+            restore.restore_buffers(self.buffers, small.get("buffers"))
+            if scheduler is not None and load_optim and small["scheduler"] is not None:
+                restore.restore_scheduler(scheduler, small["scheduler"])
+            saved_prefix = small.get("rng_key_prefix", "")
+            if load_rng and saved_prefix != rng_key_prefix:
+                if self.rank == 0:
+                    print(f"megatron-pec: WARNING the checkpoint's RNG state was saved under rng_state_key_prefix "
+                          f"{saved_prefix!r}, this load asks for {rng_key_prefix!r}: RNG state not restored",
+                          flush=True)
+            elif load_rng:
+                restore.restore_rng(small["rng"])
+            restore.restore_args(self.args, small, finetune)
 
     def _param_views(self) -> dict[str, torch.Tensor]:
         """The main-param views only (``--no-load-optim``: Adam may have no state yet)."""

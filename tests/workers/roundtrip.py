@@ -92,6 +92,7 @@ def main():
             placed = collect.live_views(api._engine.adapter.slices, optimizer)
             unchanged = all(torch.equal(before[k], placed[k]) for k in before)
     at_n = capture(args, model, optimizer, scheduler)
+    save_phases = dict(api._engine.save_phases.seconds)  # (the last save's: persistent)
     # Every save asked the optimizer's state_dict with one parameter per group, checked once
     # against the full one: check it again here, after training, on this megatron-core.
     trimmed_state = api._engine.adapter.optimizer_state
@@ -117,7 +118,9 @@ def main():
         loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
         after = capture(args, model, optimizer, scheduler)
         resumed = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
-        result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed}
+        result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed,
+                       "phases": list(api._engine.restore_phases.seconds)}
+    result["save_phases"] = save_phases
     # A restart's optimizer has no state yet: the restore allocates it without Megatron's load_state_dict
     # (torch's is quadratic in the params), leaving exactly what that would have left.
     structures = {}

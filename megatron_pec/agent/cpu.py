@@ -1,0 +1,50 @@
+"""The agent's CPU time by what it was doing: the benchmarks' breakdown of what persisting costs.
+
+The worker thread charges each part of its work (``with ledger("carrying"): ...``) the process
+CPU time (every thread of it: the checksum thread works for the writes) spent meanwhile; the
+ledger is written to ``<node dir>/agent_cpu.json`` when a trainer flushes. The agent's whole CPU
+time is in it too: the rest (serving messages, replication's threads) is the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+
+FILE = "agent_cpu.json"
+
+
+class CpuLedger:
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, FILE)
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        started = time.process_time()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.process_time() - started
+
+    def write(self) -> None:
+        """The ledger and the process's CPU seconds so far, replaced atomically (node memory is tmpfs)."""
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"phases": self.seconds, "process_s": time.process_time()}, f)
+        os.replace(tmp, self.path)
+
+
+def read_ledger(directory: str) -> dict | None:
+    """What the node agent of ``directory`` wrote at the last flush (None: nothing yet)."""
+    try:
+        with open(os.path.join(directory, FILE)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("phases"), dict) else None
+
+
+__all__ = ["CpuLedger", "read_ledger", "FILE"]
