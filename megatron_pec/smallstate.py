@@ -43,7 +43,8 @@ def _encode(obj):
 
 def _decode(obj):
     if isinstance(obj, list):
-        return [_decode(v) for v in obj]
+        # Fast path for the 625 ints of Python's RNG state, decoded at every restore.
+        return obj if all(type(v) is int for v in obj) else [_decode(v) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if "__float__" in obj:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 
 from megatron_pec.protocol import SlotHeader, SlotRecord
 from megatron_pec.slots import SlotCache
@@ -43,7 +44,7 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
         kept = {i for i, v in take.items() if i not in written and previous.items.get(i) == v
                 and previous.crcs.get(i) == base_record.crcs[i]}
     mapping, header = slots.open(path)
-    base_mapping, base_tensors = slots.open(base_path)
+    _, base_tensors = slots.open(base_path)
     same = base_tensors.tensors is header.tensors or base_tensors.tensors == header.tensors
     source = None if same else {e.name: e for e in base_tensors.tensors}
     copies = []  # (to, from, length), adjacent ones joined: one memcpy per run of carried bytes
@@ -57,7 +58,18 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
                 copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + n)
             else:
                 copies.append((to, frm, n))
-    _copy_runs(mapping, base_mapping, base_path, copies)
+    # Read from the base's file, not copied between the mappings: a memcpy in Python holds the GIL
+    # for its whole length, a read lets the agent's other threads answer meanwhile (a trainer's
+    # Settle waited out whole carries). A numpy copy between the mappings (GIL released, twice as
+    # fast alone) cost the agent more: 16 against 10 ms of CPU per K=1 checkpoint of the quick
+    # benchmark (its agent_cpu ledger, two runs each).
+    fd = os.open(base_path, os.O_RDONLY)
+    try:
+        with memoryview(mapping) as dst:
+            for to, frm, n in copies:
+                _read_into(fd, dst[to:to + n], frm, base_path)
+    finally:
+        os.close(fd)
     tokens = {i: base_record.tokens.get(i, base_header.tokens.get(i, 0)) for i in take}
     # The base's crcs, not recomputed: a byte the base lost in memory is then caught at restore,
     # never blessed with a fresh checksum (and the carry is one memcpy, no second pass).
@@ -66,19 +78,10 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
                                tokens={**record.tokens, **tokens})
 
 
-def _copy_runs(mapping, base_mapping, base_path: str, copies: list[tuple[int, int, int]]) -> None:
-    """Each run of carried bytes from the base slot into ``mapping``: one numpy copy between the two
-    mappings (the GIL released, so the agent's other threads answer meanwhile: a trainer's Settle
-    never waits out a carry), twice as fast as reading the base's file into it (``os.preadv``: 13 ms
-    per 64 MB against 6 ms on the development machine)."""
-    import numpy  # (here, not at module level: the agent starts without it)
-
-    dst = numpy.frombuffer(mapping, dtype=numpy.uint8)
-    src = numpy.frombuffer(base_mapping, dtype=numpy.uint8)
-    try:
-        for to, frm, n in copies:
-            if frm + n > len(src):
-                raise OSError(errno.EIO, f"{base_path} ends before byte {frm + n}")
-            numpy.copyto(dst[to:to + n], src[frm:frm + n])
-    finally:
-        del dst, src  # (views of the mappings: SlotCache closes them later)
+def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise OSError(errno.EIO, f"{path} ends before byte {offset + len(view)}")
+        done += got
