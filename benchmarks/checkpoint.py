@@ -135,7 +135,9 @@ def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
         if storage and dl.get("restore_storage_s"):
             out.append(f"{name}: restore from storage {storage * 1000:.0f} ms, checksums verified; DLRover "
                        f"{dl['restore_storage_s'] * 1000:.0f} ms (target at least as fast: "
-                       f"{verdict(storage <= dl['restore_storage_s'])})")
+                       f"{verdict(storage <= dl['restore_storage_s'])})"
+                       + (f" [ms: {report.phase_list(m['restore_storage_phases_s'])}]"
+                          if m.get("restore_storage_phases_s") else ""))
     if full.get("blocking_s_median") and full.get("memcpy_floor_s"):
         ratio = full["blocking_s_median"] / full["memcpy_floor_s"]
         out.append(f"megatron-pec K=all: blocking {ratio:.2f}× the memcpy floor "

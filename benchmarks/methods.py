@@ -134,6 +134,7 @@ class Pec(Method):
             f"megatron-pec K={label}/persist {persist_k}"
         self.engine = None
         self._job = f"bench_{ctx.run_id}_{tag}"
+        self._storage_phases = None  # the latest restore from storage's
 
     def _args(self, job_suffix=""):
         a = copy.copy(self.ctx.args)
@@ -215,6 +216,8 @@ class Pec(Method):
         return read_ledger(self.engine.node_dir)
 
     def phases(self, kind: str):
+        if kind == "storage restore":
+            return self._storage_phases
         return dict((self.engine.save_phases if kind == "save" else self.engine.restore_phases).seconds)
 
     def restore_memory(self):
@@ -242,6 +245,7 @@ class Pec(Method):
         t = time.perf_counter()
         fresh.load(self.root, c.scheduler)
         elapsed = _max(time.perf_counter() - t)
+        self._storage_phases = dict(fresh.restore_phases.seconds)
         node = fresh.node_dir
         fresh.close()
         _stop_agent(node)
@@ -479,6 +483,7 @@ class DLRover(Method):
     name = "DLRover flash ckpt"
     has_memory = True
     _phases = None  # the latest restore from memory's
+    _storage_phases = None  # ... and from storage
     persists_async = True
 
     def setup(self):
@@ -560,7 +565,7 @@ class DLRover(Method):
         return copied - t, time.perf_counter() - copied
 
     def phases(self, kind: str):
-        return self._phases if kind == "restore" else None
+        return {"restore": self._phases, "storage restore": self._storage_phases}.get(kind)
 
     def restore_memory(self):
         barrier()
@@ -575,7 +580,9 @@ class DLRover(Method):
         path = os.path.join(self.root, str(self.last), f"rank_{self.ctx.rank}.pt")
         t = self.cold_start([path])
         state = self.ckpt._engine._load_from_storage()  # what load_checkpoint does without node memory
-        self._apply(state)
+        loaded = time.perf_counter() - t
+        copy, sync = self._apply(state)
+        self._storage_phases = {"reading storage": loaded, "copy": copy, "param sync": sync}
         return _max(time.perf_counter() - t)
 
     def close(self):

@@ -77,6 +77,12 @@ def breakdown_tables(run: dict) -> list[str]:
     for name, m in ms.items():
         if m.get("restore_memory_phases_s"):
             out.append(f"| {name} | {_ms(m.get('restore_memory_s'))} | {phase_list(m['restore_memory_phases_s'])} |")
+    out += ["", "Restore from storage by phase (ms; median over the restores, each the slower rank's; each by a "
+            "fresh engine after the files left the page cache):", "",
+            "| method | restore | phases |", "|---|---|---|"]
+    for name, m in ms.items():
+        if m.get("restore_storage_phases_s"):
+            out.append(f"| {name} | {_ms(m.get('restore_storage_s'))} | {phase_list(m['restore_storage_phases_s'])} |")
     out += ["", "Persisting process (the node agent) CPU per checkpoint by phase (ms, both ranks' rank files; "
             "'other' is its CPU time outside the phases: serving messages):", "",
             "| method | CPU per checkpoint | phases |", "|---|---|---|"]

@@ -214,10 +214,12 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     # would charge the methods that persisted the most bytes: each starts after a sync and a pause)
     os.sync()
     time.sleep(STORAGE_SETTLE_S)
-    storage = []
+    storage, storage_phases = [], []
     for _ in range(STORAGE_RESTORES):
         storage.append(method.restore_storage())
+        storage_phases.append(slowest_phases(method.phases("storage restore")))
         ctx.invalidate()
+    out["restore_storage_phases_s"] = median_phases(storage_phases)
     out["restore_storage_s_all"] = storage
     out["restore_storage_s"] = median(storage)
     method.close()
