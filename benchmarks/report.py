@@ -176,7 +176,7 @@ def markdown(result: dict) -> str:
             "without node memory), started after a sync and a 3 s pause (the disk no longer flushing the "
             "method's own saves); restore from memory is the median of seven restores into the running job, its "
             "floor one memcpy of the optimizer state out of tmpfs. Throughput = iterations/s with a checkpoint every iteration "
-            "÷ without. Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
+            "÷ without (the faster of two runs without checkpoints, right before and right after the method's). Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
             "node persisted (carrying experts forward included).", ""]
     return "\n".join(out)
 
