@@ -13,8 +13,10 @@ iteration (snapshot K=8, persisted every 2nd iteration with K=4). Per E:
   header, and one copy call per run of contiguous bytes: ~1,400 runs per save here at every E);
 * the slot header (its tensor table and the metadata a save rewrites) and the persisted rank file's
   header;
-* a restart's restore from node memory (rank 0, as it logs it: choosing, reading and checking the
-  sources; applying them to Megatron), the restarted trainer's optimizer without state, as after a crash.
+* where a save's blocking time goes (the example trainer's ``save_phases_s``, medians);
+* a restart's restore from node memory (rank 0, as it logs it: reading = choosing, reading and
+  checking the sources; applying = the rest, into Megatron), the restarted trainer's optimizer
+  without state, as after a crash.
 
 ``--repo`` runs another checkout of megatron-pec (e.g. ``git worktree add /tmp/old <commit>``) for a
 before/after table. Prints a table and writes ``benchmarks/results/metadata_scale{,_<label>}.{json,md}``.
@@ -37,8 +39,11 @@ from benchmarks.common import REPO, RESULTS, machine, wait_for_quiet
 
 SHM = Path("/dev/shm/bench_helper/metadata_scale")
 WORK = Path("/tmp/bench_helper_metadata_scale")
-RESTORE_TOOK = re.compile(r"rank 0: restore took ([\d.]+) s \(waiting for the agent [\d.]+ s, choosing, reading and "
-                          r"checking ([\d.]+) s, applying ([\d.]+) s")
+RESTORE_TOOK = re.compile(r"rank 0: restore took ([\d.]+) s \((.*)\)")
+# (releases before phases.py: "waiting for the agent W s, choosing, reading and checking R s, applying A s, ...")
+OLD_PHASES = re.compile(r"choosing, reading and checking ([\d.]+) s, applying ([\d.]+) s")
+LOADER_PHASES = {"waiting for the agent", "listing sources", "reading and checking", "agreeing", "deciding",
+                 "the rest of the loader"}
 CACHE_EVICT_BYTES = 256 << 20  # written before each timed floor copy: several times any last-level cache
 MODEL = ["--num-layers", "58", "--moe-router-topk", "8", "--expert-model-parallel-size", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--moe-ffn-hidden-size", "16", "--ffn-hidden-size", "64", "--seq-length", "32",
@@ -65,9 +70,13 @@ def run(repo: Path, experts: int, iters: int) -> dict:
                       if "Error" in line and "ChildFailed" not in line), "failed")
         _stop_agents()
         return {**row, "error": error[-200:]}
-    saves = [r["save_blocking_s"] for r in map(json.loads, metrics.read_text().splitlines())
-             if r.get("save_blocking_s") is not None]
-    row["blocking_ms"] = round(1000 * statistics.median(saves[1:]), 2)
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("save_blocking_s") is not None]
+    row["blocking_ms"] = round(1000 * statistics.median(r["save_blocking_s"] for r in records[1:]), 2)
+    phases = [r["save_phases_s"] for r in records[1:] if r.get("save_phases_s")]  # (releases before: none)
+    if phases:
+        names = dict.fromkeys(name for p in phases for name in p)
+        row["save_phases_ms"] = {name: round(1000 * statistics.median(p.get(name, 0.0) for p in phases), 2)
+                                 for name in names}
     row.update(_slot_facts())
     row.update(_rank_file_facts(WORK / "ckpt"))
     row["memcpy_ms"] = round(1000 * _memcpy_s(row["bytes_per_save"]), 2)
@@ -86,8 +95,17 @@ def _restart(repo: Path, cmd: list[str], env: dict, iters: int) -> dict:
     took = RESTORE_TOOK.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or took is None:
         return {"restore_error": "the restart failed" if proc.returncode else "no restore logged"}
-    return {"restore_s": float(took.group(1)), "restore_reading_s": float(took.group(2)),
-            "restore_applying_s": float(took.group(3))}
+    old = OLD_PHASES.search(took.group(2))
+    if old:
+        return {"restore_s": float(took.group(1)), "restore_reading_s": float(old.group(1)),
+                "restore_applying_s": float(old.group(2))}
+    phases = {}
+    for part in took.group(2).split(", "):  # "copy 0.123 s"
+        name, seconds, _ = part.rsplit(" ", 2)
+        phases[name] = float(seconds)
+    reading = sum(s for name, s in phases.items() if name in LOADER_PHASES)
+    return {"restore_s": float(took.group(1)), "restore_reading_s": round(reading, 3),
+            "restore_applying_s": round(sum(phases.values()) - reading, 3), "restore_phases_s": phases}
 
 
 def _slot_facts() -> dict:
@@ -162,18 +180,25 @@ def _stop_agents() -> None:
 
 def table(rows: list[dict]) -> str:
     head = ("| E per layer | tensors per rank | slot header | metadata per save | persisted header | bytes per save "
-            "| blocking | memcpy of those bytes | fixed per save | restore from memory (reading; applying) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+            "| blocking | memcpy of those bytes | fixed per save | the save's phases (ms) "
+            "| restore from memory (reading; applying) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['experts']} | failed: {r['error']} ||||||||| ")
+            lines.append(f"| {r['experts']} | failed: {r['error']} |||||||||| ")
             continue
         lines.append(f"| {r['experts']} | {r['tensors_per_rank']:,} | {r['slot_header_bytes'] / 2**20:.2f} MiB | "
                      f"{r['metadata_bytes'] / 2**10:.0f} KiB | {r['rank_file_header_bytes'] / 2**10:.0f} KiB | "
                      f"{r['bytes_per_save'] / 2**20:.2f} MiB | {r['blocking_ms']:.1f} ms | {r['memcpy_ms']:.2f} ms | "
-                     f"{r['fixed_ms']:.1f} ms | {_restore_cell(r)} |")
+                     f"{r['fixed_ms']:.1f} ms | {_phases_cell(r.get('save_phases_ms'))} | {_restore_cell(r)} |")
     return "\n".join(lines)
+
+
+def _phases_cell(phases: dict | None) -> str:
+    if not phases:
+        return "-"
+    return ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(phases.items(), key=lambda kv: -kv[1]) if ms >= 0.05)
 
 
 def _restore_cell(r: dict) -> str:

@@ -211,3 +211,9 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
 def plt_so_far() -> float:
     """Accumulated portion of lost tokens of this run (0.0 before any recovery)."""
     return _engine.pec.plt if _engine is not None else 0.0
+
+
+def last_save_phases() -> dict[str, float]:
+    """Where this rank's latest save spent its blocking time: seconds by phase (``phases.py``;
+    empty before the first save)."""
+    return dict(_engine.save_phases.seconds) if _engine is not None else {}

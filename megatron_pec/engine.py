@@ -488,14 +488,14 @@ class Engine:
         phases = self.restore_phases = Phases()
         with phases("waiting for the agent"):
             self.settle()
-        with phases("choosing, other"):  # (the loader's own phases inside)
+        with phases("the rest of the loader"):  # (the loader's own phases inside)
             result = Loader(self._load_context(phases), root).load() if root else None
         if result is None and pretrained:
             if self.rank == 0:
                 say(f"megatron-pec: no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint "
                     f"{pretrained} (weights only, iteration 0)")
             self.config = dataclasses.replace(self.config, finetune=True)
-            with phases("choosing, other"):
+            with phases("the rest of the loader"):
                 result = Loader(self._load_context(phases), pretrained).load()
             if result is None:
                 raise CheckpointError(

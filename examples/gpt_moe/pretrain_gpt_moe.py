@@ -312,6 +312,8 @@ def main(argv=None) -> int:
         if metrics:
             record = {"iteration": iteration, "lm loss": loss, "save_blocking_s": save_s,
                       "plt": megatron_pec.plt_so_far(), "step_s": step_s}
+            if save_s is not None:
+                record["save_phases_s"] = megatron_pec.last_save_phases()
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
         if iteration % args.log_interval == 0 or iteration == 1:
