@@ -534,7 +534,8 @@ class Engine:
             experts_held=tuple(self.adapter.experts_held), all_experts=tuple(self.all_experts),
             num_experts=self.expert_layout.num_experts if self.expert_layout else 0, collectives=self.coll,
             layout=self.layout, mapped_slots=self.files.mapped() if self.files is not None else {},
-            slot_table=self.files.table if self.files is not None else None, phases=phases or Phases())
+            slot_table=self.files.table if self.files is not None else None,
+            slot_views=self.files.mapped_views() if self.files is not None else {}, phases=phases or Phases())
 
     def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str, phases: Phases) -> tuple[int, float]:
         """Phase 9: the loader's decision into Megatron (through the adapter) and into PEC's state;

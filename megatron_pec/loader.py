@@ -62,6 +62,7 @@ class LoadContext:
     layout: RankLayout | None = None    # where this rank's slices lie globally (restores onto another layout)
     mapped_slots: dict = field(default_factory=dict)  # path -> the trainer's own mapping of its slot file
     slot_table: tuple | None = None     # (JSON, entries) of the tensor table the trainer's slots hold
+    slot_views: dict = field(default_factory=dict)  # path -> (data start, the trainer's views of that slot)
     phases: Phases = field(default_factory=Phases)  # where this load's time goes (the engine's)
 
 
@@ -110,7 +111,7 @@ class Loader:
         with phases("listing sources"):
             try:
                 memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root),
-                                        ctx.mapped_slots, ctx.slot_table)
+                                        ctx.mapped_slots, ctx.slot_table, ctx.slot_views)
             except SourceError as exc:
                 error = f"megatron-pec: {exc}"
             newest = self._newest_committed()

@@ -118,15 +118,24 @@ class SlotFiles:
     def mapped(self) -> dict[str, mmap.mmap]:
         """path -> this process's mapping of each slot file that is still the file at that path: a
         restore reads through them, its pages already mapped (a fresh mapping faults on every page)."""
-        out = {}
-        for s, (m, identity) in enumerate(zip(self.maps, self._files)):
+        return {path: self.maps[s] for s, path in self._still_mapped()}
+
+    def mapped_views(self) -> dict[str, tuple[int, dict]]:
+        """path -> (where the data starts, name -> view) of each slot file still at that path: a
+        restore through this process's mapping takes these views instead of building them again
+        (90k of them on a large MoE rank)."""
+        return {path: (self.header.data_start, self.views[s]) for s, path in self._still_mapped()}
+
+    def _still_mapped(self) -> list[tuple[int, str]]:
+        out = []
+        for s, identity in enumerate(self._files):
             path = slot_path(self.directory, self.rank, s)
             try:
                 st = os.stat(path)
             except OSError:
                 continue
             if (st.st_dev, st.st_ino) == identity:
-                out[path] = m
+                out.append((s, path))
         return out
 
     def _map(self, path: str) -> mmap.mmap:

@@ -41,6 +41,7 @@ class Source:
     origin: int | None = None               # memory pulled from that node's replica
     mapping: object = field(default=None, repr=False)  # memory: the trainer's own mapping of the slot, if any
     known_table: tuple | None = field(default=None, repr=False)  # memory: the table the trainer writes
+    known_views: tuple | None = field(default=None, repr=False)  # memory: (data start, views) of that mapping
     _buffer: object = field(default=None, repr=False)
     _layout: Header | None = field(default=None, repr=False)
     _verified: set[str] = field(default_factory=set, repr=False)
@@ -134,8 +135,23 @@ class Source:
         pieces = [n for n in names if n in self._pieces]  # read on their own (a few experts of a file)
         out = {n: tensor_at(self._pieces[n][0], by_name[n], self._pieces[n][1]) for n in pieces}
         whole = [n for n in names if n not in self._pieces]
-        out.update(zip(whole, tensor_views(self._buffer, self._layout, [by_name[n] for n in whole])))
+        views = self._trainers_views()
+        if views is not None:
+            out.update((n, views[n]) for n in whole)
+        else:
+            out.update(zip(whole, tensor_views(self._buffer, self._layout, [by_name[n] for n in whole])))
         return out
+
+    def _trainers_views(self) -> dict | None:
+        """The trainer's own views of this slot when they view exactly these bytes: read through its
+        mapping, with its tensor table, its data at the same offset."""
+        if self.known_views is None or self.mapping is None or self._buffer is not self.mapping:
+            return None
+        data_start, views = self.known_views
+        if self.known_table is None or self._layout.tensors is not self.known_table[1] \
+                or self._layout.data_start != data_start:
+            return None
+        return views
 
 
 def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
@@ -208,18 +224,19 @@ def _runs(entries):
 
 
 def memory_sources(node_dir: str, rank: int, job: JobKey, mapped: dict | None = None,
-                   known_table: tuple | None = None) -> list[Source]:
+                   known_table: tuple | None = None, views: dict | None = None) -> list[Source]:
     """The slots of this rank that node memory's owner (the agent's index) says may serve a
     restore of ``job`` (same job, configuration and --load as --save); ``mapped``: path -> the
     trainer's own mapping of that slot file (``SlotFiles.mapped``), read instead of mapping anew;
-    ``known_table``: the tensor table the trainer writes (``SlotFiles.table``), not parsed again."""
-    mapped = mapped or {}
+    ``known_table``: the tensor table the trainer writes (``SlotFiles.table``), not parsed again;
+    ``views``: path -> the trainer's views of that mapping (``SlotFiles.mapped_views``)."""
+    mapped, views = mapped or {}, views or {}
     restorable, foreign = NodeMemory.read(node_dir).restorable(rank, job)
     for reason in foreign:
         print(f"megatron-pec: rank {rank}: ignoring node-memory slot {reason}", file=sys.stderr, flush=True)
     return [Source("memory", record.iteration, record.items, path, record.crcs, header=header,
                    carried_tokens=record.tokens, origin=record.origin, mapping=mapped.get(path),
-                   known_table=known_table)
+                   known_table=known_table, known_views=views.get(path))
             for path, record, header in restorable]
 
 

@@ -363,6 +363,25 @@ def test_a_snapshot_is_restorable_before_its_experts_are_carried(trainers, monke
         assert names and all(float(v.flatten()[0]) == value for v in source.tensors(names).values()), item
 
 
+def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
+    """A restore reading the trainer's own slot through its mapping takes the views the trainer
+    already has of it (no 90k new ones on a large rank): the same objects, the verified bytes."""
+    from megatron_pec.sources import memory_sources
+
+    t = trainers(0, nodes=1)
+    slot, _ = t.snapshot(1, persist=False)
+    job = JobKey("t", "f", t.root)
+    (own,) = memory_sources(t.directory, 0, job, t.files.mapped(), t.files.table, t.files.mapped_views())
+    (fresh,) = memory_sources(t.directory, 0, job)
+    names = set(t.files.views[slot])
+    for source in (own, fresh):
+        source.open(PosixStorage())
+    taken, built = own.tensors(names), fresh.tensors(names)
+    assert all(taken[n] is t.files.views[slot][n] for n in names)
+    assert not any(built[n] is t.files.views[slot][n] for n in names)
+    assert all(torch.equal(taken[n], built[n]) and float(taken[n][0]) == 1.5 for n in names)
+
+
 def test_settle_answers_only_once_every_announced_snapshot_is_recorded(trainers):
     """A restore first asks the agent to Settle. The answer may come from the connection's own thread
     (not queued behind carries and commits), so it must still never precede the record of a snapshot
