@@ -62,35 +62,33 @@ def restore_floor(fl: dict) -> float:
 
 
 def breakdown_tables(run: dict) -> list[str]:
-    """Where a save's, a memory restore's and the persisting process's time goes, per method."""
+    """Where a save's, a memory restore's, a storage restore's and the persisting process's time goes,
+    per method."""
     ms, fl = run["methods"], run["floors"]
-    out = ["Blocking save by phase (ms; median over the measured saves, each the slower rank's; floor: one "
-           "memcpy of the snapshot's bytes):", "",
-           "| method | blocking | floor | phases |", "|---|---|---|---|"]
-    for name, m in ms.items():
-        if m.get("save_phases_s"):
-            out.append(f"| {name} | {_ms(m.get('blocking_s_median'))} | {_ms(m.get('memcpy_floor_s'))} "
-                       f"| {phase_list(m['save_phases_s'])} |")
-    out += ["", "Restore from node memory by phase (ms; median over the restores, each the slower rank's; "
-            f"floor: one memcpy of the optimizer state out of tmpfs, {restore_floor(fl) * 1000:.1f} ms):", "",
-            "| method | restore | phases |", "|---|---|---|"]
-    for name, m in ms.items():
-        if m.get("restore_memory_phases_s"):
-            out.append(f"| {name} | {_ms(m.get('restore_memory_s'))} | {phase_list(m['restore_memory_phases_s'])} |")
-    out += ["", "Restore from storage by phase (ms; median over the restores, each the slower rank's; each by a "
-            "fresh engine after the files left the page cache):", "",
-            "| method | restore | phases |", "|---|---|---|"]
-    for name, m in ms.items():
-        if m.get("restore_storage_phases_s"):
-            out.append(f"| {name} | {_ms(m.get('restore_storage_s'))} | {phase_list(m['restore_storage_phases_s'])} |")
-    out += ["", "Persisting process (the node agent) CPU per checkpoint by phase (ms, both ranks' rank files; "
-            "'other' is its CPU time outside the phases: serving messages):", "",
-            "| method | CPU per checkpoint | phases |", "|---|---|---|"]
-    for name, m in ms.items():
-        if m.get("agent_cpu_by_phase_s_per_save"):
-            per = m["agent_cpu_by_phase_s_per_save"]
-            out.append(f"| {name} | {sum(per.values()) * 1000:.1f} | {phase_list(per)} |")
-    return out + [""]
+    out = _phase_table(
+        ms, "save_phases_s", "Blocking save by phase (ms; median over the measured saves, each the slower rank's; "
+        "floor: one memcpy of the snapshot's bytes):", ["blocking", "floor"],
+        lambda m: [_ms(m.get("blocking_s_median")), _ms(m.get("memcpy_floor_s"))])
+    out += _phase_table(
+        ms, "restore_memory_phases_s", "Restore from node memory by phase (ms; median over the restores, each the "
+        f"slower rank's; floor: one memcpy of the optimizer state out of tmpfs, {restore_floor(fl) * 1000:.1f} ms):",
+        ["restore"], lambda m: [_ms(m.get("restore_memory_s"))])
+    out += _phase_table(
+        ms, "restore_storage_phases_s", "Restore from storage by phase (ms; median over the restores, each the "
+        "slower rank's; each by a fresh engine after the files left the page cache):",
+        ["restore"], lambda m: [_ms(m.get("restore_storage_s"))])
+    out += _phase_table(
+        ms, "agent_cpu_by_phase_s_per_save", "Persisting process (the node agent) CPU per checkpoint by phase (ms, "
+        "both ranks' rank files; 'other' is its CPU time outside the phases: serving messages):",
+        ["CPU per checkpoint"], lambda m: [f"{sum(m['agent_cpu_by_phase_s_per_save'].values()) * 1000:.1f}"])
+    return out
+
+
+def _phase_table(ms: dict, key: str, title: str, columns: list[str], cells) -> list[str]:
+    """A table of the methods that measured ``key`` (seconds by phase): ``columns`` (``cells(method)``)
+    before the phases, largest first."""
+    rows = [f"| {name} | {' | '.join(cells(m))} | {phase_list(m[key])} |" for name, m in ms.items() if m.get(key)]
+    return [title, "", f"| method | {' | '.join(columns)} | phases |", "|---" * (len(columns) + 2) + "|", *rows, ""]
 
 
 def headline(result: dict) -> str:

@@ -11,25 +11,30 @@ calls per block.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 
 class Phases:
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
         self.seconds: dict[str, float] = {}
-        self._inner: list[float] = []  # per open block: the time of the blocks inside it so far
+        self._clock = clock
+        self._open: list[list] = []  # per open block: [name, start, the time of the blocks inside it]
 
-    @contextmanager
-    def __call__(self, name: str):
-        started = time.perf_counter()
-        self._inner.append(0.0)
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - started
-            self.add(name, elapsed - self._inner.pop())
-            if self._inner:
-                self._inner[-1] += elapsed
+    # A context manager of its own, not @contextmanager: a save times nine blocks, each of which
+    # would allocate a generator (1.9 against 0.7 us a block here).
+    def __call__(self, name: str) -> "Phases":
+        self._open.append([name, 0.0, 0.0])
+        return self
+
+    def __enter__(self) -> "Phases":
+        self._open[-1][1] = self._clock()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        name, started, inner = self._open.pop()
+        elapsed = self._clock() - started
+        self.add(name, elapsed - inner)
+        if self._open:
+            self._open[-1][2] += elapsed
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
