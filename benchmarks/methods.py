@@ -195,7 +195,7 @@ class Pec(Method):
     def snapshot_bytes(self):
         from megatron_pec.agent.memory import NodeMemory
 
-        newest = NodeMemory.read(self.engine.node_dir).newest(self.ctx.rank)
+        newest = NodeMemory.read(self.engine.job.node_dir).newest(self.ctx.rank)
         if newest is None:
             return None
         record = newest[1]
@@ -206,14 +206,14 @@ class Pec(Method):
     def background_cpu_s(self):
         from megatron_pec.agent.client import agent_pid
 
-        pid = agent_pid(self.engine.node_dir)
+        pid = agent_pid(self.engine.job.node_dir)
         return process_cpu_s(pid) if pid else None
 
     def background_cpu_phases(self):
         from megatron_pec.agent.cpu import read_ledger
 
         self.engine.flush()  # (the agent writes its ledger when flushed)
-        return read_ledger(self.engine.node_dir)
+        return read_ledger(self.engine.job.node_dir)
 
     def phases(self, kind: str):
         if kind == "storage restore":
@@ -234,7 +234,7 @@ class Pec(Method):
 
         c = self.ctx
         if self.engine is not None:  # the training engine and its memory go first, as with a lost node
-            node = self.engine.node_dir
+            node = self.engine.job.node_dir
             self.engine.close()
             self.engine = None
             _stop_agent(node)
@@ -253,7 +253,7 @@ class Pec(Method):
 
     def close(self):
         if self.engine is not None:
-            node = self.engine.node_dir
+            node = self.engine.job.node_dir
             self.engine.close()
             self.engine = None
             _stop_agent(node)

@@ -1,4 +1,4 @@
-"""megatron-pec: partial-experts flash checkpoints for Megatron MoE training.
+"""megatron-pec, partial-experts flash checkpoints for Megatron MoE training.
 
 Public surface: ``save_checkpoint`` and ``load_checkpoint`` (drop-in for
 ``megatron.training.checkpointing``, tag core_v0.16.1 signatures), ``add_pec_args``

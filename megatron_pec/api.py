@@ -13,6 +13,7 @@ import inspect
 import os
 import sys
 
+from megatron_pec import log
 from megatron_pec.errors import CheckpointError
 
 _fallback_args = None
@@ -33,7 +34,7 @@ def _args():
 
     args = training_args()
     if args is None:
-        raise CheckpointError("megatron-pec: no training arguments: run under Megatron-LM's pretrain() or call "
+        raise CheckpointError("no training arguments: run under Megatron-LM's pretrain() or call "
                               "megatron_pec.use_args(args) before the first load/save")
     return args
 
@@ -49,13 +50,13 @@ def _megatron_own(name: str, why: str, **kwargs):
 
     own = megatron_checkpoint_function(name)
     if own is None:
-        raise CheckpointError(f"megatron-pec: {name} {why}, which megatron-pec does not serve, and Megatron-LM's "
+        raise CheckpointError(f"{name} {why}, which megatron-pec does not serve, and Megatron-LM's "
                               "own megatron.training.checkpointing is not importable here to serve it")
     accepted = inspect.signature(own).parameters
     dropped = sorted(k for k, v in kwargs.items() if k not in accepted and v not in (None, "", False))
     if dropped:
-        raise CheckpointError(f"megatron-pec: Megatron-LM's own {name} does not accept {dropped}")
-    _say_once(f"megatron-pec: {name} {why}: using Megatron-LM's own {name}")
+        raise CheckpointError(f"Megatron-LM's own {name} does not accept {dropped}")
+    log.info(f"{name} {why}: using Megatron-LM's own {name}", once=True, rank0=True)
     return own(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
@@ -67,19 +68,6 @@ def _converting(args) -> str | None:
     if fmt and target and save and os.path.abspath(save) == os.path.abspath(os.path.join(target, fmt)):
         return fmt
     return None
-
-
-_said: set[str] = set()
-
-
-def _say_once(line: str) -> None:
-    """Print ``line`` once per process, on global rank 0 only."""
-    import torch
-
-    if line not in _said:
-        _said.add(line)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            print(line, flush=True)
 
 
 def _get_engine(model, optimizer):
@@ -152,7 +140,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group,
             rng_state_key_prefix=rng_state_key_prefix)
     if release:
-        raise CheckpointError("megatron-pec: release checkpoints are not supported; convert a committed "
+        raise CheckpointError("release checkpoints are not supported; convert a committed "
                               "iteration with Megatron's own tools")
     engine = _get_engine(model, optimizer)
     engine.adapter.check_groups(tp=tp_group, pp=pp_group, dp_cp=dp_cp_group, dp=dp_group, expt_dp=expt_dp_group)
@@ -179,7 +167,7 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
             dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group,
             rng_state_key_prefix=rng_state_key_prefix)
     if skip_load_to_model_and_opt:
-        raise CheckpointError("megatron-pec: skip_load_to_model_and_opt (Megatron FSDP) is not supported")
+        raise CheckpointError("skip_load_to_model_and_opt (Megatron FSDP) is not supported")
     engine = _get_engine(ddp_model, optimizer)
     engine.adapter.check_groups(tp=tp_group, pp=pp_group, dp_cp=dp_cp_group, dp=dp_group, expt_dp=expt_dp_group)
     root = getattr(_args(), load_arg, None)
@@ -192,7 +180,7 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
 
         if megatron_checkpoint_function("load_checkpoint") is None:
             raise CheckpointError(
-                f"megatron-pec: --{load_arg} {root} holds {found}: it is not a megatron-pec checkpoint. megatron-pec "
+                f"--{load_arg} {root} holds {found}: it is not a megatron-pec checkpoint. megatron-pec "
                 "switches a job to its format only inside Megatron-LM, whose own loader reads Megatron's formats; "
                 "here, point --load at a megatron-pec checkpoint or at an empty directory")
         # Switching a job to megatron-pec: Megatron's own loader reads its format, megatron-pec saves on.
@@ -210,7 +198,7 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
 
 def plt_so_far() -> float:
     """Accumulated portion of lost tokens of this run (0.0 before any recovery)."""
-    return _engine.pec.plt if _engine is not None else 0.0
+    return _engine.book.state.plt if _engine is not None else 0.0
 
 
 def last_save_phases() -> dict[str, float]:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_pec.errors import CheckpointError
 
-ANOTHER_RANK_FAILED = "megatron-pec: another rank failed; see its log for the reason"
+ANOTHER_RANK_FAILED = "another rank failed; see its log for the reason"
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 

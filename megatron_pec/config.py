@@ -71,7 +71,7 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def megatron_flag_notes(args) -> list[str]:
     """One line per Megatron checkpoint flag megatron-pec does not follow as Megatron would, and why
-    (printed once when the engine starts). Flags at their defaults say nothing."""
+    (logged as warnings once when the engine starts). Flags at their defaults say nothing."""
     get = lambda name: getattr(args, name, None)  # noqa: E731
     notes = []
     if get("no_save_optim"):
@@ -91,7 +91,7 @@ def megatron_flag_notes(args) -> list[str]:
     if get("save_retain_interval"):
         notes.append(f"--save-retain-interval {get('save_retain_interval')} is not honoured yet: retention keeps the "
                      "newest --pec-keep committed iterations; pass --pec-keep 0 to keep every one")
-    return [f"megatron-pec: WARNING {note}" for note in notes]
+    return notes
 
 
 def default_job_id(directory: str | None) -> str:

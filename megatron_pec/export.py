@@ -22,9 +22,9 @@ import torch
 
 from megatron_pec import manifest, smallstate
 from megatron_pec.items import NON_EXPERT
-from megatron_pec.protocol import Manifest, ProtocolError, RankFile, RankLayout, SlotHeader
-from megatron_pec.sources import SourceError, read_checked_header, verify_items
-from megatron_pec.stformat import ITEMSIZE, Header, dtype_code
+from megatron_pec.committed import CommittedFiles
+from megatron_pec.protocol import Manifest, RankLayout, SlotHeader
+from megatron_pec.stformat import ITEMSIZE, dtype_code
 from megatron_pec.storage import PosixStorage
 
 SIDECAR = "pec_export.json"
@@ -32,17 +32,6 @@ SIDECAR = "pec_export.json"
 
 class ExportError(RuntimeError):
     """Why the iteration cannot be exported (the message says what to do)."""
-
-
-@dataclass
-class StoredFile:
-    """A committed rank file and the items an export reads from it."""
-
-    entry: RankFile
-    path: str
-    header: Header
-    items: set[str] = field(default_factory=set)
-    by_name: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -65,15 +54,14 @@ def export(root: str, out_dir: str, iteration: int | None = None, max_shard_byte
     root = os.path.abspath(root)
     m = _manifest(root, iteration, storage)
     layouts = _layouts(root, m, storage)
-    files = _files(root, m, layouts, storage)
-    tensors = _tensors(m, layouts, files)
-    small = _small_states(files, m)
+    files = CommittedFiles(root, m, storage, ExportError)
+    tensors = _tensors(layouts, files)
+    small = _small_states(files, layouts)
     _add_buffers(tensors, layouts, small)
     shards = _shards(sorted(tensors.values(), key=lambda t: t.name), max_shard_bytes)
     _prepare(out_dir, [name for name, _ in shards])
     total = sum(t.nbytes for t in tensors.values())
-    for file in files.values():  # every item read is verified before any byte is exported
-        _verify(file)
+    files.verify()  # every item read is verified before any byte is exported
     done = 0
     with _OpenFiles() as handles:
         for file_name, entries in shards:
@@ -126,33 +114,7 @@ def _layouts(root: str, m: Manifest, storage) -> dict[int, RankLayout]:
     return layouts
 
 
-def _files(root: str, m: Manifest, layouts: dict[int, RankLayout], storage) -> dict[tuple[int, int], StoredFile]:
-    """(version, rank) -> the file holding rank's items at the versions the manifest names."""
-    files = {}
-    for rank, layout in layouts.items():
-        for item in {name.split("/", 1)[0] for name in layout.slices}:
-            version = m.iteration if item == NON_EXPERT else m.experts.get(item)
-            entry = m.file_of(version, rank) if version is not None else None
-            if entry is None or item not in entry.items:
-                raise ExportError(f"iteration {m.iteration}: no committed file of rank {rank} holds {item}"
-                                  + (f" at version {version}" if version is not None else ""))
-            key = (version, rank)
-            if key not in files:
-                path = os.path.join(root, entry.file)
-                header = _header(path, entry, storage)
-                files[key] = StoredFile(entry, path, header, by_name={e.name: e for e in header.tensors})
-            files[key].items.add(item)
-    return files
-
-
-def _header(path: str, entry: RankFile, storage) -> Header:
-    try:
-        return read_checked_header(path, entry, storage)
-    except SourceError as exc:
-        raise ExportError(str(exc)) from None
-
-
-def _tensors(m: Manifest, layouts: dict[int, RankLayout], files: dict) -> dict[str, GlobalTensor]:
+def _tensors(layouts: dict[int, RankLayout], files: CommittedFiles) -> dict[str, GlobalTensor]:
     tensors: dict[str, GlobalTensor] = {}
     for rank, layout in layouts.items():
         for name, (index, begin, end) in layout.slices.items():
@@ -163,9 +125,7 @@ def _tensors(m: Manifest, layouts: dict[int, RankLayout], files: dict) -> dict[s
             if (tensor.shape, tensor.dtype) != (param.shape, param.dtype):
                 raise ExportError(f"{param.name}: rank {rank} records shape {param.shape} {param.dtype}, another "
                                   f"rank {tensor.shape} {tensor.dtype}")
-            item = name.split("/", 1)[0]
-            version = m.iteration if item == NON_EXPERT else m.experts[item]
-            file = files[(version, rank)]
+            file = files.holding(name.split("/", 1)[0], rank)
             stored = file.by_name.get(name)
             if stored is None:
                 raise ExportError(f"{file.path} lacks tensor {name}, which its layout record names")
@@ -187,16 +147,11 @@ def _check_coverage(tensor: GlobalTensor) -> None:
         raise ExportError(f"{tensor.name}: the saved slices cover {position} of its {numel} elements")
 
 
-def _small_states(files: dict, m: Manifest) -> dict[int, SlotHeader]:
+def _small_states(files: CommittedFiles, layouts: dict[int, RankLayout]) -> dict[int, SlotHeader]:
     """Each rank's header at the iteration (small state: buffers; PEC state: PLT)."""
-    out = {}
-    for (version, rank), file in sorted(files.items()):
-        if version == m.iteration:
-            try:
-                out[rank] = SlotHeader.from_metadata(file.header.metadata)
-            except ProtocolError as exc:
-                raise ExportError(f"{file.path}: {exc}") from None
-    return out
+    for rank in layouts:
+        files.holding(NON_EXPERT, rank)
+    return dict(sorted(files.headers(files.m.iteration).items()))
 
 
 def _add_buffers(tensors: dict[str, GlobalTensor], layouts: dict[int, RankLayout],
@@ -214,13 +169,6 @@ def _add_buffers(tensors: dict[str, GlobalTensor], layouts: dict[int, RankLayout
 
 
 # ---- verify and write ------------------------------------------------------------------------------
-def _verify(file: StoredFile) -> None:
-    try:
-        verify_items(file.path, file.header, file.items, file.entry.item_crc32)
-    except SourceError as exc:
-        raise ExportError(str(exc)) from None
-
-
 def _shards(tensors: list[GlobalTensor], max_bytes: int) -> list[tuple[str, list[GlobalTensor]]]:
     groups: list[list[GlobalTensor]] = [[]]
     size = 0

@@ -2,9 +2,8 @@
 
 They allocate tens of thousands of short-lived objects (tensor views, header entries, per-expert
 dicts), none of them in reference cycles, and every generation-2 pass that many allocations trigger
-walks the whole heap, which in a Megatron process holds millions of objects. Measured on a restore
-at 64 experts x 58 layers: building 23k tensor views took 0.41 s with the collector, 0.06 s without.
-Reference counting still frees everything at once; the collector runs again afterwards.
+walks the whole heap, which in a Megatron process holds millions of objects (docs/design.md, "Measurements
+behind the code"). Reference counting still frees everything at once; the collector runs again afterwards.
 """
 
 from __future__ import annotations

@@ -17,19 +17,17 @@ no scatter. Nothing here knows Megatron or writes another object's state.
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_pec import manifest, plt, reshard
-from megatron_pec.agent.memory import JobKey
+from megatron_pec import log, manifest, plt, reshard
 from megatron_pec.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
-from megatron_pec.pec_state import PecState
+from megatron_pec.pec_state import PecState, flag_k
 from megatron_pec.phases import Phases
-from megatron_pec.protocol import Manifest, RankLayout
+from megatron_pec.protocol import JobKey, Manifest
 from megatron_pec.smallstate import loads as load_small_state
 from megatron_pec.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
 from megatron_pec.storage import PosixStorage
@@ -40,30 +38,35 @@ NONE = 2**62  # "no version" in MIN reductions
 ACCOUNT_VECTORS = 7  # per expert: restored version, tokens there, tokens at the target, 2 levels x 2
 
 
-def say(message: str) -> None:
-    print(message, file=sys.stderr if message.startswith("megatron-pec: WARNING") else sys.stdout, flush=True)
-
-
 @dataclass(frozen=True)
 class LoadContext:
     """What a load needs to know about this rank and job (built by the engine, read-only here)."""
 
-    rank: int
-    node_dir: str
-    job_id: str
-    fingerprint: str
-    topology: dict
+    job: object                         # the job's facts (``job.JobFacts``)
     config: PecConfig
-    slice_items: dict[str, str]         # slice name -> item it belongs to
-    experts_held: tuple[ExpertId, ...]  # experts this rank holds a shard of
-    all_experts: tuple[ExpertId, ...]   # every expert of the model: the index space of the vectors below
-    num_experts: int                    # per MoE layer (Dynamic-K's ceiling); 0 without MoE
     collectives: Collectives
-    layout: RankLayout | None = None    # where this rank's slices lie globally (restores onto another layout)
-    mapped_slots: dict = field(default_factory=dict)  # path -> the trainer's own mapping of its slot file
-    slot_table: tuple | None = None     # (JSON, entries) of the tensor table the trainer's slots hold
-    slot_views: dict = field(default_factory=dict)  # path -> (data start, the trainer's views of that slot)
+    slice_items: dict[str, str]         # slice name -> item it belongs to
+    slots: object = None                # the trainer's own slot files (``slots.SlotFiles``), if mapped
     phases: Phases = field(default_factory=Phases)  # where this load's time goes (the engine's)
+
+    @property
+    def rank(self) -> int:
+        return self.job.rank
+
+    @property
+    def experts_held(self) -> tuple[ExpertId, ...]:
+        """The experts this rank holds a shard of."""
+        return tuple(self.job.held_names)
+
+    @property
+    def all_experts(self) -> tuple[ExpertId, ...]:
+        """Every expert of the model: the index space of the agreement's vectors."""
+        return self.job.all_experts
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (Dynamic-K's ceiling); 0 without MoE."""
+        return self.job.expert_layout.num_experts if self.job.expert_layout else 0
 
 
 @dataclass
@@ -80,8 +83,9 @@ class RestoreResult:
     report: plt.PltReport | None
     resharded: bool = False                 # saved by another layout: no older file holds this rank's slices
 
-    def log_lines(self, rank: int) -> list[str]:
-        line = f"megatron-pec: rank {rank}: restored iteration {self.iteration} from {self.source}"
+    def log(self, rank: int) -> None:
+        """Every rank: where it restored from and which experts are older; rank 0: the PLT."""
+        line = f"restored iteration {self.iteration} from {self.source}"
         older = {i: v for i, v in self.versions.items() if i != NON_EXPERT and v < self.iteration}
         if len(older) > LIST_OLDER:  # thousands of experts: their count per version
             counts = Counter(older.values())
@@ -89,10 +93,54 @@ class RestoreResult:
                 f"{n} at {v}" for v, n in sorted(counts.items(), reverse=True)) + ")"
         elif older:
             line += "; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
-        lines = [line]
+        log.info(line, rank=rank)
         if self.report is not None and rank == 0:
-            lines += [f"megatron-pec: {text}" for text in self.report.format_lines()]
-        return lines
+            for text in self.report.format_lines():
+                log.info(text)
+
+
+@dataclass
+class PlanVote:
+    """One rank's part of the agreement on a plan - and, after the MAX all-reduce, every rank's.
+
+    Minima travel negated (a MAX of -x is -MIN x). ``high``/``low``/``lacking`` (one int per expert of
+    the model) are sent only with the first plan of an iteration, to find experts that ranks planned
+    at different versions."""
+
+    failed: int                  # 1: this rank could not list its sources (every rank raises)
+    cannot: int                  # 1: this rank cannot restore its plan
+    iteration: int               # the iteration planned (-1: none)
+    lowest_iteration: int        # the same; after the reduction the lowest any rank planned
+    accounting: list[list[int]]  # ACCOUNT_VECTORS columns of the PLT accounting (-1: unknown here)
+    high: list[int] | None = None     # the newest version planned (-2: not held)
+    low: list[int] | None = None      # the oldest version planned (NONE: not held)
+    lacking: list[int] | None = None  # 1: a rank planned a version but has no source for it
+
+    def values(self) -> list[int]:
+        out = [self.failed, self.cannot, self.iteration, -self.lowest_iteration]
+        out += [v for column in self.accounting for v in column]
+        if self.high is not None:
+            out += self.high + [-v for v in self.low] + self.lacking
+        return out
+
+    @classmethod
+    def of_values(cls, values: list[int], n: int, versions: bool) -> "PlanVote":
+        columns = [values[4 + i * n:4 + (i + 1) * n] for i in range(ACCOUNT_VECTORS + (3 if versions else 0))]
+        high, low, lacking = (columns[-3], [-v for v in columns[-2]], columns[-1]) if versions else (None,) * 3
+        return cls(values[0], values[1], values[2], -values[3], columns[:ACCOUNT_VECTORS], high, low, lacking)
+
+
+@dataclass
+class Agreement:
+    """What the ranks agreed about their plans (``Loader._vote``): all but ``state`` and ``versions``
+    (this rank's experts) the same on every rank."""
+
+    failed: bool                  # some rank could not list its sources: every rank raises
+    same_iteration: bool          # every rank planned the same iteration
+    every_rank_can: bool          # ... and every rank can restore its plan for it
+    accounted: list[list[int]]    # the PLT accounting's columns, completed over the ranks
+    state: PecState | None        # the dense source's PEC state (None without MoE or on failure)
+    versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
 
 
 class Loader:
@@ -102,6 +150,7 @@ class Loader:
         self.rank = ctx.rank
         self.coll = ctx.collectives
         self.names = [item_name(x) for x in ctx.all_experts]  # the vectors' index space, spelled once
+        self.held = [item_name(x) for x in ctx.experts_held]
 
     # ---- 7. agree ------------------------------------------------------------------------------
     def load(self) -> RestoreResult | None:
@@ -110,21 +159,21 @@ class Loader:
         error, memory, stored, manifests = None, [], {}, {}
         with phases("listing sources"):
             try:
-                memory = memory_sources(ctx.node_dir, self.rank, JobKey(ctx.job_id, ctx.fingerprint, self.root),
-                                        ctx.mapped_slots, ctx.slot_table, ctx.slot_views)
+                memory = memory_sources(ctx.job.node_dir, self.rank,
+                                        JobKey(ctx.config.job_id, ctx.job.fingerprint, self.root), ctx.slots)
             except SourceError as exc:
-                error = f"megatron-pec: {exc}"
+                error = str(exc)
             newest = self._newest_committed()
-        other = newest if newest is not None and newest.fingerprint != ctx.fingerprint else None
+        other = newest if newest is not None and newest.fingerprint != ctx.job.fingerprint else None
         if other is not None and self.coll.all_ok(error is None and not memory):
             return self._reshard(other)
         with phases("listing sources"):
             if error is None:
                 try:
-                    stored, manifests = storage_sources(self.root, self.rank, ctx.fingerprint, ctx.topology,
+                    stored, manifests = storage_sources(self.root, self.rank, ctx.job.fingerprint, ctx.job.topology,
                                                         self.storage, {newest.iteration: newest} if newest else None)
                 except SourceError as exc:
-                    error = f"megatron-pec: {exc}"
+                    error = str(exc)
             self._warn_stale_tracker(manifests)
         candidates = {s.iteration for s in memory} | set(stored)
         # First every rank plans its own newest iteration: the plan's all-reduce also says whether it
@@ -142,17 +191,16 @@ class Loader:
                 with phases("deciding"):
                     return self._decide(target, plan, agreed.accounted, agreed.state)
             if agreed.same_iteration:
-                say(f"megatron-pec: WARNING rank {self.rank}: cannot restore iteration {target}: "
-                    f"{unreadable or 'another rank cannot'}; falling back to an older checkpoint")
+                log.warning(f"cannot restore iteration {target}: {unreadable or 'another rank cannot'}; falling back "
+                            "to an older checkpoint", rank=self.rank)
                 excluded.add(target)
             with phases("agreeing"):
                 target = self._agree(candidates, excluded)
             if target is None:
                 if excluded:
-                    raise CheckpointError(f"megatron-pec: no valid checkpoint left under {self.root} after "
-                                          f"rejecting iterations {sorted(excluded)}; see the messages above")
-                if self.rank == 0:
-                    say(f"megatron-pec: no checkpoint found under {self.root}; training from scratch")
+                    raise CheckpointError(f"no valid checkpoint left under {self.root} after rejecting iterations "
+                                          f"{sorted(excluded)}; see the messages above")
+                log.info(f"no checkpoint found under {self.root}; training from scratch", rank0=True)
                 if not manifests:
                     self._retire_newer(0)  # node markers of an abandoned run must not join a new commit
                 return None
@@ -172,26 +220,25 @@ class Loader:
         """Iteration ``m`` onto this rank's slices from the files of another layout (``reshard.py``)."""
         ctx, error, done = self.ctx, None, None
         where = f"checkpoint {self.root} iteration {m.iteration}"
-        why = reshard.refusal(m.topology, ctx.topology)
-        if why is None and m.topology == ctx.topology:
+        topology, layout = ctx.job.topology, ctx.job.layout
+        why = reshard.refusal(m.topology, topology)
+        if why is None and m.topology == topology:
             why = ("the same parallel sizes but a different model (its parameters or their layout differ): "
                    "restart with the model flags it was saved with")
-        if why is None and (ctx.layout is None or ctx.layout.not_global):
-            why = f"this run cannot place it: {ctx.layout.not_global if ctx.layout else 'no layout'}"
+        if why is None and (layout is None or layout.not_global):
+            why = f"this run cannot place it: {layout.not_global if layout else 'no layout'}"
         if why is not None:
-            error = (f"megatron-pec: {where} was saved with another configuration "
-                     f"({reshard.change(m.topology, ctx.topology)}): {why}")
+            error = f"{where} was saved with another configuration ({reshard.change(m.topology, topology)}): {why}"
         else:
-            stage = self._stage_experts()
             try:
-                done = reshard.Resharder(self.root, m, ctx.layout, self.rank, stage, self.storage).restore()
+                done = reshard.Resharder(self.root, m, layout, self.rank, self._stage_experts(), self.storage).restore()
             except (reshard.ReshardError, SourceError) as exc:
-                error = f"megatron-pec: cannot restore {where} onto this layout: {exc}"
+                error = f"cannot restore {where} onto this layout: {exc}"
         self.coll.raise_if_any(error)
         if done.pec is not None:
-            self._dynamic_k(done.pec)
+            self._choose_k(done.pec)
         self._retire_newer(m.iteration)
-        return RestoreResult(m.iteration, f"storage (resharded: {reshard.change(m.topology, ctx.topology)})",
+        return RestoreResult(m.iteration, f"storage (resharded: {reshard.change(m.topology, topology)})",
                              done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
                              resharded=True)
 
@@ -201,26 +248,22 @@ class Loader:
         config = self.ctx.config
         if self.rank != 0 or config.finetune or not config.save or os.path.abspath(config.save) != self.root:
             return
-        from megatron_pec.manifest import retire_after
-
         try:
-            retired = retire_after(self.root, target, self.storage)
+            retired = manifest.retire_after(self.root, target, self.storage)
         except OSError as exc:
-            say(f"megatron-pec: WARNING cannot retire the iterations after {target} under {self.root} ({exc}); "
-                "until they are saved again their old manifests or node markers remain")
+            log.warning(f"cannot retire the iterations after {target} under {self.root} ({exc}); until they are "
+                        "saved again their old manifests or node markers remain")
             return
         if retired:
-            say(f"megatron-pec: iterations {retired} under {self.root} belong to an abandoned run after the "
-                f"restored iteration {target}; removed their manifests and node markers (training saves them again)")
+            log.info(f"iterations {retired} under {self.root} belong to an abandoned run after the restored iteration "
+                     f"{target}; removed their manifests and node markers (training saves them again)")
 
     def _warn_stale_tracker(self, manifests: dict) -> None:
         """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
-        from megatron_pec.manifest import TRACKER, read_tracker
-
-        tracker = read_tracker(self.root, self.storage)
+        tracker = manifest.read_tracker(self.root, self.storage)
         if self.rank == 0 and tracker and tracker.isdigit() and int(tracker) not in manifests:
-            say(f"megatron-pec: WARNING {self.root}/{TRACKER} names iteration {tracker}, which has no valid "
-                f"manifest; ignoring it and using the newest committed iteration")
+            log.warning(f"{self.root}/{manifest.TRACKER} names iteration {tracker}, which has no valid manifest; "
+                        "ignoring it and using the newest committed iteration")
 
     def _agree(self, mine: set[int], excluded: set[int]) -> int | None:
         """The newest iteration every rank can restore."""
@@ -231,7 +274,7 @@ class Loader:
 
     # ---- 8. source -----------------------------------------------------------------------------
     def _plan(self, target: int | None, memory: list[Source], stored: dict[int, Source], manifests: dict,
-              listing_error: str | None = None) -> tuple[dict, str | None, "Agreement"]:
+              listing_error: str | None = None) -> tuple[dict, str | None, Agreement]:
         """Sources for T's non-expert state and each held expert's version, agreed across ranks, opened
         and verified: (plan, this rank's error, the ``Agreement``). ``target``: the iteration this rank
         plans (None: none); ``listing_error``: this rank could not list its sources (all ranks raise).
@@ -240,42 +283,44 @@ class Loader:
         all-reduce that agrees on the plan also says whether every rank holding an expert planned
         the same version of it, which is the usual case. Only where they differ is the plan redone
         from the agreed (oldest) versions: two more all-reduces."""
+        phases = self.ctx.phases
         if target is None or listing_error is not None:
             plan, error = {NON_EXPERT: None}, listing_error or "no checkpoint to restore"
-            with self.ctx.phases("agreeing"):
-                return plan, error, self._agree_plan(target, plan, error, {}, listing_error is not None)
-        phases = self.ctx.phases
+            with phases("agreeing"):
+                return plan, error, self._vote(target, plan, error, failed=listing_error is not None)
         with phases("reading and checking"):
             dense, dense_error = self._dense_source(target, memory, stored)
-        persisted = max((i for i in manifests if i <= target), default=None)
-        manifest_t = manifests.get(persisted)
-        held = [item_name(x) for x in self.ctx.experts_held]
-        best = {}
-        for item in held:
-            versions = [s.items[item] for s in memory if item in s.items and s.iteration <= target]
-            if manifest_t is not None and item in manifest_t.experts:
-                versions.append(manifest_t.experts[item])
-            best[item] = max(versions, default=None)
-        plan = self._sources(dense, best, memory, stored, manifest_t)
+        manifest_t = manifests.get(max((i for i in manifests if i <= target), default=None))
+        newest = {item: self._newest_version(item, target, memory, manifest_t) for item in self.held}
+        plan = self._sources(dense, newest, memory, stored, manifest_t)
         with phases("reading and checking"):
             error = self._open(plan, target, dense_error)
         with phases("agreeing"):
-            agreed = self._agree_plan(target, plan, error, best)
+            agreed = self._vote(target, plan, error, planned=newest)
         if agreed.versions is None:
             return plan, error, agreed
+        # Ranks planned different versions: every rank takes the oldest planned; where some rank lacks
+        # it, everyone takes the persisted one (shared storage).
         plan = self._sources(dense, agreed.versions, memory, stored, manifest_t)
-        # Where some rank lacks the agreed version, everyone takes the persisted one (shared storage).
         with phases("agreeing"):
-            retry = self._agree_flags([plan[i] is None for i in held])
-        for item, redo in zip(held, retry):
+            retry = self._any_rank([plan[i] is None for i in self.held])
+        for item, redo in zip(self.held, retry):
             if redo:
                 version = manifest_t.experts.get(item) if manifest_t else None
-                plan[item] = expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t) \
-                    if version is not None else None
+                plan[item] = None if version is None else \
+                    expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t)
         with phases("reading and checking"):
             error = self._open(plan, target, dense_error)
         with phases("agreeing"):
-            return plan, error, self._agree_plan(target, plan, error)
+            return plan, error, self._vote(target, plan, error)
+
+    @staticmethod
+    def _newest_version(item: str, target: int, memory: list[Source], manifest_t: Manifest | None) -> int | None:
+        """The newest version of ``item`` at or before ``target`` this rank can read."""
+        versions = [s.items[item] for s in memory if item in s.items and s.iteration <= target]
+        if manifest_t is not None and item in manifest_t.experts:
+            versions.append(manifest_t.experts[item])
+        return max(versions, default=None)
 
     def _sources(self, dense: Source | None, versions: dict[str, int | None], memory: list[Source],
                  stored: dict[int, Source], manifest_t: Manifest | None) -> dict[str, Source | None]:
@@ -302,40 +347,36 @@ class Loader:
                     error = str(exc)
         return error
 
-    def _agree_plan(self, target: int | None, plan: dict[str, Source | None], error: str | None,
-                    planned: dict | None = None, failed: bool = False) -> "Agreement":
-        """The ``Agreement`` on this rank's plan for ``target``: one MAX all-reduce carries whether any
-        rank failed or cannot restore its plan, the highest and (negated) lowest iteration planned,
-        and the PLT accounting's vectors (a rank that cannot contributes only its flags).
+    def _vote(self, target: int | None, plan: dict[str, Source | None], error: str | None,
+              planned: dict | None = None, failed: bool = False) -> Agreement:
+        """The ``Agreement`` on this rank's plan for ``target``: one MAX all-reduce of every rank's
+        ``PlanVote`` (a rank that cannot contributes only its flags).
 
-        With ``planned`` (the version this rank planned per held expert) it also carries, per expert
-        of the model, the highest and lowest version any rank planned and whether any rank lacks a
-        source for it; unless all agree, ``versions`` is then, per held expert, the newest version
-        every rank holding it can restore (the lowest planned), and the plans are redone from it
-        whatever their errors were (a rank may have failed only for lack of the newer version)."""
-        experts = self.ctx.all_experts
-        state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and experts else None
-        vectors = self._account_vectors(plan, state) if state is not None else [-1] * (ACCOUNT_VECTORS * len(experts))
-        check = []
-        if planned is not None:
-            mine = {item: (-1 if version is None else version) for item, version in planned.items()}
-            lacking = {item: int(plan[item] is None and version is not None) for item, version in planned.items()}
-            check = (self._expert_vector(mine, -2) + [-v for v in self._expert_vector(mine, NONE)]
-                     + self._expert_vector(lacking, 0))
+        With ``planned`` (the version this rank planned per held expert) the vote also carries which
+        versions each expert was planned at; unless all agree, ``versions`` is then, per held expert,
+        the newest version every rank holding it can restore (the lowest planned), and the plans are
+        redone from it whatever their errors were (a rank may have failed only for lack of the newer
+        version)."""
+        n = len(self.names)
+        state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and n else None
+        accounting = self._accounting(plan, state) if state is not None else [[-1] * n] * ACCOUNT_VECTORS
         iteration = -1 if target is None else target
-        flags = [int(failed), int(error is not None), iteration, -iteration]
-        merged = self.coll.reduce(flags + vectors + check, "max")
-        same_iteration = merged[2] == -merged[3] >= 0
-        agreed = Agreement(bool(merged[0]), same_iteration, same_iteration and not merged[1],
-                           merged[len(flags):len(flags) + len(vectors)], state)
+        versions = [None] * 3
+        if planned is not None:
+            known = {i: (-1 if v is None else v) for i, v in planned.items()}
+            versions = [self._expert_vector(known, -2), self._expert_vector(known, NONE),
+                        self._expert_vector({i: int(plan[i] is None and v is not None) for i, v in planned.items()}, 0)]
+        mine = PlanVote(int(failed), int(error is not None), iteration, iteration, accounting, *versions)
+        every = PlanVote.of_values(self.coll.reduce(mine.values(), "max"), n, planned is not None)
+        same_iteration = every.iteration == every.lowest_iteration >= 0
+        agreed = Agreement(bool(every.failed), same_iteration, same_iteration and not every.cannot,
+                           every.accounting, state)
         if planned is None or not same_iteration:
             return agreed
-        n, at = len(experts), len(flags) + len(vectors)
-        high, low, lack = (merged[at + i * n:at + (i + 1) * n] for i in range(3))
-        low = [-v for v in low]
-        if not any(lack) and all(lo == NONE or lo == hi for hi, lo in zip(high, low)):
+        if not any(every.lacking) and all(lo == NONE or lo == hi for hi, lo in zip(every.high, every.low)):
             return agreed
-        versions = {name: (v if 0 <= v < NONE else None) for name, v in zip(self.names, low) if name in planned}
+        versions = {name: (v if 0 <= v < NONE else None) for name, v in zip(self.names, every.low)
+                    if name in planned}
         return replace(agreed, versions=versions)
 
     def _dense_source(self, target: int, memory: list[Source], stored: dict[int, Source]):
@@ -347,21 +388,21 @@ class Loader:
                 return source, None
             except SourceError as exc:
                 problems.append(str(exc))
-                say(f"megatron-pec: WARNING rank {self.rank}: {exc}")
+                log.warning(str(exc), rank=self.rank)
         return None, "; ".join(problems) or f"iteration {target} is not available to rank {self.rank}"
 
     def _expert_vector(self, values: dict[str, int], absent: int) -> list[int]:
         """One int per expert of the model (``absent`` where this rank has no value)."""
         return [values.get(name, absent) for name in self.names]
 
-    def _agree_flags(self, flags: list[bool]) -> list[bool]:
-        held = [item_name(x) for x in self.ctx.experts_held]
-        merged = self.coll.reduce(self._expert_vector(dict(zip(held, map(int, flags))), 0), "max")
+    def _any_rank(self, flags: list[bool]) -> list[bool]:
+        """Per held expert: whether any rank holding it raised its flag (one MAX all-reduce)."""
+        merged = self.coll.reduce(self._expert_vector(dict(zip(self.held, map(int, flags))), 0), "max")
         position = {name: i for i, name in enumerate(self.names)}
-        return [bool(merged[position[n]]) for n in held]
+        return [bool(merged[position[n]]) for n in self.held]
 
     # ---- 9. decide -----------------------------------------------------------------------------
-    def _decide(self, target: int, plan: dict[str, Source], accounted: list[int],
+    def _decide(self, target: int, plan: dict[str, Source], accounted: list[list[int]],
                 state: PecState | None) -> RestoreResult:
         dense = plan[NON_EXPERT]
         by_source: dict[int, tuple[Source, set[str]]] = {}
@@ -375,40 +416,37 @@ class Loader:
         return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
                              tokens_at_target, report)
 
-    def _account_vectors(self, plan: dict[str, Source], state: PecState) -> list[int]:
+    def _accounting(self, plan: dict[str, Source], state: PecState) -> list[list[int]]:
         """This rank's part of the PLT accounting, one int per expert of the model in each of
-        ``ACCOUNT_VECTORS`` vectors (-1: unknown here): the version each expert is restored from, its
+        ``ACCOUNT_VECTORS`` columns (-1: unknown here): the version each expert is restored from, its
         tokens at that version, at the dense source's iteration, and both PEC levels' versions and
         tokens. Each rank's file knows the experts it holds; the MAX over ranks completes them."""
-        experts, dense = self.ctx.all_experts, plan[NON_EXPERT]
+        dense = plan[NON_EXPERT]
         known = [{item_name(x): v for x, v in level.items()} for level in _levels(state)]
         version, at_version = {}, {}
-        for x in experts:
-            source = plan.get(item_name(x))
+        for name in self.names:
+            source = plan.get(name)
             if source is not None:
-                version[item_name(x)] = source.items[item_name(x)]
-                at_version[item_name(x)] = source.tokens_at_version(item_name(x))
-        vectors = [version, at_version, dense.header.tokens, *known]
-        return [v for values in vectors for v in self._expert_vector(values, -1)]
+                version[name] = source.items[name]
+                at_version[name] = source.tokens_at_version(name)
+        return [self._expert_vector(values, -1) for values in (version, at_version, dense.header.tokens, *known)]
 
     def _account(self, target: int, state: PecState | None,
-                 accounted: list[int]) -> tuple[PecState | None, plt.PltReport | None, dict[ExpertId, int]]:
+                 accounted: list[list[int]]) -> tuple[PecState | None, plt.PltReport | None, dict[ExpertId, int]]:
         """PLT of this restore over every expert of the model (identical on every rank), folded
         into the dense source's PEC ``state`` (None without MoE); and the cumulative token counts at
-        ``target`` of this stage's experts. ``accounted``: the vectors of ``_account_vectors``,
-        completed over all ranks."""
+        ``target`` of this stage's experts. ``accounted``: the columns of ``_accounting``, completed
+        over all ranks."""
         if state is None:
             return None, None, {}
-        experts = self.ctx.all_experts
-        n = len(experts)
-        columns = [dict(zip(experts, accounted[i * n:(i + 1) * n])) for i in range(ACCOUNT_VECTORS)]
+        columns = [dict(zip(self.ctx.all_experts, column)) for column in accounted]
         version_of, tokens_at_version, tokens_at_target = columns[:3]
         stage = self._stage_experts()
         for level, column in zip(_levels(state), columns[3:]):
             level.update({x: v for x, v in column.items() if v >= 0 and x in stage})
         report = plt.lost_tokens(tokens_at_target, tokens_at_version, version_of, target)
         state.recovered(report, version_of, tokens_at_version, stage)
-        self._dynamic_k(state)
+        self._choose_k(state)
         return state, report, {x: tokens_at_target[x] for x in stage}
 
     def _stage_experts(self) -> set[ExpertId]:
@@ -416,33 +454,23 @@ class Loader:
         layers = {x.layer for x in self.ctx.experts_held}
         return {x for x in self.ctx.all_experts if x.layer in layers}
 
-    def _dynamic_k(self, state: PecState) -> None:
-        """Dynamic-K: raise K when the accumulated PLT passed the threshold."""
-        config = self.ctx.config
-        if config.dynamic_k and self.ctx.num_experts:
-            k = plt.next_k(state.snapshot.k, state.plt, config.plt_threshold, self.ctx.num_experts)
-            if k != state.snapshot.k:
-                persist_k = min(k, 2 * state.persist.k)
-                if self.rank == 0:
-                    say(f"megatron-pec: accumulated PLT {state.plt:.2%} exceeds {config.plt_threshold:.2%}: "
-                        f"Dynamic-K raises snapshot K {state.snapshot.k} -> {k}, persist K "
-                        f"{state.persist.k} -> {persist_k}")
-                state.set_k(k, persist_k)
-
-
-@dataclass
-class Agreement:
-    """What the ranks agreed about their plans (``Loader._agree_plan``): all but ``state`` and
-    ``versions`` (this rank's experts) the same on every rank."""
-
-    failed: bool                  # some rank could not list its sources: every rank raises
-    same_iteration: bool          # every rank planned the same iteration
-    every_rank_can: bool          # ... and every rank can restore its plan for it
-    accounted: list[int]          # the PLT accounting's vectors, completed over the ranks
-    state: PecState | None        # the dense source's PEC state (None without MoE or on failure)
-    versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
+    def _choose_k(self, state: PecState) -> None:
+        """K from here on, decided here only: Dynamic-K raises it when the accumulated PLT passed the
+        threshold; without Dynamic-K the flags win over the restored K."""
+        config, n = self.ctx.config, self.ctx.num_experts
+        if not n:
+            return
+        if not config.dynamic_k:
+            state.set_k(*flag_k(config.snapshot_k, config.persist_k, n))
+            return
+        k = plt.next_k(state.snapshot.k, state.plt, config.plt_threshold, n)
+        if k != state.snapshot.k:
+            persist_k = min(k, 2 * state.persist.k)
+            log.info(f"accumulated PLT {state.plt:.2%} exceeds {config.plt_threshold:.2%}: Dynamic-K raises snapshot "
+                     f"K {state.snapshot.k} -> {k}, persist K {state.persist.k} -> {persist_k}", rank0=True)
+            state.set_k(k, persist_k)
 
 
 def _levels(state: PecState) -> tuple[dict, dict, dict, dict]:
-    """The PEC state's per-expert dicts, in the order of the accounting's last four vectors."""
+    """The PEC state's per-expert dicts, in the order of the accounting's last four columns."""
     return state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at

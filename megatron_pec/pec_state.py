@@ -22,6 +22,13 @@ from megatron_pec.jsontext import Quoted
 from megatron_pec.packed import ABSENT, PackedColumn
 
 
+def flag_k(snapshot_k: int | None, persist_k: int | None, num_experts: int) -> tuple[int, int]:
+    """(snapshot K, persist K) the flags ask for (None: every expert), capped at the experts per layer;
+    persist K never exceeds snapshot K."""
+    snap = min(snapshot_k or num_experts, num_experts)
+    return snap, min(persist_k or snap, snap)
+
+
 @dataclass
 class Level:
     """One checkpoint level (snapshot in memory, or persist to storage)."""

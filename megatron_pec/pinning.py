@@ -4,40 +4,44 @@ A slot mapping registered with ``cudaHostRegister`` lets ``copy_(non_blocking=Tr
 copy stream at full speed; unregistered, every copy is synchronous. Every CUDA return code is
 checked: a failed registration (not enough lockable memory, a container's ``ulimit -l``) is one
 clear warning, the error CUDA keeps as its last one is cleared, and training goes on with
-synchronous copies. A mapping is registered once per address (a rebuilt engine that maps the same
-files gets new addresses) and unregistered before it is unmapped.
+synchronous copies. A mapping is registered in pieces of at most ``CHUNK`` bytes (one
+registration of 512 GiB or more fails on current drivers), once per address (a rebuilt engine
+that maps the same files gets new addresses), and unregistered before it is unmapped.
 
 The CUDA runtime is a seam (``cudart``): tests drive the logic on CPU with a stand-in.
 """
 
 from __future__ import annotations
 
-import sys
+from megatron_pec import log
 
+CHUNK = 64 << 30  # the largest piece registered at once
 _REGISTERED: set[int] = set()  # addresses registered in this process
 
 
 class SlotPinning:
-    def __init__(self, cudart, rank: int = 0, stream=sys.stderr):
-        self.cudart, self.rank, self.stream = cudart, rank, stream
+    def __init__(self, cudart, rank: int = 0):
+        self.cudart, self.rank = cudart, rank
         self.pinned: list[int] = []
         self.failed: str | None = None
 
     def pin(self, buffers: list[tuple[int, int]]) -> bool:
-        """Register ``(address, length)`` ranges; True when all are page-locked."""
+        """Register ``(address, length)`` ranges, each in pieces of at most ``CHUNK`` bytes; True
+        when all are page-locked."""
         for address, length in buffers:
-            if address in _REGISTERED:
-                continue  # never twice: CUDA refuses, and the pair of unregisters would fail
-            error = self._call("cudaHostRegister", address, length, 0)
-            if error is not None:
-                self._clear_last_error()
-                self.failed = error
-                print(f"megatron-pec: WARNING rank {self.rank}: cannot page-lock the snapshot slots ({error}); "
-                      "snapshots copy synchronously (slower saves). Raise the locked-memory limit (ulimit -l, "
-                      "or the container's memlock) to get asynchronous copies back", file=self.stream, flush=True)
-                return False
-            _REGISTERED.add(address)
-            self.pinned.append(address)
+            for start in range(address, address + length, CHUNK):
+                if start in _REGISTERED:
+                    continue  # never twice: CUDA refuses, and the pair of unregisters would fail
+                error = self._call("cudaHostRegister", start, min(CHUNK, address + length - start), 0)
+                if error is not None:
+                    self._clear_last_error()
+                    self.failed = error
+                    log.warning(f"cannot page-lock the snapshot slots ({error}); snapshots copy synchronously "
+                                "(slower saves). Raise the locked-memory limit (ulimit -l, or the container's "
+                                "memlock) to get asynchronous copies back", rank=self.rank)
+                    return False
+                _REGISTERED.add(start)
+                self.pinned.append(start)
         return True
 
     def unpin_all(self) -> None:
@@ -46,8 +50,7 @@ class SlotPinning:
             error = self._call("cudaHostUnregister", address)
             if error is not None:
                 self._clear_last_error()
-                print(f"megatron-pec: WARNING rank {self.rank}: cudaHostUnregister failed ({error})",
-                      file=self.stream, flush=True)
+                log.warning(f"cudaHostUnregister failed ({error})", rank=self.rank)
             _REGISTERED.discard(address)
         self.pinned = []
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from megatron_pec.jsontext import Quoted
 from megatron_pec.packed import PackedColumn
 
 __all__ = [
-    "ProtocolError", "Record", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",
+    "ProtocolError", "Record", "JobKey", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",
     "Flush", "Flushed", "Detach", "Stop", "SlotHeader", "SlotRecord", "Segment", "RankMemory", "MemoryIndex",
     "RankFile", "NodeMarker", "Manifest", "PeerAddress", "ReplicaPush", "ReplicaPull", "ReplicaReply",
     "ReplicaEntry", "ReplicaIndex", "GlobalParam", "RankLayout", "decode_message", "LEGACY_FORMAT",
@@ -159,6 +160,18 @@ def _plain(value):
     return value
 
 
+class JobKey(typing.NamedTuple):
+    """What must match for a slot to serve a restore or a carry: same job, configuration, --save."""
+
+    job_id: str
+    fingerprint: str
+    save: str
+
+    @classmethod
+    def of(cls, header: "SlotHeader") -> "JobKey":
+        return cls(header.job_id, header.fingerprint, os.path.abspath(header.save))
+
+
 # ---- agent messages ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class JobInfo(Record):
@@ -176,6 +189,10 @@ class JobInfo(Record):
     replicas: int = 0         # --pec-replicas: copies of each snapshot in other nodes' memory
     domain: str = ""          # this node's failure domain ("" = its own)
     replica_mbps: float | None = None  # send bandwidth cap
+
+    @property
+    def key(self) -> JobKey:
+        return JobKey(self.job_id, self.fingerprint, self.save)
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,6 +473,10 @@ class ReplicaEntry(Record):
     slot: int
     record: SlotRecord
     lineage: list[Segment]
+
+    @property
+    def key(self) -> JobKey:
+        return JobKey(self.job_id, self.fingerprint, self.save)
 
 
 @dataclass(frozen=True, slots=True)

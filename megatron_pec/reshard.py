@@ -15,16 +15,15 @@ pipeline, context and expert parallel sizes; anything else is refused with a mes
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megatron_pec import manifest, plt
+from megatron_pec.committed import CommittedFile, CommittedFiles
 from megatron_pec.items import NON_EXPERT, ExpertId, parse_item
 from megatron_pec.pec_state import PecState
-from megatron_pec.protocol import Manifest, ProtocolError, RankFile, RankLayout, SlotHeader
+from megatron_pec.protocol import Manifest, RankLayout, SlotHeader
 from megatron_pec.smallstate import loads as load_small_state
-from megatron_pec.sources import SourceError, read_checked_header, verify_items
-from megatron_pec.stformat import ITEMSIZE, Header, torch_dtype
+from megatron_pec.stformat import ITEMSIZE, torch_dtype
 from megatron_pec.storage import PosixStorage
 
 KEEP_SAME = ("tp", "pp", "cp")  # parallel sizes a resharding restore cannot change yet
@@ -48,15 +47,6 @@ def refusal(old: dict, new: dict) -> str | None:
                 f"differs in "
                 f"{', '.join(differing)}. Restart with the saved {', '.join(k.upper() for k in KEEP_SAME)} sizes")
     return None
-
-
-@dataclass
-class _File:
-    entry: RankFile
-    path: str
-    header: Header
-    by_name: dict
-    items: set[str] = field(default_factory=set)  # items this rank reads from it (verified first)
 
 
 @dataclass
@@ -84,15 +74,14 @@ class Resharder:
                     f"iteration {m.iteration} was saved with another parallel layout and has no readable layout "
                     f"record ({exc}); checkpoints written before megatron-pec recorded layouts restore only onto "
                     "the layout that wrote them") from None
-        self.files: dict[tuple[int, int], _File] = {}
+        self.files = CommittedFiles(root, m, storage, ReshardError)
 
     def restore(self) -> Resharded:
         pieces = self._pieces()
-        for file in self.files.values():
-            verify_items(file.path, file.header, file.items, file.entry.item_crc32)
+        self.files.verify()
         tensors = {name: self._assemble(dtype, spans, self.mine.slices[name])
                    for name, (dtype, spans) in pieces.items()}
-        headers = self._headers(self.m.iteration)
+        headers = self.files.headers(self.m.iteration)
         small = load_small_state(headers[self.rank % len(headers)].small)
         pec, report, at_target = self._account(headers)
         versions = {item: (self.m.iteration if item == NON_EXPERT else self.m.experts[item])
@@ -100,7 +89,7 @@ class Resharder:
         return Resharded(tensors, small, pec, at_target, versions, report)
 
     # ---- where each byte comes from --------------------------------------------------------------
-    def _pieces(self) -> dict[str, tuple[str, list[tuple[int, int, _File, int]]]]:
+    def _pieces(self) -> dict[str, tuple[str, list[tuple[int, int, CommittedFile, int]]]]:
         """New slice -> (stored dtype, [(begin, end) elements of it, old file, file offset])."""
         index: dict[tuple[str, str], list] = {}
         for r, layout in self.old.items():
@@ -114,11 +103,10 @@ class Resharder:
                 a, b = max(lo, begin), min(hi, end)
                 if a >= b:
                     continue
-                file = self._file(old_name.split("/", 1)[0], r)
+                file = self.files.holding(old_name.split("/", 1)[0], r)
                 entry = file.by_name.get(old_name)
                 if entry is None:
                     raise ReshardError(f"{file.path} lacks {old_name}, which its layout record names")
-                file.items.add(entry.item)
                 dtypes.add(entry.dtype)
                 size = ITEMSIZE[entry.dtype]
                 spans.append((a - lo, b - lo, file, file.header.data_start + entry.begin + (a - begin) * size))
@@ -129,18 +117,6 @@ class Resharder:
                                    + (f", in differing dtypes {sorted(dtypes)}" if len(dtypes) > 1 else ""))
             out[name] = (dtypes.pop() if dtypes else self.mine.params[p].dtype, spans)
         return out
-
-    def _file(self, item: str, old_rank: int) -> _File:
-        version = self.m.iteration if item == NON_EXPERT else self.m.experts.get(item)
-        entry = self.m.file_of(version, old_rank) if version is not None else None
-        if entry is None or item not in entry.items:
-            raise ReshardError(f"iteration {self.m.iteration}: no committed file of old rank {old_rank} holds {item}")
-        key = (version, old_rank)
-        if key not in self.files:
-            path = os.path.join(self.root, entry.file)
-            header = _read_header(path, entry, self.storage)
-            self.files[key] = _File(entry, path, header, {e.name: e for e in header.tensors})
-        return self.files[key]
 
     def _assemble(self, dtype: str, spans, where: list[int]):
         import torch
@@ -154,17 +130,6 @@ class Resharder:
         return out
 
     # ---- PEC state ---------------------------------------------------------------------------------
-    def _headers(self, version: int) -> dict[int, SlotHeader]:
-        files = self.m.ranks if version == self.m.iteration else self.m.sources.get(str(version), {})
-        out = {}
-        for r, entry in files.items():
-            path = os.path.join(self.root, entry.file)
-            try:
-                out[int(r)] = SlotHeader.from_metadata(_read_header(path, entry, self.storage).metadata)
-            except ProtocolError as exc:
-                raise ReshardError(f"{path}: {exc}") from None
-        return out
-
     def _account(self, headers: dict[int, SlotHeader]):
         """The PEC state merged from every old rank's part, this restore's PLT folded in."""
         if not self.stage:
@@ -181,7 +146,7 @@ class Resharder:
         at_version = {}
         for version in set(version_of.values()):
             tokens = at_target if version == self.m.iteration else {
-                parse_item(k): v for h in self._headers(version).values() for k, v in h.tokens.items()}
+                parse_item(k): v for h in self.files.headers(version).values() for k, v in h.tokens.items()}
             at_version.update({x: tokens[x] for x, v in version_of.items() if v == version})
         report = plt.lost_tokens(at_target, at_version, version_of, self.m.iteration)
         state.recovered(report, version_of, at_version, self.stage)
@@ -190,13 +155,6 @@ class Resharder:
 
 def _kind(slice_name: str) -> str:
     return slice_name.rsplit(".", 1)[-1]
-
-
-def _read_header(path: str, entry: RankFile, storage) -> Header:
-    try:
-        return read_checked_header(path, entry, storage)
-    except SourceError as exc:
-        raise ReshardError(str(exc)) from None
 
 
 __all__ = ["Resharder", "Resharded", "ReshardError", "change", "refusal"]

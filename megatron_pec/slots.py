@@ -60,7 +60,7 @@ class SlotFiles:
                          or -(-needed // HEADER_ALIGN) * HEADER_ALIGN)
         if self.capacity > MAX_HEADER:
             raise SlotSpaceError(
-                f"megatron-pec: rank {rank}'s snapshot header would need {self.capacity / 2**20:.1f} MiB "
+                f"rank {rank}'s snapshot header would need {self.capacity / 2**20:.1f} MiB "
                 f"({len(entries)} tensor slices, {len(table) / 2**20:.1f} MiB of them the tensor table), more than "
                 f"the {MAX_HEADER >> 20} MiB a header may have; spread the experts over more ranks "
                 "(--expert-model-parallel-size) or more data-parallel ranks")
@@ -153,7 +153,7 @@ class SlotFiles:
                 raise SlotSpaceError(_space_message(self.directory, stats.f_bavail * stats.f_frsize,
                                                    NUM_SLOTS * self.file_len, 1) + f" ({exc.strerror})") from None
             # Map every page now: a page first touched during a save costs a fault (the experts the
-            # agent carried in were never touched by this process) - ~10 ms per 30 MB on CPU.
+            # agent carried in were never touched by this process).
             return mmap.mmap(fd, self.file_len, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
@@ -185,7 +185,7 @@ def _space_message(directory: str, free: int, need: int, local_ranks: int, repli
                    replica_need: int = 0) -> str:
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     total = (need + replica_need) * local_ranks
-    text = (f"megatron-pec: node memory {directory} has {mib(free)} free, but {NUM_SLOTS} snapshot slots of "
+    text = (f"node memory {directory} has {mib(free)} free, but {NUM_SLOTS} snapshot slots of "
             f"{mib(need // NUM_SLOTS)} for each of {local_ranks} local rank(s) need {mib(need * local_ranks)}. "
             f"Enlarge the tmpfs (for Docker: --shm-size={max(1, -(-total * 5 // 4 // 2**30))}g) "
             f"or point --pec-shm-dir at a larger tmpfs")
@@ -238,7 +238,7 @@ def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     total = need * local_ranks
     docker_gib = max(1, -(-(limit[0] + total) * 5 // 4 // 2**30))
-    return (f"megatron-pec: the container's memory limit ({limit[2]}: {mib(limit[0])}, {mib(limit[1])} in use) "
+    return (f"the container's memory limit ({limit[2]}: {mib(limit[0])}, {mib(limit[1])} in use) "
             f"leaves {mib(room)}, but the snapshot slots{' and replicas' if replicas else ''} of {local_ranks} local "
             f"rank(s) need {mib(total)} of node memory, which counts against that limit (the tmpfs itself has "
             f"{mib(free)} free). Raise the container's memory limit (for Docker: --memory={docker_gib}g)"
@@ -267,9 +267,8 @@ class SlotCache:
     """The node agent's mappings of slot files, each with its parsed tensor table.
 
     The agent reads a slot at every snapshot (check, persist, carry). A fresh mapping faults in every
-    page again: at K=1 on the quick benchmark's model that made carries run at ~1.7 GB/s and cost
-    half the agent's CPU time. And a large MoE rank's table is megabytes of JSON that stays the same
-    for a configuration. A slot file replaced or resized (another configuration) is mapped and parsed
+    page again (most of a carry's time), and a large MoE rank's table is megabytes of JSON that stays
+    the same for a configuration. A slot file replaced or resized (another configuration) is mapped and parsed
     anew. Mappings are the cache's: callers never close them.
     """
 

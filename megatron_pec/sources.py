@@ -11,13 +11,13 @@ decision (``NodeMemory.restorable``), never this module's.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
-from megatron_pec import manifest
-from megatron_pec.agent.memory import JobKey, NodeMemory
+from megatron_pec import log, manifest
+from megatron_pec.byteruns import byte_runs
+from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.checksum import crc32
-from megatron_pec.protocol import Manifest, ProtocolError, RankFile, SlotHeader
+from megatron_pec.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.slots import open_slot
 from megatron_pec.stformat import (FormatError, Header, decode_header, item_checksums, read_header, tensor_at,
                                    tensor_views)
@@ -100,7 +100,7 @@ class Source:
             if crc32(head) != entry.header_crc32:
                 raise SourceError(f"{self.where} fails its header checksum: the file is corrupt")
         layout = self._layout
-        for run in _runs([e for e in layout.tensors if e.item in items]):
+        for run in byte_runs([e for e in layout.tensors if e.item in items]):
             begin, end = run[0].begin, run[-1].end
             buffer = storage.read_range(self.where, layout.data_start + begin, end - begin)
             for e in run:
@@ -212,31 +212,20 @@ def verify_items(path: str, header: Header, items: set[str], expected: dict[str,
                               f"{expected.get(item, 0):08x}): the file is corrupt")
 
 
-def _runs(entries):
-    """Entries (in header order) grouped into runs of adjacent byte ranges: one read per run."""
-    runs = []
-    for e in entries:
-        if runs and runs[-1][-1].end == e.begin:
-            runs[-1].append(e)
-        else:
-            runs.append([e])
-    return runs
-
-
-def memory_sources(node_dir: str, rank: int, job: JobKey, mapped: dict | None = None,
-                   known_table: tuple | None = None, views: dict | None = None) -> list[Source]:
+def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None) -> list[Source]:
     """The slots of this rank that node memory's owner (the agent's index) says may serve a
-    restore of ``job`` (same job, configuration and --load as --save); ``mapped``: path -> the
-    trainer's own mapping of that slot file (``SlotFiles.mapped``), read instead of mapping anew;
-    ``known_table``: the tensor table the trainer writes (``SlotFiles.table``), not parsed again;
-    ``views``: path -> the trainer's views of that mapping (``SlotFiles.mapped_views``)."""
-    mapped, views = mapped or {}, views or {}
+    restore of ``job`` (same job, configuration and --load as --save). ``slots``: the trainer's own
+    ``SlotFiles``, if mapped: a slot file it maps is read through its mapping (its pages already
+    mapped, its tensor table and views already built) instead of mapping it anew."""
+    mapped = slots.mapped() if slots is not None else {}
+    views = slots.mapped_views() if slots is not None else {}
+    table = slots.table if slots is not None else None
     restorable, foreign = NodeMemory.read(node_dir).restorable(rank, job)
     for reason in foreign:
-        print(f"megatron-pec: rank {rank}: ignoring node-memory slot {reason}", file=sys.stderr, flush=True)
+        log.warning(f"ignoring node-memory slot {reason}", rank=rank)
     return [Source("memory", record.iteration, record.items, path, record.crcs, header=header,
                    carried_tokens=record.tokens, origin=record.origin, mapping=mapped.get(path),
-                   known_table=known_table, known_views=views.get(path))
+                   known_table=table, known_views=views.get(path))
             for path, record, header in restorable]
 
 
@@ -262,7 +251,7 @@ def storage_sources(root: str, rank: int, fingerprint: str, topology: dict, stor
         try:
             m = (known or {}).get(i) or manifest.read_manifest(root, i, storage)
         except manifest.ManifestError as exc:
-            print(f"megatron-pec: rank {rank}: skipping iteration {i}: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"skipping iteration {i}: {exc}", rank=rank)
             continue
         if m.fingerprint != fingerprint:
             if i == committed[0]:

@@ -19,6 +19,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_pec.byteruns import runs
 from megatron_pec.checksum import crc32
 from megatron_pec.jsontext import dumps_object
 
@@ -258,16 +259,12 @@ def item_checksums(buffer, header: Header, items: set[str], chunk: int = 8 << 20
     """crc32 of each item's data (its tensors in header order) in a whole-file ``buffer``: what a
     restore verifies, for just the items it reads. The same bytes in a slot or a compact rank file
     give the same value."""
-    runs = []  # (item, begin, end): an item's adjacent tensors joined, one crc call per run
-    for entry in header.tensors:
-        if entry.item in items:
-            if runs and runs[-1][0] == entry.item and runs[-1][2] == entry.begin:
-                runs[-1][2] = entry.end
-            else:
-                runs.append([entry.item, entry.begin, entry.end])
+    # an item's adjacent tensors joined: one crc call per run
+    picked = runs([e for e in header.tensors if e.item in items], lambda a, b: a.item == b.item and a.end == b.begin)
     crcs, view = {}, memoryview(buffer)
-    for item, begin, end in runs:
-        crc, begin, end = crcs.get(item, 0), header.data_start + begin, header.data_start + end
+    for run in picked:
+        item, begin, end = run[0].item, header.data_start + run[0].begin, header.data_start + run[-1].end
+        crc = crcs.get(item, 0)
         for offset in range(begin, end, chunk):
             crc = crc32(view[offset:min(offset + chunk, end)], crc)
         crcs[item] = crc

@@ -66,8 +66,8 @@ class PosixStorage:
         """The whole file in a writable buffer (tensors view it without copies) and its crc32, each
         chunk's checksum computed while the next one is read (one pass's time, not two).
 
-        The buffer is not zero-filled first (``bytearray(n)`` is: 30 ms of page faults and memset
-        for 55 MB, a third of a cold read): the read fills every byte or raises."""
+        The buffer is not zero-filled first (``bytearray(n)`` is: page faults and a memset, a third
+        of a cold read): the read fills every byte or raises."""
         import numpy  # (not at module level: the agent starts without it)
 
         crc = RunningCrc()

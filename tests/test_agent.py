@@ -371,7 +371,7 @@ def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
     t = trainers(0, nodes=1)
     slot, _ = t.snapshot(1, persist=False)
     job = JobKey("t", "f", t.root)
-    (own,) = memory_sources(t.directory, 0, job, t.files.mapped(), t.files.table, t.files.mapped_views())
+    (own,) = memory_sources(t.directory, 0, job, t.files)
     (fresh,) = memory_sources(t.directory, 0, job)
     names = set(t.files.views[slot])
     for source in (own, fresh):

@@ -7,6 +7,7 @@ from conftest import REPO, free_port
 
 SCRIPT = r"""
 import argparse, os, sys
+from types import SimpleNamespace
 import torch.distributed as dist
 from megatron_pec import manifest
 from megatron_pec.collectives import Collectives
@@ -20,9 +21,9 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
 os.makedirs(manifest.pec_dir(root, 2))
 manifest.write_node_marker(root, NodeMarker(iteration=2, node=1, job_id="j", fingerprint="f", topology={}, ranks={}))
 config = PecConfig.from_args(argparse.Namespace(save=root, load=root, pec_job_id="j"))
-ctx = LoadContext(rank=0, node_dir=os.path.join(root, "no_memory"), job_id="j", fingerprint="f", topology={},
-                  config=config, slice_items={}, experts_held=(), all_experts=(), num_experts=0,
-                  collectives=Collectives.over_all_ranks())
+job = SimpleNamespace(rank=0, node_dir=os.path.join(root, "no_memory"), fingerprint="f", topology={}, held_names={},
+                      all_experts=(), expert_layout=None, layout=None)
+ctx = LoadContext(job=job, config=config, collectives=Collectives.over_all_ranks(), slice_items={})
 assert Loader(ctx, root).load() is None
 left = os.path.exists(manifest.node_marker(root, 2, 1))
 print("stale marker left" if left else "stale marker retired")

@@ -2,8 +2,6 @@
 copies when pinning fails, unregistered before unmapping, never twice) and the node-memory preflight
 against the container's memory limit. The CUDA runtime is a seam: a recording stand-in here."""
 
-import io
-
 import pytest
 import torch
 
@@ -42,32 +40,46 @@ def slots(tmp_path):
     files.close()
 
 
-def test_pins_each_slot_once_and_unpins_before_unmapping(slots):
-    runtime, log = Runtime(), io.StringIO()
-    first = pinning.SlotPinning(runtime, stream=log)
+def test_pins_each_slot_once_and_unpins_before_unmapping(slots, capsys):
+    runtime = Runtime()
+    first = pinning.SlotPinning(runtime)
     ranges = pinning.slot_ranges(slots.maps)
     assert first.pin(ranges) and len(first.pinned) == 3
-    again = pinning.SlotPinning(runtime, stream=log)
+    again = pinning.SlotPinning(runtime)
     assert again.pin(ranges) and again.pinned == []  # the same addresses are never registered twice
     assert [c[0] for c in runtime.calls] == ["register"] * 3
     first.unpin_all()
     assert [c[0] for c in runtime.calls[3:]] == ["unregister"] * 3 and not first.pinned
-    assert log.getvalue() == ""
-    third = pinning.SlotPinning(runtime, stream=log)
+    assert capsys.readouterr().err == ""
+    third = pinning.SlotPinning(runtime)
     assert third.pin(ranges) and len(third.pinned) == 3  # registrable again once unregistered
     third.unpin_all()
 
 
-def test_a_failed_pin_is_one_warning_and_clears_cudas_last_error(slots):
-    runtime, log = Runtime(fail_register=2), io.StringIO()
-    pins = pinning.SlotPinning(runtime, rank=3, stream=log)
+def test_a_failed_pin_is_one_warning_and_clears_cudas_last_error(slots, capsys):
+    runtime = Runtime(fail_register=2)
+    pins = pinning.SlotPinning(runtime, rank=3)
     assert not pins.pin(pinning.slot_ranges(slots.maps))
     assert len(runtime.calls) == 1 and runtime.last_error == 0  # stopped at the first failure, error cleared
-    text = log.getvalue()
-    assert text.count("WARNING") == 1 and "rank 3" in text
+    text = capsys.readouterr().err
+    assert text.count("WARNING") == 1 and "megatron-pec: WARNING rank 3: cannot page-lock" in text
     assert "cudaHostRegister returned CUDA error 2: out of memory" in text and "ulimit -l" in text
     pins.unpin_all()
     assert len(runtime.calls) == 1  # nothing was registered, nothing to unregister
+
+
+def test_a_large_mapping_is_registered_in_chunks(monkeypatch):
+    """One cudaHostRegister of 512 GiB or more fails on current drivers: large slots go in pieces,
+    each unregistered again."""
+    monkeypatch.setattr(pinning, "CHUNK", 1000)
+    runtime = Runtime()
+    pins = pinning.SlotPinning(runtime)
+    assert pins.pin([(1 << 40, 2500)])
+    assert runtime.calls == [("register", (1 << 40) + offset, length)
+                             for offset, length in ((0, 1000), (1000, 1000), (2000, 500))]
+    pins.unpin_all()
+    assert [c for c in runtime.calls if c[0] == "unregister"] == [
+        ("unregister", (1 << 40) + offset) for offset in (0, 1000, 2000)]
 
 
 def test_preflight_counts_node_memory_against_the_containers_memory_limit(tmp_path, monkeypatch):

@@ -73,9 +73,10 @@ def on_two_ranks(tmp_path, work):
     results, failures = {}, []
 
     def rank_main(rank):
-        ctx = LoadContext(rank=rank, node_dir=str(tmp_path), job_id="j", fingerprint="f", topology={},
-                          config=config, slice_items={}, experts_held=EXPERTS, all_experts=EXPERTS,
-                          num_experts=2, collectives=collectives.of(rank))
+        job = SimpleNamespace(rank=rank, node_dir=str(tmp_path), fingerprint="f", topology={}, layout=None,
+                              held_names={x: item_name(x) for x in EXPERTS}, all_experts=EXPERTS,
+                              expert_layout=SimpleNamespace(num_experts=2))
+        ctx = LoadContext(job=job, config=config, collectives=collectives.of(rank), slice_items={})
         try:
             results[rank] = work(Loader(ctx, str(tmp_path)))
         except BaseException as exc:  # noqa: BLE001 - reported by the test below

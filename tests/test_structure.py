@@ -21,6 +21,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 # file -> attribute targets it may assign on objects that are not its own (``self``/``cls``), and why.
 ALLOWED_FOREIGN_WRITES = {
     "api.py": {"sys.excepthook", "excepthook.megatron_pec"},      # records crashes so exit keeps node memory
+    "log.py": {"LOGGER.propagate"},                                # the package's lines go to its own handler only
     "megatron/restore.py": {"scheduler.num_steps", "args.consumed_train_samples", "args.skipped_train_samples",
                             "args.consumed_valid_samples", "args.finetune"},  # Megatron's load_checkpoint side effects
     "megatron/optstate.py": {"inner.param_groups", "inner.state"},  # shown one param per group, then put back

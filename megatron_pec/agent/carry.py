@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import os
 
+from megatron_pec.byteruns import runs
 from megatron_pec.protocol import SlotHeader, SlotRecord
 from megatron_pec.slots import SlotCache
 
@@ -47,22 +48,19 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     _, base_tensors = slots.open(base_path)
     same = base_tensors.tensors is header.tensors or base_tensors.tensors == header.tensors
     source = None if same else {e.name: e for e in base_tensors.tensors}
-    copies = []  # (to, from, length), adjacent ones joined: one memcpy per run of carried bytes
+    pieces = []  # (to, from, length) per carried tensor
     for e in header.tensors:
         if e.item in take and e.item not in kept:
             b = e if same else source.get(e.name)
             if b is None or b.end - b.begin != e.end - e.begin:
                 raise ValueError(f"{base_path} lays out {e.name} differently")
-            to, frm, n = header.data_start + e.begin, base_tensors.data_start + b.begin, e.end - e.begin
-            if copies and copies[-1][0] + copies[-1][2] == to and copies[-1][1] + copies[-1][2] == frm:
-                copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + n)
-            else:
-                copies.append((to, frm, n))
+            pieces.append((header.data_start + e.begin, base_tensors.data_start + b.begin, e.end - e.begin))
+    # one read per run of pieces adjacent on both sides
+    copies = [(run[0][0], run[0][1], sum(n for _, _, n in run))
+              for run in runs(pieces, lambda a, b: a[0] + a[2] == b[0] and a[1] + a[2] == b[1])]
     # Read from the base's file, not copied between the mappings: a memcpy in Python holds the GIL
-    # for its whole length, a read lets the agent's other threads answer meanwhile (a trainer's
-    # Settle waited out whole carries). A numpy copy between the mappings (GIL released, twice as
-    # fast alone) cost the agent more: 16 against 10 ms of CPU per K=1 checkpoint of the quick
-    # benchmark (its agent_cpu ledger, two runs each).
+    # for its whole length, a read lets the agent's other threads answer meanwhile. (Why not a numpy
+    # copy: docs/design.md, "Carries".)
     fd = os.open(base_path, os.O_RDONLY)
     try:
         with memoryview(mapping) as dst:

@@ -1,8 +1,8 @@
-"""Trainer side of the node agent: start or reuse it, announce snapshots, collect releases.
+"""The wire to the node agent, trainer side: start or reuse the agent, send and receive its messages.
 
-Every rank holds one connection to its node's agent. Any rank that finds no
-live agent starts one (under a lock, so a node gets exactly one), detached in
-its own session so it survives the trainer's SIGKILL.
+Every rank holds one connection to its node's agent (``session.AgentSession`` speaks the
+protocol over it). Any rank that finds no live agent starts one (under a lock, so a node gets
+exactly one), detached in its own session so it survives the trainer's SIGKILL.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from megatron_pec import log
 from megatron_pec.agent.server import LOCKFILE, PIDFILE, SOCKET
 from megatron_pec.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
 
@@ -170,8 +171,8 @@ class AgentClient:
             try:
                 out.append(decode_message(line))
             except ProtocolError as exc:  # an agent of another megatron-pec version: stop talking to it
-                _warn(f"megatron-pec: WARNING rank {self.rank}: the node agent at {self.directory} sent a message "
-                      f"this trainer cannot read ({exc})")
+                log.warning(f"the node agent at {self.directory} sent a message this trainer cannot read ({exc})",
+                            rank=self.rank)
                 self._lost()
                 break
         return out
@@ -195,8 +196,8 @@ class AgentClient:
         if self.sock is not None:
             self.sock.close()
         self.sock = None
-        _warn(f"megatron-pec: WARNING rank {self.rank}: lost the node agent (pid {self.pid}) at {self.directory}; "
-              "snapshots are skipped until a new agent runs")
+        log.warning(f"lost the node agent (pid {self.pid}) at {self.directory}; snapshots are skipped until a new "
+                    "agent runs", rank=self.rank)
 
     def close(self, detach: bool = True) -> None:
         if detach:
@@ -205,8 +206,3 @@ class AgentClient:
             self.sock.close()
             self.sock = None
 
-
-def _warn(line: str) -> None:
-    # Printed, not warnings.warn: training scripts often run with PYTHONWARNINGS=ignore, and a lost
-    # agent means snapshots are being skipped.
-    print(line, file=sys.stderr, flush=True)

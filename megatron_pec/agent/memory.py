@@ -18,25 +18,14 @@ restored, whatever order slots are reused in.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
-from megatron_pec.protocol import MemoryIndex, ProtocolError, RankMemory, Segment, SlotHeader, SlotRecord
+from megatron_pec.protocol import JobKey, MemoryIndex, ProtocolError, RankMemory, Segment, SlotHeader, SlotRecord
 from megatron_pec.slots import NUM_SLOTS, read_slot_metadata, slot_path
 from megatron_pec.stformat import FormatError
 
 INDEX = "slots.json"
 
-
-class JobKey(NamedTuple):
-    """What must match for a slot to serve a restore or a carry: same job, configuration, --save."""
-
-    job_id: str
-    fingerprint: str
-    save: str
-
-    @classmethod
-    def of(cls, header: SlotHeader) -> "JobKey":
-        return cls(header.job_id, header.fingerprint, os.path.abspath(header.save))
+__all__ = ["INDEX", "JobKey", "NodeMemory", "header_problem", "read_header"]
 
 
 def header_problem(header: SlotHeader | str, iteration: int, run: str, job: JobKey | None) -> str | None:

@@ -25,11 +25,10 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
 
-from megatron_pec import faults
+from megatron_pec import faults, log
 from megatron_pec.agent import peers
-from megatron_pec.agent.memory import JobKey
+from megatron_pec.byteruns import spans
 from megatron_pec.protocol import (JobInfo, PeerAddress, ProtocolError, ReplicaEntry, ReplicaIndex, ReplicaPull,
                                    ReplicaPush, ReplicaReply, Segment, SlotRecord)
 from megatron_pec.slots import REPLICA_SLOTS
@@ -44,21 +43,6 @@ NEED_FULL = "need the whole slot"
 
 class ReplicaError(RuntimeError):
     """A replica that could not be sent, received or pulled; the message says why."""
-
-
-def _key_of(job: JobInfo) -> JobKey:
-    return JobKey(job.job_id, job.fingerprint, job.save)
-
-
-def _runs(entries) -> list[tuple[int, int]]:
-    """(offset, length) of adjacent byte ranges of ``entries`` (header order), relative to the data."""
-    runs: list[list[int]] = []
-    for e in entries:
-        if runs and runs[-1][1] == e.begin:
-            runs[-1][1] = e.end
-        else:
-            runs.append([e.begin, e.end])
-    return [(begin, end - begin) for begin, end in runs]
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -118,7 +102,7 @@ class ReplicaStore:
 
     def current(self, job: JobInfo, node: int, rank: int) -> ReplicaEntry | None:
         entry = self.index.entries.get(f"{node}.{rank}")
-        if entry is None or JobKey(entry.job_id, entry.fingerprint, entry.save) != _key_of(job):
+        if entry is None or entry.key != job.key:
             return None
         return entry
 
@@ -147,7 +131,7 @@ class ReplicaStore:
             try:
                 with memoryview(target) as view:
                     view[:push.header_len] = header
-                    for i, (begin, length) in enumerate(_runs([e for e in layout.tensors if e.item in sent])):
+                    for i, (begin, length) in enumerate(spans([e for e in layout.tensors if e.item in sent])):
                         _recv_into(sock, view[layout.data_start + begin:layout.data_start + begin + length])
                         if i == 0:
                             faults.point("replica_receive", iteration=record.iteration)
@@ -172,7 +156,7 @@ class ReplicaStore:
         source = _map(source_path, len(view))
         try:
             with memoryview(source) as src:
-                for begin, length in _runs([e for e in layout.tensors if e.item in items]):
+                for begin, length in spans([e for e in layout.tensors if e.item in items]):
                     start = layout.data_start + begin
                     view[start:start + length] = src[start:start + length]
         finally:
@@ -209,8 +193,8 @@ def _decode_request(line: bytes) -> ReplicaPush | ReplicaPull:
 class ReplicaServer:
     """Accepts pushes and pulls from other nodes' agents (one request per connection)."""
 
-    def __init__(self, store: ReplicaStore, log: Callable[[str], None]):
-        self.store, self.log = store, log
+    def __init__(self, store: ReplicaStore):
+        self.store = store
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("0.0.0.0", 0))
@@ -237,10 +221,10 @@ class ReplicaServer:
                 error = self.store.receive(request, conn)
                 conn.sendall((ReplicaReply(error is None, error).dumps() + "\n").encode())
                 if error is not None and error != NEED_FULL:
-                    self.log(f"replica of node {request.node} rank {request.rank} iteration "
+                    log.info(f"replica of node {request.node} rank {request.rank} iteration "
                              f"{request.record.iteration} refused: {error}")
             except (OSError, ProtocolError, ReplicaError, ValueError) as exc:
-                self.log(f"replica transfer broke: {exc}")
+                log.info(f"replica transfer broke: {exc}")
 
     def close(self) -> None:
         self.sock.close()
@@ -249,14 +233,13 @@ class ReplicaServer:
 class Replicator:
     """Sends recorded snapshots to this node's holders in a background thread."""
 
-    def __init__(self, node_dir: str, job: JobInfo, storage: PosixStorage, log: Callable[[str], None]):
-        self.node_dir, self.job, self.storage, self.log = node_dir, job, storage, log
+    def __init__(self, node_dir: str, job: JobInfo, storage: PosixStorage):
+        self.node_dir, self.job, self.storage = node_dir, job, storage
         self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
         self.sending: dict[int, int] = {}           # rank -> slot being read now (not to be granted)
         self.synced: set[tuple[int, int]] = set()   # (holder, rank) that hold a base replica
         self.sent = {"snapshots": 0, "whole": 0, "bytes": 0}  # completed pushes (reported at exit)
         self.cond = threading.Condition()
-        self.warned: set[str] = set()
         threading.Thread(target=self._run, daemon=True).start()
 
     def offer(self, rank: int, slot_path: str, slot: int, record: SlotRecord, lineage: list[Segment]) -> None:
@@ -286,11 +269,6 @@ class Replicator:
                 with self.cond:
                     self.sending.pop(rank, None)
 
-    def _warn_once(self, message: str) -> None:
-        if message not in self.warned:
-            self.warned.add(message)
-            self.log(message)
-
     def _send_to_holders(self, rank: int, path: str, record: SlotRecord, lineage: list[Segment]) -> None:
         job = self.job
         addresses = peers.read_peers(job.save, job.job_id, job.num_nodes, self.storage)
@@ -298,16 +276,16 @@ class Replicator:
         for holder in peers.holders(job.node_rank, job.num_nodes, job.replicas, domains):
             address = addresses.get(holder)
             if address is None:
-                self._warn_once(f"replication: node {holder}'s agent has not published its address yet; "
-                                "its replicas start with a later snapshot")
+                log.info(f"replication: node {holder}'s agent has not published its address yet; its replicas "
+                         "start with a later snapshot", once=True)
                 continue
             try:
                 self._push(address, rank, path, record, lineage, full=(holder, rank) not in self.synced)
                 self.synced.add((holder, rank))
             except (OSError, ReplicaError, ProtocolError, FormatError) as exc:
                 self.synced.discard((holder, rank))
-                self._warn_once(f"replication of rank {rank} to node {holder} failed ({exc}); training continues, "
-                                "a lost node restores from storage until a replica lands")
+                log.info(f"replication of rank {rank} to node {holder} failed ({exc}); training continues, a "
+                         "lost node restores from storage until a replica lands", once=True)
 
     def _push(self, address: PeerAddress, rank: int, path: str, record: SlotRecord, lineage: list[Segment],
               full: bool) -> None:
@@ -343,7 +321,7 @@ class Replicator:
             sock.sendall(mapping[:push.header_len])
             started, sent_bytes = time.monotonic(), 0
             with memoryview(mapping) as whole:
-                for begin, length in _runs([e for e in layout.tensors if e.item in set(push.sent)]):
+                for begin, length in spans([e for e in layout.tensors if e.item in set(push.sent)]):
                     start = layout.data_start + begin
                     for offset in range(start, start + length, 4 << 20):
                         with whole[offset:min(offset + (4 << 20), start + length)] as piece:

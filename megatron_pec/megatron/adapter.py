@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_pec import smallstate
+from megatron_pec import log, smallstate
 from megatron_pec.collectives import Collectives
 from megatron_pec.items import ExpertId
 from megatron_pec.megatron import collect, contiguous, layout, restore
@@ -196,7 +196,7 @@ class MegatronAdapter:
                 from megatron_pec.errors import CheckpointError
 
                 raise CheckpointError(
-                    f"megatron-pec: the {name}_group passed to save/load_checkpoint holds ranks {sorted(given)}, "
+                    f"the {name}_group passed to save/load_checkpoint holds ranks {sorted(given)}, "
                     f"but megatron-core's parallel_state group of this rank holds {sorted(expected)}; megatron-pec "
                     "shards checkpoints by parallel_state's groups: pass those (or None), or use Megatron's own "
                     "checkpointing for this model")
@@ -223,7 +223,7 @@ class MegatronAdapter:
                                                  restore.fit_optimizer_state(small["optimizer"], self.optimizers)):
                     self._live = None  # the optimizer's tensors were replaced (allocated anew)
                 # (binding anew places the state contiguously: its values need no copy when every slice
-                # of it is overwritten next, 0.7 s of a restore at 90k slices)
+                # of it is overwritten next)
                 targets = self.live_views(keep_values=not all(s.name in tensors for s in self.slot_slices))
             else:
                 targets = self._param_views()
@@ -239,10 +239,8 @@ class MegatronAdapter:
                 restore.restore_scheduler(scheduler, small["scheduler"])
             saved_prefix = small.get("rng_key_prefix", "")
             if load_rng and saved_prefix != rng_key_prefix:
-                if self.rank == 0:
-                    print(f"megatron-pec: WARNING the checkpoint's RNG state was saved under rng_state_key_prefix "
-                          f"{saved_prefix!r}, this load asks for {rng_key_prefix!r}: RNG state not restored",
-                          flush=True)
+                log.warning(f"the checkpoint's RNG state was saved under rng_state_key_prefix {saved_prefix!r}, "
+                            f"this load asks for {rng_key_prefix!r}: RNG state not restored", rank0=True)
             elif load_rng:
                 restore.restore_rng(small["rng"])
             restore.restore_args(self.args, small, finetune)

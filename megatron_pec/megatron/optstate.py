@@ -12,9 +12,8 @@ keeps more than this knows of).
 from __future__ import annotations
 
 import contextlib
-import sys
 
-from megatron_pec import smallstate
+from megatron_pec import log, smallstate
 from megatron_pec.megatron.collect import distributed_optimizers
 
 
@@ -34,10 +33,8 @@ class OptimizerState:
             full = self.optimizer.state_dict()
             self.trimmed_ok = _same(trimmed, full)
             if not self.trimmed_ok:
-                if self.rank == 0:
-                    print("megatron-pec: note: this optimizer's state_dict depends on more than one parameter "
-                          "per group; every save asks it for the full one (slower saves, same checkpoint)",
-                          file=sys.stderr, flush=True)
+                log.info("note: this optimizer's state_dict depends on more than one parameter per group; every "
+                         "save asks it for the full one (slower saves, same checkpoint)", rank0=True)
                 return full
         return trimmed
 

@@ -29,8 +29,7 @@ def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
 def sync_model_params(model_chunks, optimizer) -> None:
     """Main params -> model params on this rank's shard, then all-gather the rest (DDP param sync).
     A bucket group of one rank is skipped: its shard is the whole bucket, which the all-gather would
-    only copy onto itself (all of this rank's experts when the expert data-parallel size is 1: 4-14 ms
-    of a restore of the quick benchmark's CPU model)."""
+    only copy onto itself (all of this rank's experts when the expert data-parallel size is 1)."""
     for opt in distributed_optimizers(optimizer):
         opt._copy_main_params_to_model_params()
     for chunk in model_chunks:
@@ -51,12 +50,12 @@ def restore_buffers(refs, saved: dict[str, torch.Tensor] | None) -> None:
         return
     live = module_buffers(refs)
     if set(saved) != set(live):
-        raise CheckpointError(f"megatron-pec: the checkpoint's module buffers {sorted(saved)} differ from the "
+        raise CheckpointError(f"the checkpoint's module buffers {sorted(saved)} differ from the "
                               f"model's {sorted(live)}: was it saved with other model flags (for example "
                               "--moe-router-enable-expert-bias)?")
     for name, tensor in saved.items():
         if tensor.shape != live[name].shape:
-            raise CheckpointError(f"megatron-pec: buffer {name} has shape {tuple(tensor.shape)} in the checkpoint, "
+            raise CheckpointError(f"buffer {name} has shape {tuple(tensor.shape)} in the checkpoint, "
                                   f"{tuple(live[name].shape)} in the model")
         live[name].copy_(tensor)
 
@@ -92,7 +91,7 @@ def fit_optimizer_state(saved, optimizers: list):
         for live in opt.optimizer.param_groups:
             match = saved_groups.get(identity(live))
             if match is None:
-                raise CheckpointError("megatron-pec: the checkpoint's optimizer has no param group like "
+                raise CheckpointError("the checkpoint's optimizer has no param group like "
                                       f"{ {k: live.get(k) for k in param_group_identifier_keys} }: it was saved "
                                       "with other optimizer settings (weight-decay or lr multipliers)")
             groups.append({**{k: v for k, v in match.items() if k != "params"},
@@ -122,8 +121,7 @@ def _load_in_place(optimizer, state) -> bool:
     them next), when that is all there is to do; False (nothing changed) otherwise.
 
     A fresh optimizer matters most: Megatron's path ends in torch's ``Optimizer.load_state_dict``,
-    which looks each state value's param up in a list of them all (12 s at 30k params, 58 MoE
-    layers of 256 experts on one rank)."""
+    which looks each state value's param up in a list of them all: quadratic in the params."""
     from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 

@@ -30,9 +30,9 @@ def main():
             engine = api._engine
             engine.flush()
             torch.distributed.barrier()
-            if engine.local_world_size == 1 or torch.distributed.get_rank() == 0:
-                os.kill(int(open(os.path.join(engine.node_dir, "agent.pid")).read()), signal.SIGKILL)
-                shutil.rmtree(engine.node_dir)
+            if engine.job.local_world_size == 1 or torch.distributed.get_rank() == 0:
+                os.kill(int(open(os.path.join(engine.job.node_dir, "agent.pid")).read()), signal.SIGKILL)
+                shutil.rmtree(engine.job.node_dir)
             torch.distributed.barrier()
         args.consumed_train_samples = 12345  # the restore must set it back
         loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)

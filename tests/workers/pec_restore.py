@@ -27,15 +27,15 @@ def train(args, model, optimizer, scheduler, data, first, last, save=True):
         if save:
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 4 != 0)
             history[i] = {k: v.clone() for k, v in collect.live_views(api._engine.adapter.slices, optimizer).items()}
-            tokens[i] = dict(api._engine.cumulative)
-            snapshot_versions[i] = {item_name(e): v for e, v in api._engine.pec.snapshot.saved_at.items()}
+            tokens[i] = dict(api._engine.book.cumulative)
+            snapshot_versions[i] = {item_name(e): v for e, v in api._engine.book.state.snapshot.saved_at.items()}
 
 
 def check_restore(optimizer, target, previous_lost):
     """Compare the restored slices with the recorded history; recompute PLT independently."""
     engine = api._engine
     live = collect.live_views(engine.adapter.slices, optimizer)
-    versions = {item_name(e): v for e, v in engine.pec.snapshot.saved_at.items()}
+    versions = {item_name(e): v for e, v in engine.book.state.snapshot.saved_at.items()}
     mismatched = []
     for s in engine.adapter.slices:
         version = target if s.item == "dense" else versions[s.item]
@@ -44,9 +44,9 @@ def check_restore(optimizer, target, previous_lost):
     experts = list(tokens[target])
     lost = sum(tokens[target][e] - tokens[versions[item_name(e)]][e] for e in experts)
     total = sum(tokens[target][e] for e in experts)
-    return {"target": target, "mismatched": mismatched, "plt": engine.pec.plt,
-            "expected_plt": (previous_lost + lost) / total, "lost": lost, "k": engine.pec.snapshot.k,
-            "persist_k": engine.pec.persist.k, "stale": sorted(i for i, v in versions.items() if v < target),
+    return {"target": target, "mismatched": mismatched, "plt": engine.book.state.plt,
+            "expected_plt": (previous_lost + lost) / total, "lost": lost, "k": engine.book.state.snapshot.k,
+            "persist_k": engine.book.state.persist.k, "stale": sorted(i for i, v in versions.items() if v < target),
             "latest_versions": versions == snapshot_versions[target]}
 
 
@@ -73,8 +73,8 @@ def main():
     engine.flush()
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # node loss: agent and node memory gone
-        os.kill(int(open(os.path.join(engine.node_dir, "agent.pid")).read()), signal.SIGKILL)
-        shutil.rmtree(engine.node_dir)
+        os.kill(int(open(os.path.join(engine.job.node_dir, "agent.pid")).read()), signal.SIGKILL)
+        shutil.rmtree(engine.job.node_dir)
     torch.distributed.barrier()
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     # 14 was a memory snapshot only; restored from memory, the agent persisted it after the restart.

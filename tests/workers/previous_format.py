@@ -31,10 +31,10 @@ def restored_state(optimizer) -> dict:
     for s in engine.adapter.slices:  # (slot order: the same on both releases)
         digests.setdefault(s.item, hashlib.sha256()).update(live[s.name].contiguous().view(torch.uint8).numpy())
     return {"items": {item: d.hexdigest() for item, d in sorted(digests.items())},
-            "snapshot_versions": {item_name(x): v for x, v in sorted(engine.pec.snapshot.saved_at.items())},
-            "persist_versions": {item_name(x): v for x, v in sorted(engine.pec.persist.saved_at.items())},
-            "tokens": {item_name(x): v for x, v in sorted(engine.cumulative.items())},
-            "plt": engine.pec.plt, "k": [engine.pec.snapshot.k, engine.pec.persist.k]}
+            "snapshot_versions": {item_name(x): v for x, v in sorted(engine.book.state.snapshot.saved_at.items())},
+            "persist_versions": {item_name(x): v for x, v in sorted(engine.book.state.persist.saved_at.items())},
+            "tokens": {item_name(x): v for x, v in sorted(engine.book.cumulative.items())},
+            "plt": engine.book.state.plt, "k": [engine.book.state.snapshot.k, engine.book.state.persist.k]}
 
 
 def main():

@@ -23,7 +23,7 @@ def dump(path: str) -> None:
     """This rank's live slices, named ``<global param>#<kind>#<first element>``."""
     engine = api._engine
     live = collect.live_views(engine.adapter.slices, engine.optimizer)
-    layout = engine.layout
+    layout = engine.job.layout
     write_safetensors(path, {f"{layout.params[p].name}#{name.rsplit('.', 1)[1]}#{lo}": live[name]
                              for name, (p, lo, hi) in layout.slices.items()})
 

@@ -64,7 +64,7 @@ def optimizer_structure(optimizer) -> list:
 
 def copies(engine, optimizer) -> dict:
     """How a full save copies (slices, coalesced runs) and how many storages hold the moments."""
-    runs = next(iter(engine._runs.values()))
+    runs = engine.stager.runs_of(next(s for s in range(3) if engine.stager.runs_of(s)))
     storages = {t.untyped_storage().data_ptr() for o in optimizer.chained_optimizers
                 for state in o.optimizer.state.values() for k, t in state.items() if k.startswith("exp_avg")}
     return {"slices": len(engine.adapter.slot_slices), "runs": sum(len(dst) for dst, _ in runs.values()),
@@ -110,10 +110,10 @@ def main():
             engine = api._engine
             engine.flush()  # iteration N is committed before its slot is released
             torch.distributed.barrier()
-            if engine.local_world_size == 1 or torch.distributed.get_rank() == 0:
-                pid = int(open(os.path.join(engine.node_dir, "agent.pid")).read())
+            if engine.job.local_world_size == 1 or torch.distributed.get_rank() == 0:
+                pid = int(open(os.path.join(engine.job.node_dir, "agent.pid")).read())
                 os.kill(pid, signal.SIGKILL)
-                shutil.rmtree(engine.node_dir)
+                shutil.rmtree(engine.job.node_dir)
             torch.distributed.barrier()
         loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
         after = capture(args, model, optimizer, scheduler)

@@ -1,0 +1,101 @@
+"""The node agent's side of replication, started once a job asks for it (``--pec-replicas``, more
+than one node): accept peers' replicas (``ReplicaStore`` behind a ``ReplicaServer``), publish where,
+send this node's recorded snapshots to its holders (``Replicator``), and pull a rank's replica onto
+a replacement node. The transfers themselves are ``replicas.py``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from megatron_pec import log
+from megatron_pec.agent import peers
+from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
+from megatron_pec.protocol import JobInfo, PeerAddress, SlotRecord
+from megatron_pec.slots import slot_path
+from megatron_pec.storage import PosixStorage
+
+
+class Replication:
+    def __init__(self, directory: str, storage: PosixStorage):
+        self.directory, self.storage = directory, storage
+        self.replicator: Replicator | None = None
+        self.store: ReplicaStore | None = None
+        self.server: ReplicaServer | None = None
+        self.address: PeerAddress | None = None
+        self.published = False
+        self._lock = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self.replicator is not None
+
+    def start(self, job: JobInfo) -> None:
+        """Once per agent: accept peers' replicas, publish where, send ours."""
+        with self._lock:
+            if self.replicator is not None:
+                return
+            self.store = ReplicaStore(self.directory)
+            self.server = ReplicaServer(self.store)
+            self.address = PeerAddress(job.node_rank, peers.advertised_host(), self.server.port,
+                                       job.domain or f"node {job.node_rank}", os.getpid())
+            self.replicator = Replicator(self.directory, job, self.storage)
+        self.publish(job)  # storage I/O: outside the lock
+
+    def publish(self, job: JobInfo) -> None:
+        """Tell the peers where this agent takes replicas (again at every snapshot until storage takes it)."""
+        if self.published:
+            return
+        try:
+            peers.publish(job.save, job.job_id, self.address, self.storage)
+        except OSError as exc:
+            log.info(f"replication: cannot publish this agent's address under {job.save} ({exc}); retrying at the "
+                     "next snapshot")
+            return
+        self.published = True
+        domains = {n: a.domain for n, a in peers.read_peers(job.save, job.job_id, job.num_nodes, self.storage).items()}
+        log.info(f"replication: {job.replicas} replica(s) of node {job.node_rank}'s snapshots go to node(s) "
+                 f"{peers.holders(job.node_rank, job.num_nodes, job.replicas, domains)} (failure domain "
+                 f"{self.address.domain}; address in {peers.address_path(job.save, job.job_id, job.node_rank)})")
+
+    def offer(self, job: JobInfo, rank: int, slot: int, record: SlotRecord, memory: NodeMemory) -> None:
+        """A recorded snapshot on the rank's timeline: send it to the holders (in the background)."""
+        if self.replicator is None or not memory.on_lineage(rank, record):
+            return
+        self.publish(job)
+        self.replicator.offer(rank, slot_path(self.directory, rank, slot), slot, record, memory.lineage.get(rank, []))
+
+    def busy(self, rank: int) -> set[int]:
+        """The rank's slots being read for a peer now (not to be granted)."""
+        return self.replicator.busy(rank) if self.replicator is not None else set()
+
+    def pull(self, job: JobInfo, rank: int, memory: NodeMemory) -> None:
+        """This node's memory has nothing for ``rank`` (a replacement node): take its newest replica from
+        a peer's memory, verified, as this node's own slot 0."""
+        path = slot_path(self.directory, rank, 0)
+        if memory.slots.get(rank) or not os.path.exists(path):
+            return
+        result = pull(self.directory, job, rank, path, self.storage)
+        if isinstance(result, str):
+            log.info(f"rank {rank}: nothing pulled from peer memory ({result}); it restores from storage")
+            return
+        record, lineage = result
+        memory.adopt(rank, 0, record, lineage)
+        memory.write()
+        log.info(f"rank {rank}: pulled iteration {record.iteration} from node {record.origin}'s memory")
+
+    def close(self) -> None:
+        """Report what was sent; forget the replicas this node held (node memory is going away)."""
+        if self.replicator is not None:
+            sent = self.replicator.sent
+            log.info(f"replication: sent {sent['snapshots']} snapshot(s) to peers, {sent['whole']} of them whole, "
+                     f"{sent['bytes']} bytes")
+
+    def clear(self) -> None:
+        if self.store is not None:
+            self.store.clear()
+
+
+__all__ = ["Replication"]
