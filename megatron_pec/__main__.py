@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="summarise a checkpoint directory (--save/--load)")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p = sub.add_parser("verify", help="re-check the size and crc32 of every committed file; exit 0 only if sound")
+    p = sub.add_parser("verify", help="re-check the size and checksums of every committed file; exit 0 only if sound")
     p.add_argument("dir")
     p.add_argument("--iteration", type=int, default=None)
     p = sub.add_parser("export", help="write a committed iteration's model weights as consolidated safetensors")
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     for line in problems:
         print(f"FAIL {line}")
     if not problems:
-        print(f"OK: every committed file under {args.dir} matches its recorded size and crc32")
+        print(f"OK: every committed file under {args.dir} matches its recorded size and checksums")
     return 1 if problems else 0
 
 

@@ -1,9 +1,11 @@
-"""The one checksum of every checkpoint byte: CRC-32 (zlib's polynomial).
+"""Checksums of checkpoint bytes.
 
-zlib-ng's implementation (carry-less multiply, about 20 GB/s on a current x86 core) when the
-``zlib-ng`` package is installed, else Python's zlib (about 3 GB/s). Both compute the same CRC-32,
-so a file checked with one is checked the same with the other; only the speed differs. Both
-release the GIL on large buffers, so checking overlaps reading and writing in threads.
+* Items (a rank's dense state, one expert): ``sum64`` (two 64-bit sums of the item's words, computed
+  where the bytes are: on the GPU by the trainer, see ``sum64.py``). Files and records written before
+  it hold CRC-32 integers; they are checked the same way they were written (``item_checks``).
+* Whole persisted files: CRC-32 (zlib's polynomial), computed by the agent while it writes.
+  zlib-ng's implementation when the ``zlib-ng`` package is installed, else Python's zlib; both
+  compute the same CRC-32, only the speed differs, and both release the GIL on large buffers.
 """
 
 from __future__ import annotations
@@ -15,4 +17,67 @@ except ImportError:  # a source build without it: correct, only slower
     from zlib import crc32
     IMPLEMENTATION = "zlib"
 
-__all__ = ["crc32", "IMPLEMENTATION"]
+
+class _Crc32:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> "_Crc32":
+        self.value = crc32(data, self.value)
+        return self
+
+    def result(self) -> int:
+        return self.value
+
+
+class _Sum64:
+    def __init__(self):
+        from megatron_pec.sum64 import Sum64  # (numpy: imported when an item is checked)
+
+        self.acc = Sum64()
+
+    def update(self, data) -> "_Sum64":
+        self.acc.update(data)
+        return self
+
+    def result(self) -> str:
+        return self.acc.hexdigest()
+
+
+def is_sum64(value) -> bool:
+    return isinstance(value, str) and value.startswith("s64:")
+
+
+def accumulator(like):
+    """An accumulator of the kind of the recorded checksum ``like`` (``update(bytes)``, ``result()``)."""
+    return _Sum64() if is_sum64(like) else _Crc32()
+
+
+def item_checks(buffer, header, expected: dict) -> dict:
+    """Each item of ``expected`` (item -> recorded checksum) computed over a whole-file ``buffer`` laid
+    out by ``header`` (its tensors in header order), the way its recorded checksum was."""
+    from megatron_pec.stformat import item_checksums
+
+    sums = [i for i, v in expected.items() if is_sum64(v)]
+    crcs = [i for i in expected if i not in set(sums)]
+    out = {}
+    if sums:
+        from megatron_pec.sum64 import item_sums
+
+        out.update(item_sums(buffer, header, set(sums)))
+    if crcs:
+        out.update(item_checksums(buffer, header, set(crcs)))
+    return out
+
+
+def shown(value) -> str:
+    """A checksum as a message shows it."""
+    return value if isinstance(value, str) else f"crc32 {value:08x}"
+
+
+def mismatch(where: str, item: str, actual, expected) -> str:
+    return (f"{where} fails its checksum for {item} ({shown(actual)}, recorded "
+            f"{shown(expected) if expected is not None else 'none'}): the file is corrupt")
+
+
+__all__ = ["crc32", "IMPLEMENTATION", "accumulator", "item_checks", "is_sum64", "mismatch", "shown"]

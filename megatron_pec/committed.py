@@ -57,7 +57,7 @@ class CommittedFiles:
         """Every item taken so far, streamed and checked against the manifest's per-item checksums."""
         for file in self.files.values():
             try:
-                verify_items(file.path, file.header, file.items, file.entry.item_crc32)
+                verify_items(file.path, file.header, file.items, file.entry.item_checks)
             except SourceError as exc:
                 raise self.error(str(exc)) from None
 

@@ -32,7 +32,7 @@ from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.slots import SlotFiles, SlotSpaceError
 from megatron_pec.sources import megatron_format
-from megatron_pec.stager import DONE, StagedCopy, Stager
+from megatron_pec.stager import Stager
 from megatron_pec.stformat import layout as tensor_layout
 
 
@@ -131,8 +131,10 @@ class Engine:
             self.handover.submit(pending)
 
     def _complete(self, pending: PendingSnapshot) -> None:
-        """The snapshot's bytes are in the slot: write its header and hand the slot to the agent."""
-        self.files.write_header(pending.slot, pending.header.to_metadata())
+        """The snapshot's bytes are in the slot: write its header, with the items' checksums, and hand
+        the slot to the agent."""
+        header = dataclasses.replace(pending.header, sums=pending.staged.sums())
+        self.files.write_header(pending.slot, header.to_metadata())
         if not self.session.announce(pending.slot, pending.iteration, pending.persistent, pending.persist_items,
                                      pending.written):
             self._skip(pending.iteration, "the node agent died")
@@ -257,8 +259,7 @@ class Save:
         self.slot: int | None = None
         self.why_not: str | None = None   # why no snapshot is taken (None: it is)
         self.vote = None                  # the agreement's all-reduce, started
-        self.live: dict | None = None     # the live views the copies read
-        self.staged: StagedCopy = DONE    # the copies started so far
+        self.staging = None               # the copies into the slot, once started (``stager.Staging``)
         self.experts: tuple[frozenset, frozenset] | None = None  # (snapshot, persist) experts, once planned
         self.written: set[str] = set()    # the items copied into the slot
 
@@ -293,13 +294,13 @@ class Save:
             return
         engine = self.engine
         with self.phases("copy"):
-            first = self.live is None
+            first = self.staging is None
             if first:
-                self.live = engine.adapter.live_views()
+                self.staging = engine.stager.begin(self.slot, engine.adapter.live_views())
                 faults.point("snapshot_begin", iteration=self.iteration)
                 engine.files.invalidate(self.slot)
             engine.session.wrote(self.slot, items)
-            self.staged = engine.stager.stage(self.slot, self.live, items)
+            self.staging.copy(items)
             self.written |= items
             if first:
                 faults.point("snapshot_mid", iteration=self.iteration)
@@ -318,4 +319,4 @@ class Save:
             pec=pec, run=engine.session.run)
         persist_items = sorted(item_name(e) for e in persist) if self.persistent and job.expert_layout else None
         return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, frozenset(self.written),
-                               header, self.staged)
+                               header, self.staging.finish())

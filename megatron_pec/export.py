@@ -3,7 +3,7 @@
 Reads storage only (no process group, no GPU, no Megatron). The manifest names each
 expert's version and the rank file holding it; the rank layouts (``RankLayout``) say
 where each stored slice lies in the global parameters. Every item that is read is
-first checked against the manifest's crc32 (streamed, a bounded buffer at a time);
+first checked against the manifest's checksum (streamed, a bounded buffer at a time);
 then each global tensor is assembled from its slices and written, one at a time, so
 memory stays at the largest tensor. Exported are the optimizer's main parameters
 (fp32 under mixed precision: the model's bf16/fp16 weights are their rounding) and the

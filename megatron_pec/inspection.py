@@ -2,7 +2,7 @@
 
 ``inspect`` summarises iterations (committed or not), bytes per rank, expert
 versions, PLT and K; ``verify`` re-reads every file a committed manifest
-references and checks size and crc32 (and the header and per-item crc32s that
+references and checks size and crc32 (and the header crc32 and per-item checksums that
 partial restores rely on).
 """
 

@@ -323,14 +323,16 @@ class SlotHeader(Record):
     small: str                # smallstate JSON (optimizer param_groups, scheduler, RNG, args)
     pec: str                  # PecState JSON (expert versions: the experts this rank holds)
     run: str = ""             # the timeline that wrote it ("" in files of megatron-pec before timelines)
+    sums: dict[str, str] = field(default_factory=dict)  # item -> its sum64, computed where its bytes came from
 
     # v2: ``tokens`` and the PEC state's expert versions cover only the experts of this rank (v1: every
     # expert); a restore merges them over ranks, which reads v1 files too. An older megatron-pec would
     # take a v2 file's partial counts for the whole model: the version makes it refuse instead.
     # v3: ``tokens`` and the PEC state's per-expert values may be packed (``packed.PackedColumn``).
-    VERSION: ClassVar[int] = 3
-    WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "3", "state": "writing"}
-    _JSON_FIELDS: ClassVar[tuple[str, ...]] = ("items", "tokens")
+    # v4: ``sums``, the items' checksums from the trainer (an older reader would ignore them).
+    VERSION: ClassVar[int] = 4
+    WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "4", "state": "writing"}
+    _JSON_FIELDS: ClassVar[tuple[str, ...]] = ("items", "tokens", "sums")
 
     def to_metadata(self) -> dict[str, str]:
         """The safetensors metadata: strings only (dicts as JSON)."""
@@ -364,8 +366,8 @@ class SlotHeader(Record):
                     raise ProtocolError(f"{cls.KIND}: field {name!r} is not valid JSON") from None
         return cls.decode(data)
 
-    def with_items(self, items: dict[str, int]) -> "SlotHeader":
-        return dataclasses.replace(self, items=items)
+    def with_items(self, items: dict[str, int], sums: dict[str, str] | None = None) -> "SlotHeader":
+        return dataclasses.replace(self, items=items, sums=self.sums if sums is None else sums)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,12 +375,19 @@ class SlotRecord(Record):
     """The agent's record of a complete slot: which snapshot, which timeline, which item versions."""
 
     KIND: ClassVar[str] = "slot-record"
+    VERSION: ClassVar[int] = 2  # v2: ``sums`` (v1 records hold CRC-32s in ``crcs``)
     iteration: int
     run: str
     items: dict[str, int]     # item -> version (written by this snapshot or carried in)
-    crcs: dict[str, int]      # item -> crc32 of its bytes in the slot
+    crcs: dict[str, int] = field(default_factory=dict)  # item -> crc32 of its bytes (records before v2)
     tokens: dict[str, int] = field(default_factory=dict)  # carried experts -> cumulative tokens at their version
     origin: int | None = None  # the node whose memory it was pulled from (a replica), None: written here
+    sums: dict[str, str] = field(default_factory=dict)  # item -> sum64 of its bytes
+
+    @property
+    def checks(self) -> dict:
+        """item -> its recorded checksum (a sum64, or the CRC-32 of an older record)."""
+        return {**self.crcs, **self.sums} if self.crcs else self.sums
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +405,7 @@ class Segment(Record):
 @dataclass(frozen=True, slots=True)
 class RankMemory(Record):
     KIND: ClassVar[str] = "rank-memory"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     slots: dict[str, SlotRecord] = field(default_factory=dict)
     lineage: list[Segment] = field(default_factory=list)
 
@@ -405,6 +415,7 @@ class MemoryIndex(Record):
     """``slots.json``: what node memory holds, written only by the node agent."""
 
     KIND: ClassVar[str] = "memory-index"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     ranks: dict[str, RankMemory] = field(default_factory=dict)
 
 
@@ -428,6 +439,7 @@ class ReplicaPush(Record):
     previous replica, which must hold it at the version ``record`` names."""
 
     KIND: ClassVar[str] = "replica-push"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     job: JobInfo
     node: int
     rank: int
@@ -453,6 +465,7 @@ class ReplicaReply(Record):
     """Answer to a push (``ok`` or the reason) or a pull (then ``file_len`` bytes of the replica follow)."""
 
     KIND: ClassVar[str] = "replica-reply"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     ok: bool
     error: str | None = None
     record: SlotRecord | None = None
@@ -465,6 +478,7 @@ class ReplicaEntry(Record):
     """A holder's complete replica of one rank of another node."""
 
     KIND: ClassVar[str] = "replica-entry"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     job_id: str
     fingerprint: str
     save: str
@@ -484,6 +498,7 @@ class ReplicaIndex(Record):
     """``replicas/index.json``: the complete replicas a node agent holds, by "<node>.<rank>"."""
 
     KIND: ClassVar[str] = "replica-index"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     entries: dict[str, ReplicaEntry] = field(default_factory=dict)
 
 
@@ -519,12 +534,19 @@ class RankFile(Record):
     """One persisted rank file and its checksums."""
 
     KIND: ClassVar[str] = "rank-file"
+    VERSION: ClassVar[int] = 2  # v2: ``item_sums`` (v1 entries hold per-item CRC-32s in ``item_crc32``)
     file: str                 # relative to the checkpoint root
     size: int
     crc32: int                # whole file
     items: list[str]
     header_crc32: int
-    item_crc32: dict[str, int]  # per item: partial restores check just what they read
+    item_crc32: dict[str, int] = field(default_factory=dict)  # per item (before v2)
+    item_sums: dict[str, str] = field(default_factory=dict)   # per item: partial restores check just what they read
+
+    @property
+    def item_checks(self) -> dict:
+        """item -> its recorded checksum (a sum64, or the CRC-32 of an older file)."""
+        return {**self.item_crc32, **self.item_sums} if self.item_crc32 else self.item_sums
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,6 +554,7 @@ class NodeMarker(Record):
     """One node's part of an iteration: written when all its ranks' files are durable."""
 
     KIND: ClassVar[str] = "node-marker"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     iteration: int
     node: int
     job_id: str
@@ -545,6 +568,7 @@ class Manifest(Record):
     """The commit marker of an iteration: it exists iff the iteration is valid."""
 
     KIND: ClassVar[str] = "manifest"
+    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
     iteration: int
     job_id: str
     fingerprint: str

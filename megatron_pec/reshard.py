@@ -4,7 +4,7 @@ Used when the newest committed iteration was saved by another configuration. Eac
 rank reads, from whichever old rank files hold them, the global element ranges its
 own slices now cover: the rank layouts (``RankLayout``) of both sides place every
 byte by global parameter name, kind and flat range. Every old item touched is first
-checked against the manifest's crc32 (streamed, a bounded buffer at a time); then
+checked against the manifest's checksum (streamed, a bounded buffer at a time); then
 only the overlapping ranges are read. No gather to one rank, no collective beyond
 the loader's agreement. The PEC state (expert versions, token counts, K) is merged
 from every old rank's header, so it carries over.

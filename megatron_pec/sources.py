@@ -1,10 +1,11 @@
 """Phase 8, source: where each rank can read a version of its state - node memory or storage.
 
 Runs on every rank, for its own rank only; no communication. A source is
-trusted only after its checksums match (memory: the per-item crcs the agent
-recorded; storage: the manifest's per-item crcs for the items read from an older
-version's file, else the whole-file crc), and only if it belongs to this job and
-this configuration. Which memory slots may serve a restore is the node agent's
+trusted only after its checksums match (memory: the per-item checksums the
+agent recorded, which the trainer computed where the bytes came from; storage:
+the manifest's per-item checksums for the items read from an older version's
+file, else the whole-file crc32), and only if it belongs to this job and this
+configuration. Which memory slots may serve a restore is the node agent's
 decision (``NodeMemory.restorable``), never this module's.
 """
 
@@ -16,11 +17,10 @@ from dataclasses import dataclass, field
 from megatron_pec import log, manifest
 from megatron_pec.byteruns import byte_runs
 from megatron_pec.agent.memory import NodeMemory
-from megatron_pec.checksum import crc32
+from megatron_pec.checksum import accumulator, crc32, item_checks, mismatch
 from megatron_pec.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.slots import open_slot
-from megatron_pec.stformat import (FormatError, Header, decode_header, item_checksums, read_header, tensor_at,
-                                   tensor_views)
+from megatron_pec.stformat import FormatError, Header, decode_header, read_header, tensor_at, tensor_views
 from megatron_pec.storage import PosixStorage
 
 
@@ -34,7 +34,7 @@ class Source:
     iteration: int
     items: dict[str, int]     # item -> iteration of the version it holds
     where: str                # path, for messages
-    item_crcs: dict[str, int]
+    item_checks: dict            # item -> its recorded checksum (sum64, or the CRC-32 of an older record)
     rank_file: RankFile | None = None       # storage: the manifest's entry
     header: SlotHeader | None = None        # memory: known up front; storage: once read
     carried_tokens: dict[str, int] = field(default_factory=dict)  # memory: experts carried forward
@@ -57,7 +57,7 @@ class Source:
         try:
             if self.kind == "memory":
                 self._map_slot()
-                self._check(item_checksums(self._buffer, self._layout, wanted - self._verified))
+                self._check(item_checks(self._buffer, self._layout, self._expected(wanted - self._verified)))
             elif items is None:
                 self._buffer, self._layout = read_rank_file(self.where, self.rank_file, storage)
                 self._pieces.clear()
@@ -81,11 +81,16 @@ class Source:
             raise SourceError(f"{self.where} was overwritten (holds iteration {layout.metadata.get('iteration')})")
         self._buffer, self._layout = mapping, layout
 
-    def _check(self, actual: dict[str, int]) -> None:
+    def _expected(self, items: set[str]) -> dict:
+        missing = sorted(items - self.item_checks.keys())
+        if missing:
+            raise SourceError(f"{self.where} has no recorded checksum for {', '.join(missing[:3])}")
+        return {i: self.item_checks[i] for i in items}
+
+    def _check(self, actual: dict) -> None:
         for item in sorted(actual):
-            if actual[item] != self.item_crcs.get(item):
-                raise SourceError(f"{self.where} fails its checksum for {item} (crc32 {actual[item]:08x}, recorded "
-                                  f"{self.item_crcs.get(item, 0):08x}): the file is corrupt")
+            if actual[item] != self.item_checks.get(item):
+                raise SourceError(mismatch(self.where, item, actual[item], self.item_checks.get(item)))
         self._verified |= actual.keys()
 
     def _read_items(self, storage: PosixStorage, items: set[str]) -> None:
@@ -105,12 +110,12 @@ class Source:
             buffer = storage.read_range(self.where, layout.data_start + begin, end - begin)
             for e in run:
                 self._pieces[e.name] = (buffer, e.begin - begin)
-        crcs = dict.fromkeys(items, 0)
-        for e in layout.tensors:  # header order, as the agent computed them
+        accs = {item: accumulator(like) for item, like in self._expected(items).items()}
+        for e in layout.tensors:  # header order, as the checksums were computed
             if e.item in items:
                 buffer, offset = self._pieces[e.name]
-                crcs[e.item] = crc32(memoryview(buffer)[offset:offset + e.end - e.begin], crcs[e.item])
-        self._check(crcs)
+                accs[e.item].update(memoryview(buffer)[offset:offset + e.end - e.begin])
+        self._check({item: acc.result() for item, acc in accs.items()})
 
     @property
     def described(self) -> str:
@@ -170,7 +175,7 @@ def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
     except FormatError as exc:
         raise SourceError(f"{path} is unreadable: {exc}") from None
     if deep and (crc32(memoryview(buffer)[:layout.data_start]) != entry.header_crc32
-                 or item_checksums(buffer, layout, set(entry.item_crc32)) != entry.item_crc32):
+                 or item_checks(buffer, layout, entry.item_checks) != entry.item_checks):
         raise SourceError(f"{path} header or per-expert checksums differ from the recorded ones (corrupt)")
     return buffer, layout
 
@@ -192,24 +197,25 @@ def read_checked_header(path: str, entry: RankFile, storage: PosixStorage) -> He
     return header
 
 
-def verify_items(path: str, header: Header, items: set[str], expected: dict[str, int],
-                 chunk: int = 8 << 20) -> None:
-    """Stream ``items`` of a file (a bounded buffer at a time) and compare each one's crc32 with
-    ``expected``; raises SourceError."""
-    crcs = dict.fromkeys(items, 0)
+def verify_items(path: str, header: Header, items: set[str], expected: dict, chunk: int = 8 << 20) -> None:
+    """Stream ``items`` of a file (a bounded buffer at a time) and compare each one's checksum with
+    ``expected`` (item -> recorded checksum); raises SourceError."""
+    missing = sorted(items - expected.keys())
+    if missing:
+        raise SourceError(f"{path} has no recorded checksum for {', '.join(missing[:3])}")
+    accs = {item: accumulator(expected[item]) for item in items}
     try:
         with open(path, "rb") as f:
-            for e in header.tensors:  # header order, as the agent computed them
-                if e.item in crcs:
+            for e in header.tensors:  # header order, as the checksums were computed
+                if e.item in accs:
                     f.seek(header.data_start + e.begin)
                     for offset in range(e.begin, e.end, chunk):
-                        crcs[e.item] = crc32(f.read(min(chunk, e.end - offset)), crcs[e.item])
+                        accs[e.item].update(f.read(min(chunk, e.end - offset)))
     except OSError as exc:
         raise SourceError(f"{path} is unreadable: {exc.strerror or exc}") from None
     for item in sorted(items):
-        if crcs[item] != expected.get(item):
-            raise SourceError(f"{path} fails its checksum for {item} (crc32 {crcs[item]:08x}, recorded "
-                              f"{expected.get(item, 0):08x}): the file is corrupt")
+        if accs[item].result() != expected[item]:
+            raise SourceError(mismatch(path, item, accs[item].result(), expected[item]))
 
 
 def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None) -> list[Source]:
@@ -223,7 +229,7 @@ def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None) -> list[So
     restorable, foreign = NodeMemory.read(node_dir).restorable(rank, job)
     for reason in foreign:
         log.warning(f"ignoring node-memory slot {reason}", rank=rank)
-    return [Source("memory", record.iteration, record.items, path, record.crcs, header=header,
+    return [Source("memory", record.iteration, record.items, path, record.checks, header=header,
                    carried_tokens=record.tokens, origin=record.origin, mapping=mapped.get(path),
                    known_table=table, known_views=views.get(path))
             for path, record, header in restorable]
@@ -231,7 +237,7 @@ def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None) -> list[So
 
 def storage_source(root: str, iteration: int, entry: RankFile) -> Source:
     return Source("storage", iteration, {i: iteration for i in entry.items}, os.path.join(root, entry.file),
-                  entry.item_crc32, rank_file=entry)
+                  entry.item_checks, rank_file=entry)
 
 
 def storage_sources(root: str, rank: int, fingerprint: str, topology: dict, storage: PosixStorage,

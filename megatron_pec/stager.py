@@ -1,12 +1,17 @@
-"""Phase 3, snapshot: copying a rank's live optimizer state into a node-memory slot.
+"""Phase 3, snapshot: copying a rank's live optimizer state into a node-memory slot, and its checksums.
 
 One ``Stager`` per trainer owns everything a copy needs and nothing else touches: the copy stream
 and its events (GPU), the page-locked slot mappings, and the copy plan - per slot and item, the
-runs of slices that are contiguous on both sides (``coalesce``), built once per slot and binding
-of the live views. ``stage`` starts the copies of some items into a slot and returns a
-``StagedCopy``, a future that says when the bytes are in the slot (PyTorch DCP's ``AsyncStager``:
-"copy started" is the return, "copy safe" is ``done()`` / ``wait()``). On CPU the copies are
-synchronous memcpys and the future is done at once.
+runs of slices that are contiguous on both sides (``coalesce``), built once per slot and binding of
+the live views. A snapshot is staged in steps (``begin``, ``copy`` for some items, ``copy`` for
+more, ``finish``), and ``finish`` returns a ``StagedCopy``, a future (PyTorch DCP's
+``AsyncStager``: "copy started" is the return, "copy safe" is ``done()`` / ``wait()``) that also
+yields the items' checksums (``sums()``).
+
+Checksums are computed where the bytes come from: on the GPU, by the copy stream, over the live
+tensors it copies (``sum64.DeviceSums``); a handful of int64 sums per item travel to the host with
+the snapshot. On the CPU the copies are synchronous memcpys and the sums are computed over the slot
+once the copies are done (``sum64.item_sums``), by whoever asks (the hand-over thread).
 """
 
 from __future__ import annotations
@@ -17,13 +22,16 @@ import torch
 
 from megatron_pec.coalesce import coalesced_with_starts, run_view
 from megatron_pec.slots import SlotFiles
+from megatron_pec.sum64 import DeviceSums, item_sums
 
 
 class StagedCopy:
-    """The copies ``Stager.stage`` started; ``done()`` once they have landed in the slot."""
+    """The copies of one snapshot; ``done()`` once they have landed in the slot."""
 
-    def __init__(self, event=None):
+    def __init__(self, event=None, sums=None, host=None, over_slot=None):
         self._event = event
+        self._sums, self._host = sums, host  # (GPU) the device sums and their host copy
+        self._over_slot = over_slot          # (CPU) (mapping, header, items): sums computed over the slot
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -38,15 +46,66 @@ class StagedCopy:
         if self._event is not None:
             stream.wait_event(self._event)
 
+    def sums(self) -> dict[str, str]:
+        """item -> its sum64 (waits for the copies)."""
+        self.wait()
+        if self._sums is not None:
+            return self._sums.digests(self._host)
+        if self._over_slot is not None:
+            mapping, header, items = self._over_slot
+            return item_sums(mapping, header, items)
+        return {}
 
-DONE = StagedCopy()
+
+class Staging:
+    """One snapshot being copied into ``slot``: ``copy`` items (several times), then ``finish``."""
+
+    def __init__(self, stager: "Stager", slot: int, live: dict):
+        self.stager, self.slot, self.live = stager, slot, live
+        self.items: set[str] = set()
+        self.sums = DeviceSums(stager.device) if stager.stream is not None else None
+
+    def copy(self, items) -> None:
+        """Start copying the slices of ``items`` (and, on the GPU, summing them)."""
+        stager = self.stager
+        runs = stager.runs(self.slot, self.live)
+        picked = [item for item in items if item in runs]  # (a few of the rank's thousands)
+        self.items.update(picked)
+        dst = [v for item in picked for v in runs[item][0]]
+        src = [v for item in picked for v in runs[item][1]]
+        if not dst:
+            return
+        stream = stager.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the optimizer step that produced the state
+        # (no_grad: main params require grad, and autograd would record every copy)
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
+            if self.sums is not None:
+                for item in picked:
+                    for tensor, offset in zip(runs[item][1], stager.run_offsets[item]):
+                        self.sums.add(item, tensor, offset)
+
+    def finish(self) -> StagedCopy:
+        stager = self.stager
+        if stager.stream is None:
+            return StagedCopy(over_slot=(stager.files.maps[self.slot], stager.files.header, set(self.items)))
+        with torch.cuda.stream(stager.stream):
+            result = self.sums.result()
+            host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+            host.copy_(result, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stager.stream)
+        return StagedCopy(event, self.sums, host)
 
 
 class Stager:
     def __init__(self, files: SlotFiles, slot_slices, rank: int):
         self.files, self.slot_slices, self.rank = files, slot_slices, rank
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.device = torch.cuda.current_device() if self.stream is not None else "cpu"
         self.pinning = None
+        self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
         self._runs: dict[int, dict[str, tuple[list, list]]] = {}  # slot -> item -> (slot views, live views)
         self._runs_of = None     # the live views those runs read
         self._run_starts = None  # item -> (first slice name and size of each run, live views of the runs)
@@ -61,44 +120,28 @@ class Stager:
         self.pinning = SlotPinning(TorchCudart(), self.rank)
         self.pinning.pin(slot_ranges(self.files.maps))
 
-    def stage(self, slot: int, live: dict, items) -> StagedCopy:
-        """Start copying the slices of ``items`` from ``live`` into ``slot``; the returned future
-        covers these copies and every earlier one into any slot."""
-        dst, src = self._copy_lists(slot, live, items)
-        if not dst:
-            return DONE
-        stream = self.stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())  # the optimizer step that produced the state
-        # (no_grad: main params require grad, and autograd would record every copy)
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
-        if stream is None:
-            return DONE
-        event = torch.cuda.Event()
-        event.record(stream)
-        return StagedCopy(event)
+    def begin(self, slot: int, live: dict) -> Staging:
+        """A snapshot into ``slot`` from the live views ``live``."""
+        return Staging(self, slot, live)
 
     def synchronize(self) -> None:
         """Wait for every copy started so far."""
         if self.stream is not None:
             self.stream.synchronize()
 
-    def _copy_lists(self, slot: int, live: dict, items) -> tuple[list, list]:
-        """(slot views, live views) of ``items``, item by item; none is kept of an old binding of the
-        live views (it would keep the replaced tensors alive)."""
+    def runs(self, slot: int, live: dict) -> dict[str, tuple[list, list]]:
+        """Per item, (slot views, live views) of its runs in ``slot``; built once per slot and binding of
+        the live views (none is kept of an old binding: it would keep the replaced tensors alive)."""
         if self._runs_of is not live:
             self._runs, self._runs_of, self._run_starts = {}, live, None
         runs = self._runs.get(slot)
         if runs is None:
             runs = self._runs[slot] = self._slot_runs(slot, live)
-        picked = [item for item in items if item in runs]  # (a few of the rank's thousands)
-        return [v for item in picked for v in runs[item][0]], [v for item in picked for v in runs[item][1]]
+        return runs
 
     def _slot_runs(self, slot: int, live: dict) -> dict[str, tuple[list, list]]:
-        """Per item, (slot views, live views) of its runs. The first slot coalesces its slices; the
-        others take the same runs at the same offsets of their own mapping (every slot has one
-        layout): a view per run, not a walk over every slice."""
+        """The first slot coalesces its slices; the others take the same runs at the same offsets of
+        their own mapping (every slot has one layout): a view per run, not a walk over every slice."""
         views = self.files.views[slot]
         if self._run_starts is not None:
             return {item: ([run_view(views[name], numel) for name, numel in zip(names, numels)], src)
@@ -109,11 +152,16 @@ class Stager:
             dst.append(views[s.name])
             src.append(live[s.name])
             names.append(s.name)
-        runs, self._run_starts = {}, {}
+        runs, self._run_starts, self.run_offsets = {}, {}, {}
         for item, (dst, src, names) in pairs.items():
             run_dst, run_src, starts = coalesced_with_starts(dst, src)
             runs[item] = (run_dst, run_src)
             self._run_starts[item] = ([names[i] for i in starts], [t.numel() for t in run_dst], run_src)
+            offsets, at = [], 0
+            for t in run_dst:
+                offsets.append(at)
+                at += t.numel() * t.element_size()
+            self.run_offsets[item] = offsets
         return runs
 
     def runs_of(self, slot: int) -> dict[str, tuple[list, list]] | None:

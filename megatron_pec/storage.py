@@ -22,8 +22,9 @@ CHUNK = 8 << 20
 class PosixStorage:
     """Files under a local or shared POSIX file system."""
 
-    def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
-        """Write ``chunks`` to ``path`` atomically; returns (size, crc32). Raises OSError."""
+    def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview], before_rename=None) -> tuple[int, int]:
+        """Write ``chunks`` to ``path`` atomically; returns (size, crc32). ``before_rename()``, if given, runs
+        once the bytes are durable and may raise to keep them from becoming ``path``. Raises OSError."""
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -38,6 +39,8 @@ class PosixStorage:
                         f.write(piece)
                         size += len(piece)
                 os.fsync(f.fileno())
+            if before_rename is not None:
+                before_rename()
             faults.point("before_rename", path=path)
             os.replace(tmp, path)
         except BaseException:

@@ -126,11 +126,16 @@ def test_slot_header_round_trips_as_safetensors_metadata():
         p.SlotHeader.from_metadata({**meta, "items": "{"})
     with pytest.raises(p.ProtocolError, match="slot-header: field 'job_id' is missing"):
         p.SlotHeader.from_metadata({k: v for k, v in meta.items() if k != "job_id"})
-    with pytest.raises(p.ProtocolError, match="record version 4"):
-        p.SlotHeader.from_metadata({**meta, "v": "4"})
-    # v1 (every expert's counts in every rank's file) and v2 (JSON-object counts) still read
-    assert p.SlotHeader.from_metadata({**meta, "v": "1"}) == header
-    assert p.SlotHeader.from_metadata({**meta, "v": "2"}) == header
+    with pytest.raises(p.ProtocolError, match="record version 5"):
+        p.SlotHeader.from_metadata({**meta, "v": "5"})
+    # v1 (every expert's counts in every rank's file), v2 (JSON-object counts) and v3 (no sums) still read
+    old = {k: v for k, v in meta.items() if k != "sums"}
+    for version in ("1", "2", "3"):
+        assert p.SlotHeader.from_metadata({**old, "v": version}) == header
+    summed = p.SlotHeader(**{**{f: getattr(header, f) for f in ("job_id", "fingerprint", "save", "rank", "world_size",
+                                                                  "iteration", "items", "tokens", "small", "pec", "run")},
+                             "sums": {"dense": "s64:" + "0" * 32}})
+    assert p.SlotHeader.from_metadata(summed.to_metadata()) == summed
 
 
 def test_slot_header_packs_per_expert_token_counts():

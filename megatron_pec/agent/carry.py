@@ -16,6 +16,7 @@ import errno
 import os
 
 from megatron_pec.byteruns import runs
+from megatron_pec.checksum import is_sum64
 from megatron_pec.protocol import SlotHeader, SlotRecord
 from megatron_pec.slots import SlotCache
 
@@ -36,14 +37,15 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     Raises OSError, FormatError or ValueError (another tensor layout: bytes of different tensors
     are never mixed).
     """
-    take = {i: v for i, v in base_record.items.items() if i not in record.items and i in base_record.crcs}
+    base_checks = base_record.checks
+    take = {i: v for i, v in base_record.items.items() if i not in record.items and i in base_checks}
     if not take:
         return record
     kept = set()
     if in_place is not None and in_place[0].run == base_record.run:
         previous, written = in_place
         kept = {i for i, v in take.items() if i not in written and previous.items.get(i) == v
-                and previous.crcs.get(i) == base_record.crcs[i]}
+                and previous.checks.get(i) == base_checks[i]}
     mapping, header = slots.open(path)
     _, base_tensors = slots.open(base_path)
     same = base_tensors.tensors is header.tensors or base_tensors.tensors == header.tensors
@@ -69,11 +71,12 @@ def carry_forward(path: str, record: SlotRecord, base_path: str, base_record: Sl
     finally:
         os.close(fd)
     tokens = {i: base_record.tokens.get(i, base_header.tokens.get(i, 0)) for i in take}
-    # The base's crcs, not recomputed: a byte the base lost in memory is then caught at restore,
+    # The base's checksums, not recomputed: a byte the base lost in memory is then caught at restore,
     # never blessed with a fresh checksum (and the carry is one memcpy, no second pass).
-    crcs = {i: base_record.crcs[i] for i in take}
+    sums = {i: base_checks[i] for i in take if is_sum64(base_checks[i])}
+    crcs = {i: base_checks[i] for i in take if i not in sums}
     return dataclasses.replace(record, items={**record.items, **take}, crcs={**record.crcs, **crcs},
-                               tokens={**record.tokens, **tokens})
+                               sums={**record.sums, **sums}, tokens={**record.tokens, **tokens})
 
 
 def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:

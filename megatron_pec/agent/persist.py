@@ -1,25 +1,28 @@
 """Agent phase 5: check a snapshot slot and persist its persist-level items as a rank file.
 
-Runs in the node agent process, one slot at a time. Reads the slot's bytes
-straight from the tmpfs mapping; writes a compact safetensors file (the slot's
-non-expert tensors plus the persist-level experts) atomically.
+Runs in the node agent process, one slot at a time. The slot's header carries each written item's
+checksum, computed by the trainer where the bytes came from (``sum64``): that is the snapshot's
+record, and a memory-only snapshot is recorded without reading its bytes. A persisted item is read
+once, to write the rank file (a compact safetensors file: the slot's non-expert tensors plus the
+persist-level experts, written atomically), and checked against the trainer's checksum on the way:
+bytes that changed in node memory never become a rank file.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_pec.agent.memory import JobKey, header_problem
-from megatron_pec.checksum import crc32
+from megatron_pec.agent.memory import header_problem
+from megatron_pec.checksum import crc32, item_checks, mismatch
 from megatron_pec.items import NON_EXPERT
-from megatron_pec.protocol import ProtocolError, SlotHeader, SlotRecord
+from megatron_pec.protocol import JobKey, ProtocolError, SlotHeader, SlotRecord
 from megatron_pec.slots import SlotCache
 from megatron_pec.stformat import encode_header, item_checksums
 from megatron_pec.storage import PosixStorage
 
 
 class SnapshotMismatch(RuntimeError):
-    """The slot's header does not describe the snapshot the trainer announced."""
+    """The slot's header or bytes do not hold the snapshot the trainer announced."""
 
 
 def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_items: set[str] | None,
@@ -27,9 +30,10 @@ def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_
     """Validate the slot at ``path`` as the complete snapshot ``iteration`` of ``run`` and ``job``;
     persist it to ``target`` if given (the dense state plus ``persist_items``, None: all it wrote).
 
-    Returns the slot's record (the items the snapshot wrote and their crc32s; carried experts
+    Returns the slot's record (the items the snapshot wrote and their checksums; carried experts
     are added later) and, when persisted, the rank file's ``size``, ``crc32``, ``items``,
-    ``header_crc32`` and ``item_crc32``. Raises SnapshotMismatch, FormatError or OSError.
+    ``header_crc32`` and ``item_sums`` (``item_crc32`` for a slot of an older trainer). Raises
+    SnapshotMismatch, FormatError or OSError.
     """
     mapping, header = slots.open(path)
     try:
@@ -40,28 +44,44 @@ def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_
     if problem is not None:
         raise SnapshotMismatch(f"{path} {problem}")
     written = snapshot.items
+    if snapshot.sums:
+        unsummed = sorted(set(written) - set(snapshot.sums))
+        if unsummed:
+            raise SnapshotMismatch(f"{path} has no checksum for {', '.join(unsummed[:3])}")
+        checks = {i: snapshot.sums[i] for i in written}
+    else:  # a trainer of an older release: its bytes are checked here, as it did
+        checks = item_checksums(mapping, header, set(written))
     file = None
-    # The memory checksum runs beside the write (both release the GIL): one pass's time, not two.
-    with ThreadPoolExecutor(1) as pool:
-        checksums = pool.submit(item_checksums, mapping, header, set(written))
-        if target is not None:
-            keep = set(written) if persist_items is None else \
-                {i for i in written if i == NON_EXPERT or i in persist_items}
-            file = _write_compact(mapping, header, snapshot, keep, target, storage)
-        crcs = checksums.result()
-    if file is not None:
-        file["item_crc32"] = {i: crcs[i] for i in file["items"]}
-    return SlotRecord(iteration, run, dict(written), crcs), file
+    if target is not None:
+        keep = set(written) if persist_items is None else \
+            {i for i in written if i == NON_EXPERT or i in persist_items}
+        expected = {i: checks[i] for i in keep}
+        # The persisted items are checked beside the write (both release the GIL), before the rename.
+        with ThreadPoolExecutor(1) as pool:
+            computing = pool.submit(item_checks, mapping, header, expected)
+            file = _write_compact(mapping, header, snapshot, keep, target, storage,
+                                  lambda: _check(path, computing.result(), expected))
+        file["item_sums" if snapshot.sums else "item_crc32"] = expected
+    if snapshot.sums:
+        return SlotRecord(iteration, run, dict(written), sums=checks), file
+    return SlotRecord(iteration, run, dict(written), crcs=checks), file
 
 
-def _write_compact(mapping, header, snapshot: SlotHeader, keep: set[str], target: str,
-                   storage: PosixStorage) -> dict:
+def _check(path: str, actual: dict, expected: dict) -> None:
+    for item in sorted(expected):
+        if actual[item] != expected[item]:
+            raise SnapshotMismatch(mismatch(f"{path} (in node memory)", item, actual[item], expected[item]))
+
+
+def _write_compact(mapping, header, snapshot: SlotHeader, keep: set[str], target: str, storage: PosixStorage,
+                   before_rename) -> dict:
     entries, offset = [], 0
     chosen = [e for e in header.tensors if e.item in keep]
     for e in chosen:
         entries.append(type(e)(e.name, e.dtype, e.numel, offset, offset + (e.end - e.begin)))
         offset = entries[-1].end
-    kept = snapshot.with_items({i: v for i, v in snapshot.items.items() if i in keep})
+    kept = snapshot.with_items({i: v for i, v in snapshot.items.items() if i in keep},
+                               {i: v for i, v in snapshot.sums.items() if i in keep})
     head = encode_header(entries, kept.to_metadata())
 
     def chunks():
@@ -70,7 +90,7 @@ def _write_compact(mapping, header, snapshot: SlotHeader, keep: set[str], target
         for e in chosen:
             yield view[header.data_start + e.begin: header.data_start + e.end]
 
-    size, crc = storage.write_atomic(target, chunks())
+    size, crc = storage.write_atomic(target, chunks(), before_rename)
     return {"size": size, "crc32": crc, "items": sorted(keep), "header_crc32": crc32(head)}
 
 

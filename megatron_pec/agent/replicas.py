@@ -19,6 +19,7 @@ Three parts, all in the node agent process (no torch):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -32,7 +33,8 @@ from megatron_pec.byteruns import spans
 from megatron_pec.protocol import (JobInfo, PeerAddress, ProtocolError, ReplicaEntry, ReplicaIndex, ReplicaPull,
                                    ReplicaPush, ReplicaReply, Segment, SlotRecord)
 from megatron_pec.slots import REPLICA_SLOTS
-from megatron_pec.stformat import MAX_HEADER, FormatError, decode_header, item_checksums
+from megatron_pec.checksum import item_checks
+from megatron_pec.stformat import MAX_HEADER, FormatError, decode_header
 from megatron_pec.storage import PosixStorage
 
 REPLICA_DIR = "replicas"
@@ -116,7 +118,7 @@ class ReplicaStore:
             if carried and (base is None
                             or not any(s.admits(base.record.run, base.record.iteration) for s in push.lineage)
                             or any(base.record.items.get(i) != record.items[i]
-                                   or base.record.crcs.get(i) != record.crcs.get(i) for i in carried)):
+                                   or base.record.checks.get(i) != record.checks.get(i) for i in carried)):
                 return NEED_FULL
             slot = (base.slot + 1) % REPLICA_SLOTS if base is not None else 0
             if not 8 < push.header_len <= min(push.file_len, MAX_HEADER + 8):
@@ -137,10 +139,11 @@ class ReplicaStore:
                             faults.point("replica_receive", iteration=record.iteration)
                     if carried:
                         self._copy_items(view, self.path(push.node, push.rank, base.slot), layout, carried)
-                actual = item_checksums(target, layout, sent)
+                checks = record.checks
+                actual = item_checks(target, layout, {i: checks.get(i) for i in sent})
             finally:
                 target.close()
-            bad = sorted(i for i in sent if actual[i] != record.crcs.get(i))
+            bad = sorted(i for i in sent if actual[i] != checks.get(i))
             if bad:
                 return f"checksum mismatch for {', '.join(bad[:3])}: the transfer was damaged"
             entries = dict(self.index.entries)
@@ -364,15 +367,15 @@ def pull(node_dir: str, job: JobInfo, rank: int, slot_path: str, storage: PosixS
                     with memoryview(target) as view:
                         _recv_into(sock, view)
                     layout = decode_header(target[:8 + int.from_bytes(target[:8], "little")], file_len=len(target))
-                    actual = item_checksums(target, layout, set(reply.record.items))
+                    checks = reply.record.checks
+                    actual = item_checks(target, layout, {i: checks.get(i) for i in reply.record.items})
                 finally:
                     target.close()
-            bad = sorted(i for i, crc in actual.items() if crc != reply.record.crcs.get(i))
+            bad = sorted(i for i, value in actual.items() if value != checks.get(i))
             if bad:
                 problems.append(f"node {holder}: replica fails its checksum for {', '.join(bad[:3])}")
                 continue
-            record = SlotRecord(reply.record.iteration, reply.record.run, reply.record.items, reply.record.crcs,
-                                reply.record.tokens, origin=holder)
+            record = dataclasses.replace(reply.record, origin=holder)
             return record, reply.lineage
         except (OSError, ReplicaError, ProtocolError, FormatError) as exc:
             problems.append(f"node {holder}: {exc}")
