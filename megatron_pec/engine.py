@@ -52,9 +52,10 @@ class Engine:
         self.job = JobFacts.build(self.config, self.adapter)
         self.rank = self.job.rank
         self.book = PecBook(self.config, self.job)
+        items = list(dict.fromkeys(s.item for s in self.adapter.slot_slices))  # (slot order)
         self.session = AgentSession(self.job.node_dir, self.rank, self.job.node_rank, self.job.hello(self.config),
-                                    idle_timeout=self.config.agent_idle_timeout, keep_shm=self.config.keep_shm,
-                                    wait_for_slot=self.config.wait_for_slot)
+                                    items, idle_timeout=self.config.agent_idle_timeout,
+                                    keep_shm=self.config.keep_shm, wait_for_slot=self.config.wait_for_slot)
         self.files: SlotFiles | None = None
         self.stager: Stager | None = None
         self.stats = {"saves": 0, "skipped": 0}
@@ -120,8 +121,7 @@ class Engine:
         for step in (save.plan, save.agree) if self.book.plans_without_counts else (save.agree, save.plan):
             step()
         if save.why_not is not None:
-            if save.slot is not None:
-                self.session.keep(save.slot)
+            self.session.skipped(save.placement)
             self._skip(iteration, save.why_not)
             return
         faults.point("snapshot_end", iteration=iteration)
@@ -136,7 +136,7 @@ class Engine:
         header = dataclasses.replace(pending.header, sums=pending.staged.sums())
         self.files.write_header(pending.slot, header.to_metadata())
         if not self.session.announce(pending.slot, pending.iteration, pending.persistent, pending.persist_items,
-                                     pending.written):
+                                     pending.placement):
             self._skip(pending.iteration, "the node agent died")
             return
         self.stats["saves"] += 1
@@ -249,23 +249,23 @@ class Engine:
 
 class Save:
     """One save on one rank as named steps over its own state; ``Engine.save`` runs them in order:
-    lease a slot, start the agreement, copy the dense state, plan and copy the experts / finish the
-    agreement (in the order the policy allows), describe the snapshot. Reads the engine's parts,
-    changes only the slot (copies) and, once agreed, the PEC bookkeeping."""
+    lease a home slot, start the agreement, copy the dense state, plan and copy the experts / finish
+    the agreement (in the order the policy allows), describe the snapshot. Reads the engine's parts,
+    changes only node memory (copies) and, once agreed, the PEC bookkeeping."""
 
     def __init__(self, engine: Engine, iteration: int, persistent: bool):
         self.engine, self.iteration, self.persistent = engine, iteration, persistent
         self.phases = Phases()
-        self.slot: int | None = None
+        self.slot: int | None = None      # the home slot: header and dense state
         self.why_not: str | None = None   # why no snapshot is taken (None: it is)
         self.vote = None                  # the agreement's all-reduce, started
-        self.staging = None               # the copies into the slot, once started (``stager.Staging``)
+        self.staging = None               # the copies, once started (``stager.Staging``)
         self.experts: tuple[frozenset, frozenset] | None = None  # (snapshot, persist) experts, once planned
-        self.written: set[str] = set()    # the items copied into the slot
+        self.placement: dict[str, int] = {}  # item -> the slot it was copied into
 
     def lease(self) -> None:
         with self.phases("slot"):
-            self.slot, self.why_not = self.engine.session.take_slot(self.persistent)
+            self.slot, self.why_not = self.engine.session.lease(self.persistent)
 
     def start_agreement(self) -> None:
         """The save's one collective: a SUM all-reduce of token counts and "cannot snapshot" flags."""
@@ -296,12 +296,13 @@ class Save:
         with self.phases("copy"):
             first = self.staging is None
             if first:
-                self.staging = engine.stager.begin(self.slot, engine.adapter.live_views())
+                self.staging = engine.stager.begin(engine.adapter.live_views())
                 faults.point("snapshot_begin", iteration=self.iteration)
                 engine.files.invalidate(self.slot)
-            engine.session.wrote(self.slot, items)
-            self.staging.copy(items)
-            self.written |= items
+            placement = engine.session.place(self.slot, items)
+            engine.session.writing(self.iteration, placement)
+            self.staging.copy(placement)
+            self.placement.update(placement)
             if first:
                 faults.point("snapshot_mid", iteration=self.iteration)
 
@@ -315,8 +316,8 @@ class Save:
         header = SlotHeader(
             job_id=engine.config.job_id, fingerprint=job.fingerprint, save=job.save_root, rank=job.rank,
             world_size=job.world_size, iteration=self.iteration,
-            items=dict.fromkeys(sorted(self.written), self.iteration), tokens=tokens, small=smallstate.dumps(small),
+            items=dict.fromkeys(sorted(self.placement), self.iteration), tokens=tokens, small=smallstate.dumps(small),
             pec=pec, run=engine.session.run)
         persist_items = sorted(item_name(e) for e in persist) if self.persistent and job.expert_layout else None
-        return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, frozenset(self.written),
+        return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, dict(self.placement),
                                header, self.staging.finish())

@@ -8,8 +8,8 @@ When the variable is unset, ``point()`` is a single dictionary lookup on an
 empty dict.
 
 Points: trainer ``snapshot_begin``, ``snapshot_mid``, ``snapshot_end``,
-``optimizer_step``; agent ``agent_carried`` (experts carried into a slot, its completed
-record not yet written), ``replica_receive`` (a peer's snapshot partly received), ``persist_write``
+``optimizer_step``; agent ``agent_recorded`` (a snapshot recorded in node memory, not yet
+released to its trainer), ``replica_receive`` (a peer's snapshot partly received), ``persist_write``
 (mid file), ``before_rename``, ``before_node_marker``, ``before_manifest``,
 ``before_tracker``.
 

@@ -22,11 +22,11 @@ from megatron_pec.stager import StagedCopy
 class PendingSnapshot:
     """A snapshot whose copies may still be running: what completing it needs."""
 
-    slot: int
+    slot: int                        # its home: header and dense state
     iteration: int
     persistent: bool
     persist_items: list[str] | None  # experts to persist besides the dense state (None: all it wrote)
-    written: frozenset[str]          # the items copied into the slot
+    placement: dict[str, int]        # item -> the slot it was copied into (the header's is ``slot``)
     header: SlotHeader
     staged: StagedCopy
 

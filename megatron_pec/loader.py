@@ -317,7 +317,7 @@ class Loader:
     @staticmethod
     def _newest_version(item: str, target: int, memory: list[Source], manifest_t: Manifest | None) -> int | None:
         """The newest version of ``item`` at or before ``target`` this rank can read."""
-        versions = [s.items[item] for s in memory if item in s.items and s.iteration <= target]
+        versions = [s.items[item] for s in memory if s.items.get(item, target + 1) <= target]
         if manifest_t is not None and item in manifest_t.experts:
             versions.append(manifest_t.experts[item])
         return max(versions, default=None)

@@ -33,7 +33,7 @@ from megatron_pec.jsontext import Quoted
 from megatron_pec.packed import PackedColumn
 
 __all__ = [
-    "ProtocolError", "Record", "JobKey", "JobInfo", "Hello", "Ready", "Begin", "Begun", "SnapshotReady", "Released",
+    "ProtocolError", "Record", "JobKey", "JobInfo", "Hello", "Ready", "Begin", "Pin", "Begun", "SnapshotReady", "Released",
     "Flush", "Flushed", "Detach", "Stop", "SlotHeader", "SlotRecord", "Segment", "RankMemory", "MemoryIndex",
     "RankFile", "NodeMarker", "Manifest", "PeerAddress", "ReplicaPush", "ReplicaPull", "ReplicaReply",
     "ReplicaEntry", "ReplicaIndex", "GlobalParam", "RankLayout", "decode_message", "LEGACY_FORMAT",
@@ -161,7 +161,7 @@ def _plain(value):
 
 
 class JobKey(typing.NamedTuple):
-    """What must match for a slot to serve a restore or a carry: same job, configuration, --save."""
+    """What must match for node memory to serve a restore: same job, configuration, --save."""
 
     job_id: str
     fingerprint: str
@@ -219,46 +219,65 @@ class Begin(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class Pin(Record):
+    """Regions of node memory the agent needs kept: those holding versions written at ``iteration``
+    (of ``items`` only, if given), or with ``newest``, each item's newest version up to ``iteration``."""
+
+    KIND: ClassVar[str] = "pin"
+    iteration: int
+    items: list[str] | None = None
+    newest: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Begun(Record):
-    """Answer to ``Begin``: the slots the trainer may write now."""
+    """Answer to ``Begin``: the regions the trainer must not overwrite now (it reads what node memory
+    holds from the agent's index, which is current)."""
 
     KIND: ClassVar[str] = "begun"
-    grants: list[int]
+    VERSION: ClassVar[int] = 2  # v2: pins instead of whole-slot grants
+    pins: list[Pin] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class SnapshotReady(Record):
-    """Slot ``slot`` holds the complete snapshot of ``iteration``; the slot now belongs to the agent."""
+    """The complete snapshot of ``iteration``: its header and dense state in slot ``slot`` (its home),
+    every other item it wrote in the slot ``places`` names (default: the home)."""
 
     KIND: ClassVar[str] = "snapshot-ready"
+    VERSION: ClassVar[int] = 2  # v2: items in several slots (``places``), ``stale``
     slot: int
     iteration: int
     persist: bool
     persist_items: list[str] | None  # experts to persist besides the dense state; None: all it wrote
-    # Items whose bytes earlier, skipped attempts changed in the slot besides this snapshot's own
-    # (None: not known); the agent does not carry forward what the slot still holds.
-    also_written: list[str] | None = None
+    places: dict[str, int] = field(default_factory=dict)
+    # Regions that attempts since the last announcement overwrote without announcing them (skipped
+    # snapshots): item -> slots; what they held is gone.
+    stale: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Released(Record):
-    """The agent is done with a snapshot (persisted, if asked; ``error`` says why not) and hands the
-    trainer ``grants``: slots it may overwrite from now on."""
+    """The agent is done with a snapshot: ``recorded`` (node memory serves it; else its regions hold
+    nothing) and persisted, if asked (``error`` says why not); ``pins``: the regions to keep now."""
 
     KIND: ClassVar[str] = "released"
+    VERSION: ClassVar[int] = 2  # v2: pins instead of whole-slot grants
     slot: int
     iteration: int
     error: str | None
-    grants: list[int]
+    recorded: bool
+    pins: list[Pin] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class Granted(Record):
-    """Unasked: slots that became free while the trainer held none (a replica push ended, a newer
-    iteration committed). Without it a trainer whose saves are all skipped would never be granted one."""
+    """Unasked: the regions to keep changed (a replica push ended, a newer iteration was persisted).
+    Without it a trainer whose saves are all skipped would never hear that regions are free again."""
 
     KIND: ClassVar[str] = "granted"
-    grants: list[int]
+    VERSION: ClassVar[int] = 2
+    pins: list[Pin] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,17 +391,24 @@ class SlotHeader(Record):
 
 @dataclass(frozen=True, slots=True)
 class SlotRecord(Record):
-    """The agent's record of a complete slot: which snapshot, which timeline, which item versions."""
+    """What one slot file holds, as the agent recorded it: the snapshot whose header and dense state it
+    holds (its home: ``iteration`` and ``run``; -1 and "" when none), and every region of it that holds
+    a recorded version - the home snapshot's, or another snapshot's expert written here. Also the view
+    of one whole snapshot (a replica, an announcement's record): every item at its version."""
 
     KIND: ClassVar[str] = "slot-record"
-    VERSION: ClassVar[int] = 2  # v2: ``sums`` (v1 records hold CRC-32s in ``crcs``)
+    VERSION: ClassVar[int] = 3  # v2: ``sums`` (v1 records hold CRC-32s in ``crcs``); v3: ``runs``
     iteration: int
     run: str
-    items: dict[str, int]     # item -> version (written by this snapshot or carried in)
+    items: dict[str, int]     # item -> version held
     crcs: dict[str, int] = field(default_factory=dict)  # item -> crc32 of its bytes (records before v2)
-    tokens: dict[str, int] = field(default_factory=dict)  # carried experts -> cumulative tokens at their version
+    tokens: dict[str, int] = field(default_factory=dict)  # experts -> cumulative tokens at their version
     origin: int | None = None  # the node whose memory it was pulled from (a replica), None: written here
     sums: dict[str, str] = field(default_factory=dict)  # item -> sum64 of its bytes
+    runs: dict[str, str] = field(default_factory=dict)  # item -> the run that wrote it, where not ``run``
+
+    def run_of(self, item: str) -> str:
+        return self.runs.get(item, self.run)
 
     @property
     def checks(self) -> dict:
@@ -405,9 +431,10 @@ class Segment(Record):
 @dataclass(frozen=True, slots=True)
 class RankMemory(Record):
     KIND: ClassVar[str] = "rank-memory"
-    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
+    VERSION: ClassVar[int] = 3  # v3: regions (slot records of several snapshots), ``job``
     slots: dict[str, SlotRecord] = field(default_factory=dict)
     lineage: list[Segment] = field(default_factory=list)
+    job: list[str] = field(default_factory=list)  # the JobKey (job id, fingerprint, --save) that wrote them
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +442,7 @@ class MemoryIndex(Record):
     """``slots.json``: what node memory holds, written only by the node agent."""
 
     KIND: ClassVar[str] = "memory-index"
-    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
+    VERSION: ClassVar[int] = 3  # holds v3 rank memories (regions)
     ranks: dict[str, RankMemory] = field(default_factory=dict)
 
 
@@ -434,12 +461,12 @@ class PeerAddress(Record):
 
 @dataclass(frozen=True, slots=True)
 class ReplicaPush(Record):
-    """Node ``node``'s snapshot of ``rank``: the slot header (``header_len`` bytes) and the bytes of the
-    ``sent`` items (in header order) follow on the socket; every other item comes from the holder's
-    previous replica, which must hold it at the version ``record`` names."""
+    """Node ``node``'s snapshot of ``rank`` (``record``: every item at its version): the slot header
+    (``header_len`` bytes) and the bytes of the ``sent`` items (in header order) follow on the socket;
+    every other item the holder's replica must already hold at the version ``record`` names."""
 
     KIND: ClassVar[str] = "replica-push"
-    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
+    VERSION: ClassVar[int] = 3  # v3: records of regions
     job: JobInfo
     node: int
     rank: int
@@ -465,7 +492,7 @@ class ReplicaReply(Record):
     """Answer to a push (``ok`` or the reason) or a pull (then ``file_len`` bytes of the replica follow)."""
 
     KIND: ClassVar[str] = "replica-reply"
-    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
+    VERSION: ClassVar[int] = 3  # holds v3 slot records (regions)
     ok: bool
     error: str | None = None
     record: SlotRecord | None = None
@@ -478,15 +505,16 @@ class ReplicaEntry(Record):
     """A holder's complete replica of one rank of another node."""
 
     KIND: ClassVar[str] = "replica-entry"
-    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
+    VERSION: ClassVar[int] = 3  # v3: ``places``
     job_id: str
     fingerprint: str
     save: str
     node: int
     rank: int
-    slot: int
-    record: SlotRecord
+    slot: int                 # the replica file holding the snapshot's header and dense state
+    record: SlotRecord        # every item at its version
     lineage: list[Segment]
+    places: dict[str, int] = field(default_factory=dict)  # item -> replica file holding it, where not ``slot``
 
     @property
     def key(self) -> JobKey:
@@ -498,7 +526,7 @@ class ReplicaIndex(Record):
     """``replicas/index.json``: the complete replicas a node agent holds, by "<node>.<rank>"."""
 
     KIND: ClassVar[str] = "replica-index"
-    VERSION: ClassVar[int] = 2  # holds v2 slot records / rank files (sum64)
+    VERSION: ClassVar[int] = 3  # holds v3 slot records (regions)
     entries: dict[str, ReplicaEntry] = field(default_factory=dict)
 
 

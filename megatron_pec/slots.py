@@ -2,12 +2,10 @@
 
 Trainer side (every rank, for its own slots): ``SlotFiles`` allocates the
 rank's three slot files once (after a tmpfs space preflight), maps them and
-gives a tensor view per slice, so a snapshot is one copy per slice and a
-header rewrite. ``SlotGrants`` holds the slots the node agent has handed this
-trainer: a snapshot writes only into one of them, and hands it back to the agent
-by announcing it. The agent alone decides what may be overwritten (never a slot it
-still reads or carries from, never the newest complete snapshot): see
-``agent/memory.py``.
+gives a tensor view per slice, so a snapshot is one copy per run of slices and a
+header rewrite. Each slot file holds a region for every item; which regions a
+snapshot may overwrite is ``regions.RegionBook``'s, following what the agent
+records and pins (``agent/memory.py``, ``agent/pins.py``).
 
 Reader side (agent, restore): ``open_slot`` maps a slot and parses its header; ``read_slot_metadata``
 reads only the metadata.
@@ -21,7 +19,6 @@ import mmap
 import os
 import struct
 import threading
-from collections import deque
 
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.stformat import (MAX_HEADER, Header, TensorEntry, decode_metadata, encode_header, header_tail,
@@ -245,30 +242,12 @@ def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int
             + (f", or lower --pec-replicas {replicas}" if replicas else "") + ".")
 
 
-class SlotGrants:
-    """The slots this trainer may write, in the order the agent granted them (oldest contents first)."""
-
-    def __init__(self):
-        self._free: deque[int] = deque()
-
-    def add(self, slots: list[int]) -> None:
-        self._free.extend(s for s in slots if s not in self._free)
-
-    def take(self) -> int | None:
-        """A slot to write the next snapshot into (it goes back to the agent with the snapshot)."""
-        return self._free.popleft() if self._free else None
-
-    def revoke_all(self) -> None:
-        """The agent is gone or changed: grants of the old one mean nothing."""
-        self._free.clear()
-
-
 class SlotCache:
     """The node agent's mappings of slot files, each with its parsed tensor table.
 
-    The agent reads a slot at every snapshot (check, persist, carry). A fresh mapping faults in every
-    page again (most of a carry's time), and a large MoE rank's table is megabytes of JSON that stays
-    the same for a configuration. A slot file replaced or resized (another configuration) is mapped and parsed
+    The agent reads a slot's header at every snapshot and its bytes at persists. A fresh mapping
+    faults in every page again, and a large MoE rank's table is megabytes of JSON that stays the same
+    for a configuration. A slot file replaced or resized (another configuration) is mapped and parsed
     anew. Mappings are the cache's: callers never close them.
     """
 

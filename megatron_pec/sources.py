@@ -31,7 +31,7 @@ class SourceError(RuntimeError):
 @dataclass
 class Source:
     kind: str                 # "memory" or "storage"
-    iteration: int
+    iteration: int            # the snapshot whose dense state it holds (memory: -1 for regions of others only)
     items: dict[str, int]     # item -> iteration of the version it holds
     where: str                # path, for messages
     item_checks: dict            # item -> its recorded checksum (sum64, or the CRC-32 of an older record)
@@ -64,7 +64,7 @@ class Source:
                 self._verified = set(self.items)
             else:
                 self._read_items(storage, wanted - self._verified)
-            if self.header is None:
+            if self.header is None and self.kind == "storage":
                 self.header = SlotHeader.from_metadata(self._layout.metadata)
         except FileNotFoundError:
             raise SourceError(f"{self.where} is missing") from None
@@ -75,7 +75,7 @@ class Source:
         if self._layout is not None:
             return
         mapping, layout = open_slot(self.where, self.mapping, self.known_table)
-        if layout.metadata.get("iteration") != str(self.iteration):
+        if self.header is not None and layout.metadata.get("iteration") != str(self.iteration):
             if mapping is not self.mapping:
                 mapping.close()
             raise SourceError(f"{self.where} was overwritten (holds iteration {layout.metadata.get('iteration')})")

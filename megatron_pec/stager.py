@@ -3,8 +3,8 @@
 One ``Stager`` per trainer owns everything a copy needs and nothing else touches: the copy stream
 and its events (GPU), the page-locked slot mappings, and the copy plan - per slot and item, the
 runs of slices that are contiguous on both sides (``coalesce``), built once per slot and binding of
-the live views. A snapshot is staged in steps (``begin``, ``copy`` for some items, ``copy`` for
-more, ``finish``), and ``finish`` returns a ``StagedCopy``, a future (PyTorch DCP's
+the live views. A snapshot is staged in steps (``begin``, ``copy`` of some items into the slots
+their regions are in, ``copy`` of more, ``finish``), and ``finish`` returns a ``StagedCopy``, a future (PyTorch DCP's
 ``AsyncStager``: "copy started" is the return, "copy safe" is ``done()`` / ``wait()``) that also
 yields the items' checksums (``sums()``).
 
@@ -28,10 +28,10 @@ from megatron_pec.sum64 import DeviceSums, item_sums
 class StagedCopy:
     """The copies of one snapshot; ``done()`` once they have landed in the slot."""
 
-    def __init__(self, event=None, sums=None, host=None, over_slot=None):
+    def __init__(self, event=None, sums=None, host=None, over_slots=None):
         self._event = event
         self._sums, self._host = sums, host  # (GPU) the device sums and their host copy
-        self._over_slot = over_slot          # (CPU) (mapping, header, items): sums computed over the slot
+        self._over_slots = over_slots        # (CPU) [(mapping, header, items)]: sums computed over the slots
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -51,28 +51,32 @@ class StagedCopy:
         self.wait()
         if self._sums is not None:
             return self._sums.digests(self._host)
-        if self._over_slot is not None:
-            mapping, header, items = self._over_slot
-            return item_sums(mapping, header, items)
-        return {}
+        out = {}
+        for mapping, header, items in self._over_slots or ():
+            out.update(item_sums(mapping, header, items))
+        return out
 
 
 class Staging:
-    """One snapshot being copied into ``slot``: ``copy`` items (several times), then ``finish``."""
+    """One snapshot being copied: ``copy`` items (several times), then ``finish``."""
 
-    def __init__(self, stager: "Stager", slot: int, live: dict):
-        self.stager, self.slot, self.live = stager, slot, live
-        self.items: set[str] = set()
+    def __init__(self, stager: "Stager", live: dict):
+        self.stager, self.live = stager, live
+        self.placed: dict[int, set[str]] = {}  # slot -> the items copied into it
         self.sums = DeviceSums(stager.device) if stager.stream is not None else None
 
-    def copy(self, items) -> None:
-        """Start copying the slices of ``items`` (and, on the GPU, summing them)."""
+    def copy(self, placement: dict[str, int]) -> None:
+        """Start copying the slices of each item of ``placement`` into the slot it names (and, on the
+        GPU, summing them)."""
         stager = self.stager
-        runs = stager.runs(self.slot, self.live)
-        picked = [item for item in items if item in runs]  # (a few of the rank's thousands)
-        self.items.update(picked)
-        dst = [v for item in picked for v in runs[item][0]]
-        src = [v for item in picked for v in runs[item][1]]
+        dst, src, picked = [], [], []
+        for item, slot in placement.items():
+            runs = stager.runs(slot, self.live)
+            if item in runs:
+                dst += runs[item][0]
+                src += runs[item][1]
+                picked.append(item)
+                self.placed.setdefault(slot, set()).add(item)
         if not dst:
             return
         stream = stager.stream
@@ -83,13 +87,15 @@ class Staging:
             torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
             if self.sums is not None:
                 for item in picked:
-                    for tensor, offset in zip(runs[item][1], stager.run_offsets[item]):
+                    for tensor, offset in zip(stager.runs(placement[item], self.live)[item][1],
+                                              stager.run_offsets[item]):
                         self.sums.add(item, tensor, offset)
 
     def finish(self) -> StagedCopy:
         stager = self.stager
         if stager.stream is None:
-            return StagedCopy(over_slot=(stager.files.maps[self.slot], stager.files.header, set(self.items)))
+            return StagedCopy(over_slots=[(stager.files.maps[slot], stager.files.header, items)
+                                          for slot, items in self.placed.items()])
         with torch.cuda.stream(stager.stream):
             result = self.sums.result()
             host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
@@ -120,9 +126,9 @@ class Stager:
         self.pinning = SlotPinning(TorchCudart(), self.rank)
         self.pinning.pin(slot_ranges(self.files.maps))
 
-    def begin(self, slot: int, live: dict) -> Staging:
-        """A snapshot into ``slot`` from the live views ``live``."""
-        return Staging(self, slot, live)
+    def begin(self, live: dict) -> Staging:
+        """A snapshot from the live views ``live``."""
+        return Staging(self, live)
 
     def synchronize(self) -> None:
         """Wait for every copy started so far."""

@@ -16,12 +16,14 @@ from conftest import REPO
 from megatron_pec import manifest
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, agent_pid, check_socket_path, ensure_agent
 from megatron_pec.agent.memory import JobKey, NodeMemory
-from megatron_pec.protocol import (Begin, Begun, Flushed, Hello, JobInfo, Released, Settle, SlotHeader,
+from megatron_pec.protocol import (Begin, Begun, Flushed, Granted, Hello, JobInfo, Released, Settle, SlotHeader,
                                    SnapshotReady, Stop)
-from megatron_pec.slots import SlotFiles, SlotGrants, node_dir, open_slot
+from megatron_pec.regions import RegionBook
+from megatron_pec.slots import SlotFiles, node_dir, open_slot
 from megatron_pec.sources import SourceError, storage_source
-from megatron_pec.stformat import decode_header, item_checksums, layout
+from megatron_pec.stformat import decode_header, layout
 from megatron_pec.storage import PosixStorage
+from megatron_pec.sum64 import item_sums
 
 ENTRIES = layout([("dense/w.param", torch.float32, 256)]
                  + [(f"L1.E{e}/w.{k}", torch.float32, 128) for e in range(4) for k in ("param", "exp_avg")])
@@ -29,7 +31,8 @@ ALL = ("dense", "L1.E0", "L1.E1", "L1.E2", "L1.E3")
 
 
 class Trainer:
-    """One rank speaking the agent protocol as the engine does: hello, begin, snapshots into granted slots."""
+    """One rank speaking the agent protocol as the engine does: hello, begin, snapshots into the regions
+    its ``RegionBook`` chooses, each item's checksum in the header (as the trainer computes them)."""
 
     def __init__(self, directory, rank, root, nodes=2, keep=0, job="t", run="run-1", resumed_from=None, replicas=0,
                  fingerprint="f"):
@@ -40,40 +43,62 @@ class Trainer:
         self.files = SlotFiles(directory, rank, ENTRIES, 1)
         self.client = AgentClient(directory, rank)
         self.client.connect(Hello(rank, self.job))
-        self.grants = SlotGrants()
+        self.book = RegionBook(list(ALL))
         self.begin(run, resumed_from)
 
     def begin(self, run, resumed_from):
         self.run = run
-        self.grants.revoke_all()
         answer, _ = self.client.request(Begin(run, resumed_from), Begun, timeout=30)
-        self.grants.add(answer.grants)
-        return answer.grants
+        self.book.reset(NodeMemory.read(self.directory), self.rank)
+        self.book.pin(answer.pins)
+        return answer
 
-    def snapshot(self, iteration, persist_items=None, written=ALL, persist=True, slot=None, wait=True,
-                 also_written=()):
-        """Write ``written`` items at ``iteration`` into a granted slot, announce, wait for the release
-        (``wait=False``: return the slot at once); ``also_written``: items a skipped attempt changed."""
-        slot = self.grants.take() if slot is None else slot
-        assert slot is not None, "the agent granted no free slot"
-        for name, view in self.files.views[slot].items():
-            if name.split("/")[0] in written:
-                view.fill_(iteration + 0.5)
+    def write(self, iteration, written=ALL):
+        """Copy ``written`` at ``iteration`` into the regions the book chooses; (home, placement)."""
+        home = self.book.home()
+        assert home is not None, "no region free for some item"
+        placement = self.book.place(home, written)
+        self.book.writing(iteration, placement)
+        for item, slot in placement.items():
+            for name, view in self.files.views[slot].items():
+                if name.split("/")[0] == item:
+                    view.fill_(iteration + 0.5)
+        return home, placement
+
+    def snapshot(self, iteration, persist_items=None, written=ALL, persist=True, wait=True, legacy=False):
+        """Write ``written`` items at ``iteration``, announce, wait for the release (``wait=False``: return
+        (home, placement) at once); ``legacy``: a header without checksums (an older trainer)."""
+        home, placement = self.write(iteration, written)
+        sums = {}
+        for slot in set(placement.values()):
+            sums.update(item_sums(self.files.maps[slot], self.files.header,
+                                  {i for i, s in placement.items() if s == slot}))
         header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank,
                             world_size=2, iteration=iteration, items=dict.fromkeys(written, iteration),
                             tokens={f"L1.E{e}": 100 * iteration + e for e in range(4)}, small="{}", pec="{}",
-                            run=self.run)
-        self.files.write_header(slot, header.to_metadata())
-        assert self.client.send(SnapshotReady(slot, iteration, persist, persist_items, sorted(also_written)))
+                            run=self.run, sums={} if legacy else sums)
+        self.files.write_header(home, header.to_metadata())
+        places = {i: s for i, s in placement.items() if s != home}
+        stale = self.book.announced(iteration, placement)
+        assert self.client.send(SnapshotReady(home, iteration, persist, persist_items, places, stale))
         if not wait:
-            return slot
-        for _ in range(100):
+            return home, placement
+        return (home, placement), self.released(iteration)
+
+    def released(self, iteration):
+        for _ in range(150):
             for msg in self.client.poll(block_s=0.2):
-                if isinstance(msg, Released):
-                    self.grants.add(msg.grants)
-                    if msg.iteration == iteration:
-                        return slot, msg
+                self.hear(msg)
+                if isinstance(msg, Released) and msg.iteration == iteration:
+                    return msg
         raise AssertionError("no release from the agent")
+
+    def hear(self, msg):
+        if isinstance(msg, Released):
+            self.book.released(msg.iteration, msg.recorded)
+            self.book.pin(msg.pins)
+        elif isinstance(msg, Granted):
+            self.book.pin(msg.pins)
 
     def memory(self):
         return NodeMemory.read(self.directory)
@@ -135,14 +160,14 @@ def test_two_nodes_commit_persist_subset_and_verify(trainers):
 
 def test_partial_restore_reads_and_checks_only_the_experts_it_needs(trainers):
     """An older version's file is read for a few experts: the header and their byte ranges only,
-    each against its own crc32 recorded in the manifest; damage elsewhere does not matter,
+    each against its own checksum recorded in the manifest; damage elsewhere does not matter,
     damage in them is caught."""
     t0, t1 = trainers(0), trainers(1)
     root = t0.root
     for t in (t0, t1):
         t.snapshot(10)
     entry = manifest.read_manifest(root, 10).ranks["0"]
-    assert set(entry.item_crc32) == {"dense", "L1.E0", "L1.E1", "L1.E2", "L1.E3"}
+    assert set(entry.item_sums) == {"dense", "L1.E0", "L1.E1", "L1.E2", "L1.E3"} and not entry.item_crc32
     path = os.path.join(root, entry.file)
     with open(path, "rb") as f:
         header = decode_header(f.read(1 << 20), file_len=os.path.getsize(path))
@@ -185,11 +210,11 @@ def test_a_flush_leaves_the_agents_cpu_time_by_phase(trainers):
     assert read_ledger(t0.directory) is None  # nothing written before a flush
     for t in (t0, t1):
         t.snapshot(10)
-    for t in (t0, t1):  # (a partial snapshot: the agent carries the other experts in)
+    for t in (t0, t1):  # (a partial snapshot)
         t.snapshot(20, ["L1.E1"], written=("dense", "L1.E1"))
     t0.client.request(Flush(), Flushed, timeout=30)
     ledger = read_ledger(t0.directory)
-    assert set(ledger["phases"]) == {"checking and writing", "node-memory index", "committing", "carrying"}
+    assert set(ledger["phases"]) == {"checking and writing", "node-memory index", "committing", "replicating"}
     assert all(s >= 0 for s in ledger["phases"].values())
     assert 0 < sum(ledger["phases"].values()) <= ledger["process_s"]
 
@@ -232,135 +257,152 @@ def test_agent_reports_failed_persist_and_keeps_serving(trainers, monkeypatch):
     assert manifest.committed_iterations(t.root) == [20]
 
 
-def test_agent_grants_slots_and_never_hands_out_what_it_still_needs(trainers):
-    """Triple buffering through grants: the newest complete snapshot and every announced slot stay
-    with the agent; a released slot comes back."""
+def regions_of(t, rank=0):
+    """item -> (slot, version) of each item's newest version in node memory, as the agent recorded it."""
+    return t.memory().regions(rank)
+
+
+def test_partial_snapshots_leave_each_expert_where_it_was_written(trainers):
+    """One expert per snapshot: the agent records each region where the trainer wrote it and copies
+    nothing between slots; node memory still holds every expert at its newest version, each with the
+    checksum the trainer computed, and a restore finds them all."""
+    from megatron_pec.sources import memory_sources
+
     t = trainers(0, nodes=1)
-    assert sorted(t.grants._free) == [0, 1, 2]
-    slot, released = t.snapshot(1, persist=False)
-    assert released.grants == []                       # slot 1's snapshot is the newest: kept
-    second, released = t.snapshot(2, persist=False)
-    assert released.grants == [slot]                   # the previous newest, carried from, comes back
-    newest = t.memory().newest(0)[0]
-    assert newest == second and second not in t.grants._free
-    # A restart that resumes from 1 (run 2): 2's slot is abandoned and handed out, 1's is kept.
-    grants = t.begin("run-2", 1)
-    assert slot not in grants and second in grants
-
-
-def test_agent_carries_unwritten_experts_forward_from_its_newest_snapshot(trainers):
-    t = trainers(0, nodes=1)
-    first, _ = t.snapshot(1, persist=False)                                 # every expert at 1
-    second, released = t.snapshot(2, written=("dense", "L1.E0"), persist=False)
-    assert released.error is None
-    record = t.memory().slots[0][second]
-    assert record.items == {"dense": 2, "L1.E0": 2, "L1.E1": 1, "L1.E2": 1, "L1.E3": 1}
-    assert record.tokens == {"L1.E1": 101, "L1.E2": 102, "L1.E3": 103}
-    views = t.files.views[second]
-    assert float(views["L1.E1/w.param"][0]) == 1.5 and float(views["L1.E2/w.exp_avg"][-1]) == 1.5
-    assert float(views["L1.E0/w.param"][0]) == 2.5
-    mapping, header = open_slot(os.path.join(t.directory, f"rank0.slot{second}"))
-    try:
-        assert item_checksums(mapping, header, set(record.items)) == record.crcs
-    finally:
-        mapping.close()
-    # Carried a second time, the tokens still name the version's counts, not the base's.
-    third, _ = t.snapshot(3, written=("dense", "L1.E0"), persist=False)
-    assert t.memory().slots[0][third].tokens == {"L1.E1": 101, "L1.E2": 102, "L1.E3": 103}
-    found, _ = t.memory().restorable(0, JobKey("t", "f", t.root))
-    assert [r.iteration for _, r, _ in found] == [3, 2, 1]
-
-
-def _mark_in_slot(t, slot, item, value):
-    """Change an item's bytes behind everyone's back (what no carry would leave alone)."""
-    for name, view in t.files.views[slot].items():
-        if name.split("/")[0] == item:
-            view.fill_(value)
-
-
-def _value_in_slot(t, slot, item):
-    values = {float(v.flatten()[0]) for n, v in t.files.views[slot].items() if n.split("/")[0] == item}
-    assert len(values) == 1, values
-    return values.pop()
-
-
-def test_a_carry_leaves_in_place_what_the_slot_still_holds(trainers):
-    """One expert of four per snapshot: into the slot its own trainer last filled, a carry copies only
-    the experts written since (E0, E1); E3, unchanged since that slot's snapshot, is already there.
-    A mark put on E3 behind the agent's back proves it was not copied; every copied byte is checked."""
-    t = trainers(0, nodes=1)
-    first, _ = t.snapshot(1, persist=False)
-    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
-    t.snapshot(3, written=("dense", "L1.E1"), persist=False)
-    assert t.grants._free[0] == first  # oldest contents first
-    _mark_in_slot(t, first, "L1.E3", 7.0)
-    slot, _ = t.snapshot(4, written=("dense", "L1.E2"), persist=False)
-    assert slot == first
-    record = t.memory().slots[0][slot]
-    assert record.items == {"dense": 4, "L1.E0": 2, "L1.E1": 3, "L1.E2": 4, "L1.E3": 1}
-    assert [_value_in_slot(t, slot, i) for i in ("L1.E0", "L1.E1", "L1.E2", "L1.E3")] == [2.5, 3.5, 4.5, 7.0]
-    mapping, header = open_slot(os.path.join(t.directory, f"rank0.slot{slot}"))
-    try:
-        copied = {"dense", "L1.E0", "L1.E1", "L1.E2"}
-        assert item_checksums(mapping, header, copied) == {i: record.crcs[i] for i in copied}
-    finally:
-        mapping.close()
-
-
-def test_an_expert_a_skipped_attempt_wrote_is_carried_again(trainers):
-    """A save skipped after its copy began (another rank could not snapshot) leaves the slot granted
-    with bytes of its plan; the next snapshot into it names them (``also_written``) and they are
-    carried, not taken for the slot's previous contents."""
-    t = trainers(0, nodes=1)
-    first, _ = t.snapshot(1, persist=False)
-    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
-    t.snapshot(3, written=("dense", "L1.E1"), persist=False)
-    _mark_in_slot(t, first, "L1.E3", 7.0)  # the skipped attempt's copy of E3
-    slot, _ = t.snapshot(4, written=("dense", "L1.E2"), persist=False, also_written=("L1.E3",))
-    assert slot == first
-    assert _value_in_slot(t, slot, "L1.E3") == 1.5
-
-
-def test_a_slot_another_trainer_was_granted_is_carried_in_full(trainers):
-    """A trainer killed mid-copy may have written anything into its granted slot: once another trainer
-    (process) was granted the slot, nothing in it is trusted and every unwritten expert is copied."""
-    t = trainers(0, nodes=1)
-    first, _ = t.snapshot(1, persist=False)
-    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
-    t.snapshot(3, written=("dense", "L1.E1"), persist=False)
-    t.client.close(detach=False)  # killed: the slots it was granted go to its successor
-    successor = trainers(0, nodes=1, resumed_from=3)
-    assert successor.grants._free[0] == first
-    _mark_in_slot(successor, first, "L1.E3", 7.0)
-    slot, _ = successor.snapshot(4, written=("dense", "L1.E2"), persist=False)
-    assert slot == first
-    assert _value_in_slot(successor, slot, "L1.E3") == 1.5  # carried from iteration 3's slot
-
-
-def test_a_snapshot_is_restorable_before_its_experts_are_carried(trainers, monkeypatch):
-    """The agent records a snapshot once it is checked; carrying in the experts it did not write is
-    later work that no restore waits for. Agent SIGKILLed between the two: memory still restores
-    iteration 2, its unwritten experts from the slot they were to be carried from, every byte checked."""
-    from megatron_pec.sources import expert_source_for, memory_sources
-
-    monkeypatch.setenv("MEGATRON_PEC_FAULT", "agent_carried=kill@2")
-    t = trainers(0, nodes=1)
-    first, _ = t.snapshot(1, persist=False)
-    pid = agent_pid(t.directory)  # this process started it: reaped here
-    second = t.snapshot(2, written=("dense", "L1.E0"), persist=False, wait=False)
-    deadline = time.monotonic() + 30
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        assert time.monotonic() < deadline, open(os.path.join(t.directory, "agent.log")).read()
-        time.sleep(0.05)
-    assert t.memory().slots[0][second].items == {"dense": 2, "L1.E0": 2}
+    (first, _), _ = t.snapshot(1, persist=False)                            # every expert at 1
+    for iteration, expert in ((2, "L1.E0"), (3, "L1.E1"), (4, "L1.E2")):
+        (home, placement), released = t.snapshot(iteration, written=("dense", expert), persist=False)
+        assert released.recorded and released.error is None
+        assert placement["dense"] == home
+    newest = regions_of(t)
+    assert {i: v for i, (_, v) in newest.items()} == {"dense": 4, "L1.E0": 2, "L1.E1": 3, "L1.E2": 4, "L1.E3": 1}
+    assert newest["L1.E3"][0] == first                                      # never moved
+    for item, (slot, version) in newest.items():                            # the bytes where the index says
+        assert {float(v.flatten()[0]) for n, v in t.files.views[slot].items() if n.split("/")[0] == item} \
+            == {version + 0.5}, item
     memory = memory_sources(t.directory, 0, JobKey("t", "f", t.root))
-    assert [s.iteration for s in memory] == [2, 1]
-    for item, version, value in (("dense", 2, 2.5), ("L1.E0", 2, 2.5), ("L1.E1", 1, 1.5), ("L1.E3", 1, 1.5)):
-        source = expert_source_for(item, version, memory, {}, t.root, 0, None)
-        assert source.where.endswith(f"slot{first if version == 1 else second}"), item
-        source.open(PosixStorage(), {item})
-        names = {e.name for e in source._layout.tensors if e.item == item}
-        assert names and all(float(v.flatten()[0]) == value for v in source.tensors(names).values()), item
+    assert memory[0].iteration == 4
+    for item, (slot, version) in newest.items():
+        source = next(m for m in memory if m.items.get(item) == version)
+        assert source.where.endswith(f"slot{slot}")
+        source.open(PosixStorage(), {item})                                 # checked against the trainer's sums
+
+
+def test_the_agent_records_a_memory_snapshot_without_reading_its_bytes(trainers):
+    """The header's checksums are the record: bytes changed in node memory after the trainer summed
+    them are not read by the agent (the snapshot is recorded) but caught by the restore that reads them."""
+    from megatron_pec.sources import memory_sources
+
+    t = trainers(0, nodes=1)
+    home, placement = t.write(1)
+    sums = item_sums(t.files.maps[home], t.files.header, set(ALL))
+    t.files.views[home]["L1.E2/w.param"][3] = 99.0                          # after the trainer's sums
+    header = SlotHeader(job_id="t", fingerprint="f", save=t.root, rank=0, world_size=2, iteration=1,
+                        items=dict.fromkeys(ALL, 1), tokens={}, small="{}", pec="{}", run=t.run, sums=sums)
+    t.files.write_header(home, header.to_metadata())
+    assert t.client.send(SnapshotReady(home, 1, False, None, {}, t.book.announced(1, placement)))
+    assert t.released(1).recorded
+    (source,) = memory_sources(t.directory, 0, JobKey("t", "f", t.root))
+    source.open(PosixStorage(), {"dense", "L1.E0"})
+    with pytest.raises(SourceError, match="fails its checksum for L1.E2"):
+        source.open(PosixStorage(), {"L1.E2"})
+
+
+def test_a_slot_of_an_older_trainer_is_checked_by_the_agent(trainers):
+    """A header without checksums (written by an earlier release's trainer): the agent computes them,
+    as that release's agent did, and the snapshot restores."""
+    t = trainers(0, nodes=1)
+    _, released = t.snapshot(1, persist=True, legacy=True)
+    assert released.recorded and released.error is None
+    record = t.memory().slots[0][t.memory().newest(0)[0]]
+    assert record.crcs and not record.sums
+    assert cli("verify", t.root).returncode == 0 and manifest.read_manifest(t.root, 1).ranks["0"].item_crc32
+
+
+def test_a_corrupt_region_never_becomes_a_rank_file(trainers):
+    """A persisted item is checked against the trainer's checksum while it is written: a byte changed
+    in node memory fails the persist (reported), and no rank file appears."""
+    t = trainers(0, nodes=1)
+    home, placement = t.write(5)
+    sums = item_sums(t.files.maps[home], t.files.header, set(ALL))
+    t.files.views[home]["dense/w.param"][0] = -1.0
+    header = SlotHeader(job_id="t", fingerprint="f", save=t.root, rank=0, world_size=2, iteration=5,
+                        items=dict.fromkeys(ALL, 5), tokens={}, small="{}", pec="{}", run=t.run, sums=sums)
+    t.files.write_header(home, header.to_metadata())
+    assert t.client.send(SnapshotReady(home, 5, True, None, {}, t.book.announced(5, placement)))
+    released = t.released(5)
+    assert not released.recorded and "fails its checksum for dense" in released.error
+    assert not os.path.exists(manifest.rank_file(t.root, 5, 0)) and not manifest.committed_iterations(t.root)
+
+
+def test_what_a_skipped_attempt_overwrote_is_dropped_from_node_memory(trainers):
+    """A save skipped after its copy began (another rank could not snapshot) overwrote regions it never
+    announces: the next announcement names them (``stale``) and the agent forgets what they held."""
+    t = trainers(0, nodes=1)
+    t.snapshot(1, persist=False)
+    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
+    _, attempt = t.write(3, written=("dense", "L1.E3"))                    # skipped: never announced
+    t.book.skipped(attempt)
+    assert regions_of(t)["L1.E3"][1] == 1                                   # not known to the agent yet
+    t.snapshot(4, written=("dense", "L1.E1"), persist=False)
+    memory = t.memory()
+    assert all(attempt["L1.E3"] != slot or "L1.E3" not in record.items
+               for slot, record in memory.slots[0].items())
+    assert regions_of(t)["L1.E3"] == (regions_of(t)["L1.E3"][0], 1)        # its newest version, intact
+
+
+def test_regions_never_overwrite_the_newest_version_in_flight_or_pinned_ones():
+    """The trainer's choice of regions (``RegionBook``), on its own: the newest recorded version of every
+    item, what is in flight and what the agent pinned are never handed out; with none left for some
+    item, there is no snapshot (skipped, never torn)."""
+    from megatron_pec.protocol import Pin
+
+    book = RegionBook(["dense", "L1.E0"])
+    home = book.home()
+    first = book.place(home, ["dense", "L1.E0"])
+    book.writing(1, first)
+    book.announced(1, first)
+    book.released(1, True)
+    second_home = book.home()
+    assert second_home != home                                              # 1's dense is the newest
+    second = book.place(second_home, ["dense"])
+    book.writing(2, second)
+    book.announced(2, second)                                               # in flight
+    third_home = book.home()
+    assert third_home not in (home, second_home)
+    assert first["L1.E0"] == home and book.place(third_home, ["L1.E0"]) == {"L1.E0": third_home}
+    book.pin([Pin(1, ["dense"])])                                           # 1's dense kept (committed)
+    book.released(2, True)                                                  # 2 is newest now, 1 pinned
+    assert book.home() == third_home
+    book.pin([Pin(1, ["dense"]), Pin(3, None)])                             # (nothing at 3 yet)
+    writing = book.place(third_home, ["dense"])
+    book.writing(3, writing)                                                # dense: newest, pinned, writing
+    assert book.home() is None
+    book.skipped(writing)
+    assert book.home() == third_home
+    book.released(1, True)                                                  # (unknown iteration: nothing)
+    book.pin([])
+    assert book.home() in (home, third_home)
+
+
+def test_a_restart_resumes_the_regions_of_its_timeline_only(trainers):
+    """After a restore of 1, regions of the abandoned iteration 2 are free (and never restored); those of 1
+    stay. A trainer of another --save on the same node directory starts from nothing."""
+    t = trainers(0, nodes=1)
+    t.snapshot(1, persist=False)
+    t.snapshot(2, written=("dense", "L1.E0"), persist=False)
+    t.begin("run-2", 1)
+    assert {i: v for i, (_, v) in regions_of(t).items()} == dict.fromkeys(ALL, 1)
+    (home, _), _ = t.snapshot(3, written=("dense", "L1.E0"), persist=False)
+    assert {i: v for i, (_, v) in regions_of(t).items()} == {**dict.fromkeys(ALL, 1), "dense": 3, "L1.E0": 3}
+    t.client.close(detach=False)  # a new trainer process takes the rank over
+    other = Trainer(t.directory, 0, t.root + "_elsewhere", nodes=1, run="run-3", resumed_from=None)
+    try:
+        assert regions_of(other) == {}
+        other.snapshot(4, written=("dense", "L1.E0"), persist=False)
+        assert {i: v for i, (_, v) in regions_of(other).items()} == {"dense": 4, "L1.E0": 4}
+    finally:
+        other.close()
 
 
 def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
@@ -369,7 +411,7 @@ def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
     from megatron_pec.sources import memory_sources
 
     t = trainers(0, nodes=1)
-    slot, _ = t.snapshot(1, persist=False)
+    (slot, _), _ = t.snapshot(1, persist=False)
     job = JobKey("t", "f", t.root)
     (own,) = memory_sources(t.directory, 0, job, t.files)
     (fresh,) = memory_sources(t.directory, 0, job)
@@ -384,57 +426,21 @@ def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
 
 def test_settle_answers_only_once_every_announced_snapshot_is_recorded(trainers):
     """A restore first asks the agent to Settle. The answer may come from the connection's own thread
-    (not queued behind carries and commits), so it must still never precede the record of a snapshot
-    announced before it: announced and settled back to back, the index already holds it."""
+    (not queued behind commits), so it must still never precede the record of a snapshot announced
+    before it: announced and settled back to back, the index already holds it."""
     t = trainers(0, nodes=1)
     t.snapshot(1, persist=False)
     for iteration in range(2, 6):
-        slot = t.snapshot(iteration, written=("dense", "L1.E0"), persist=iteration % 2 == 0, wait=False)
+        home, _ = t.snapshot(iteration, written=("dense", "L1.E0"), persist=iteration % 2 == 0, wait=False)
         _, others = t.client.request(Settle(), Flushed, timeout=30)
-        assert t.memory().slots[0][slot].iteration == iteration
+        assert t.memory().slots[0][home].iteration == iteration
         messages, deadline = list(others), time.monotonic() + 30
         while not any(isinstance(m, Released) and m.iteration == iteration for m in messages):
             assert time.monotonic() < deadline, "no release from the agent"
             messages += t.client.poll(block_s=0.2)
         for msg in messages:
-            if isinstance(msg, Released):
-                t.grants.add(msg.grants)
+            t.hear(msg)
     t.client.request(Settle(), Flushed, timeout=30)  # nothing announced since: answered at once
-
-
-def test_carries_wait_while_a_trainer_restores(trainers):
-    """Between a trainer's Settle (a restore starts) and its Begin (it ends) the agent carries
-    nothing: the restore reads the experts from the older slot and has the node's CPU to itself.
-    The carry runs once the Begin arrives."""
-    t = trainers(0, nodes=1)
-    t.snapshot(1, persist=False)
-    slot = t.snapshot(2, written=("dense", "L1.E0"), persist=False, wait=False)
-    t.client.request(Settle(), Flushed, timeout=30)
-    time.sleep(1.0)  # without the hold, the carry takes milliseconds
-    assert t.memory().slots[0][slot].items == {"dense": 2, "L1.E0": 2}, "carried during a restore"
-    t.begin("run-2", 2)
-    deadline = time.monotonic() + 30
-    while t.memory().slots[0][slot].items != {"dense": 2, "L1.E0": 2, "L1.E1": 1, "L1.E2": 1, "L1.E3": 1}:
-        assert time.monotonic() < deadline, "not carried after the restore ended"
-        time.sleep(0.05)
-
-
-def test_agent_never_carries_from_another_job_or_an_abandoned_timeline(trainers, shm_dir):
-    t = trainers(0, nodes=1)
-    t.snapshot(1, persist=False)
-    t.snapshot(2, persist=False)
-    # The restart restored 1: run 2's first snapshot must not take experts from iteration 2.
-    t.begin("run-2", 1)
-    slot, _ = t.snapshot(3, written=("dense", "L1.E0"), persist=False)
-    assert t.memory().slots[0][slot].items == {"dense": 3, "L1.E0": 3, "L1.E1": 1, "L1.E2": 1, "L1.E3": 1}
-    # A trainer of another --save on the same node directory: nothing carried from this job's slots.
-    t.client.close(detach=False)  # a new trainer process takes the rank over
-    other = Trainer(t.directory, 0, t.root + "_elsewhere", nodes=1, run="run-3", resumed_from=None)
-    try:
-        slot, _ = other.snapshot(4, written=("dense", "L1.E0"), persist=False)
-        assert other.memory().slots[0][slot].items == {"dense": 4, "L1.E0": 4}
-    finally:
-        other.close()
 
 
 def test_retire_removes_half_written_files_of_killed_agents_only(tmp_path):
@@ -487,18 +493,23 @@ def item_bytes(path, item):
         mapping.close()
 
 
-def test_replicas_carry_what_a_snapshot_did_not_write_and_a_replacement_pulls_them(trainers, shm_dir):
-    """Node 1's snapshots go to node 0's agent: the first whole, then only what each one wrote; the
-    replica equals node 1's slot item for item. Node 1 is lost; a replacement's agent pulls the replica,
+def test_replicas_hold_what_a_snapshot_did_not_write_and_a_replacement_pulls_them(trainers, shm_dir):
+    """Node 1's snapshots go to node 0's agent: the first whole, then only what each one wrote, each item
+    into the replica file that does not hold its current version; the replica equals node 1's memory
+    item for item. Node 1 is lost; a replacement's agent pulls the replica (one whole slot file),
     verifies it and records it as its own slot, marked with the node it came from."""
     t0, t1 = trainers(0, replicas=1), trainers(1, replicas=1)
     t1.snapshot(1, persist=False)
-    slot, _ = t1.snapshot(2, written=("dense", "L1.E0"), persist=False)
+    t1.snapshot(2, written=("dense", "L1.E0"), persist=False)
     entry = replica(t0.directory, 1, 1, 2)
     assert entry.record.items == {"dense": 2, "L1.E0": 2, "L1.E1": 1, "L1.E2": 1, "L1.E3": 1}
-    held = os.path.join(t0.directory, "replicas", f"node1.rank1.slot{entry.slot}")
+    assert set(entry.places) == {"L1.E1", "L1.E2", "L1.E3"}              # still where snapshot 1 put them
+    replica_file = {i: os.path.join(t0.directory, "replicas", f"node1.rank1.slot{entry.places.get(i, entry.slot)}")
+                    for i in ALL}
+    own = regions_of(t1, 1)
     for item in ALL:
-        assert item_bytes(held, item) == item_bytes(os.path.join(t1.directory, f"rank1.slot{slot}"), item), item
+        assert item_bytes(replica_file[item], item) == \
+            item_bytes(os.path.join(t1.directory, f"rank1.slot{own[item][0]}"), item), item
 
     # Node 1 lost: its agent and memory gone; a replacement trainer starts a new agent on empty memory.
     os.kill(agent_pid(t1.directory), 9)
@@ -511,7 +522,7 @@ def test_replicas_carry_what_a_snapshot_did_not_write_and_a_replacement_pulls_th
     assert "pulled iteration 2 from node 0's memory" in logs, logs
     assert memory.slots[1][0].origin == 0 and memory.slots[1][0].items == entry.record.items
     for item in ALL:
-        assert item_bytes(os.path.join(fresh.directory, "rank1.slot0"), item) == item_bytes(held, item), item
+        assert item_bytes(os.path.join(fresh.directory, "rank1.slot0"), item) == item_bytes(replica_file[item], item)
 
 
 def test_a_corrupt_or_foreign_replica_is_never_pulled(trainers, shm_dir):
@@ -544,34 +555,28 @@ def test_a_corrupt_or_foreign_replica_is_never_pulled(trainers, shm_dir):
     assert not foreign.memory().slots.get(1)
 
 
-def test_a_slow_replica_push_holds_a_slot_only_until_it_ends(trainers):
-    """The newest snapshot, the newest committed one and one being pushed to a peer can be three
-    different slots: then the trainer holds none and its saves are skipped. Once the push ends the
-    agent hands the slot back unasked (``Granted``); before, nothing was ever sent again."""
-    from megatron_pec.protocol import Granted
-
+def test_a_slow_replica_push_pins_its_snapshot_only_until_it_ends(trainers):
+    """The snapshot being pushed to a peer is pinned on its trainer (each item at its newest version up to
+    it): with it, the newest snapshot and the newest committed one's dense state, no dense region is free
+    and saves are skipped. Once the push ends the agent tells the trainer unasked (``Granted``)."""
     t0, t1 = trainers(0, replicas=1), trainers(1, replicas=1)
     t0.snapshot(1)
-    committed, _ = t1.snapshot(1)
+    t1.snapshot(1)
     assert manifest.committed_iterations(t1.root) == [1]
     replica(t0.directory, 1, 1, 1)
     holder = agent_pid(t0.directory)
     os.kill(holder, 19)  # SIGSTOP: the holder takes the next push's bytes but never answers
     try:
-        pushed, released = t1.snapshot(2, persist=False)
-        assert released.grants == []
+        t1.snapshot(2, persist=False)
         time.sleep(1.0)  # the replicator has taken snapshot 2 and waits for the holder's answer
-        newest, released = t1.snapshot(3, persist=False)
-        assert released.grants == [], f"slot {pushed} was handed out while being pushed"
-        assert len({committed, pushed, newest}) == 3 and not t1.grants._free
+        _, released = t1.snapshot(3, persist=False)
+        assert any(p.iteration == 2 for p in released.pins), released.pins
+        assert t1.book.home() is None, "a region of the snapshot being pushed was handed out"
     finally:
         os.kill(holder, 18)  # SIGCONT
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        granted = [m for m in t1.client.poll(block_s=0.2) if isinstance(m, Granted)]
-        if granted:
-            assert granted[0].grants == [pushed]
-            break
-    else:
-        raise AssertionError("the agent never handed back the slot of the finished push")
+    while t1.book.home() is None:
+        assert time.monotonic() < deadline, "the agent never said the push ended"
+        for msg in t1.client.poll(block_s=0.2):
+            t1.hear(msg)
     replica(t0.directory, 1, 1, 3)

@@ -1,16 +1,19 @@
-"""Node memory's history (``agent/memory.py``): which slots the trainer may overwrite, and which may be
-restored - timelines included. Real slot files in a temporary directory; no agent, no Megatron."""
+"""Node memory's history (``agent/memory.py``): which region of which slot holds which version, and
+what may be restored - timelines included. Real slot files in a temporary directory; no agent, no
+Megatron."""
 
 import pytest
 import torch
 
-from megatron_pec.agent.memory import JobKey, NodeMemory
-from megatron_pec.protocol import SlotHeader, SlotRecord
-from megatron_pec.slots import SlotFiles, SlotGrants
+from megatron_pec.agent.memory import NO_HOME, JobKey, NodeMemory
+from megatron_pec.protocol import SlotHeader
+from megatron_pec.slots import SlotFiles
 from megatron_pec.stformat import layout
 
-ENTRIES = layout([("dense/w.param", torch.float32, 16), ("L1.E0/w.param", torch.float32, 8)])
+ENTRIES = layout([("dense/w.param", torch.float32, 16), ("L1.E0/w.param", torch.float32, 8),
+                  ("L1.E1/w.param", torch.float32, 8)])
 JOB = JobKey("job", "cfg", "/ckpt")
+ALL = ("dense", "L1.E0", "L1.E1")
 
 
 @pytest.fixture
@@ -20,78 +23,105 @@ def memory(tmp_path):
     files.close()
 
 
-def fill(files, memory, slot, iteration, run, job=JOB):
-    """A complete snapshot in ``slot``, recorded as the agent records it."""
+def fill(files, memory, home, iteration, run, written=ALL, places=None, stale=None, job=JOB):
+    """A complete snapshot with its header in ``home``, recorded as the agent records it."""
     header = SlotHeader(job_id=job.job_id, fingerprint=job.fingerprint, save=job.save, rank=0, world_size=1,
-                        iteration=iteration, items={"dense": iteration, "L1.E0": iteration},
-                        tokens={"L1.E0": iteration}, small="{}", pec="{}", run=run)
-    files.write_header(slot, header.to_metadata())
-    memory.record(0, slot, SlotRecord(iteration, run, dict(header.items), {"dense": 0, "L1.E0": 0}))
+                        iteration=iteration, items=dict.fromkeys(written, iteration),
+                        tokens={i: 10 * iteration for i in written if i != "dense"}, small="{}", pec="{}", run=run,
+                        sums={i: f"s64:{iteration:032x}" for i in written})
+    files.write_header(home, header.to_metadata())
+    memory.record_snapshot(0, home, header, dict(header.sums), places or {}, stale or {}, job)
 
 
-def restorable_iterations(memory, job=JOB):
+def restorable_homes(memory, job=JOB):
     found, _ = memory.restorable(0, job)
-    return [record.iteration for _, record, _ in found]
+    return [record.iteration for _, record, header in found if header is not None]
 
 
-def test_grants_never_the_newest_snapshot_nor_busy_slots(memory):
+def newest(memory, upto=None):
+    return {i: v for i, (_, v) in memory.regions(0, upto).items()}
+
+
+def test_regions_keep_each_items_newest_version_across_slots(memory):
     files, mem = memory
-    mem.begin(0, "a", None)
-    assert mem.grantable(0, busy=set()) == [0, 1, 2]
+    mem.begin(0, "a", None, JOB)
     fill(files, mem, 0, 1, "a")
-    assert mem.grantable(0, busy={1}) == [2]          # slot 0 holds the newest snapshot; 1 is being read
-    fill(files, mem, 1, 2, "a")
-    assert mem.grantable(0, busy=set()) == [2, 0]     # empty first, then the oldest snapshot
-    fill(files, mem, 2, 3, "a")
-    assert mem.grantable(0, busy={0}) == [1]
-    assert mem.grantable(0, busy={0, 1}) == []        # nothing free: the snapshot is skipped, never torn
+    fill(files, mem, 1, 2, "a", written=("dense", "L1.E0"))
+    fill(files, mem, 2, 3, "a", written=("dense", "L1.E1"), places={"L1.E1": 1})
+    assert newest(mem) == {"dense": 3, "L1.E0": 2, "L1.E1": 3}
+    assert mem.regions(0)["L1.E1"] == (1, 3)                  # written into slot 1, home slot 2
+    assert newest(mem, upto=2) == {"dense": 2, "L1.E0": 2, "L1.E1": 1}
+    view = mem.view(0, 3)
+    assert view.items == {"dense": 3, "L1.E0": 2, "L1.E1": 3} and view.tokens == {"L1.E0": 20, "L1.E1": 30}
+    assert mem.view_places(0, 3) == (2, {"L1.E0": 1, "L1.E1": 1})
+    # slot 0 is reused as home of 4: its dense and header go, its expert regions stay
+    fill(files, mem, 0, 4, "a", written=("dense",))
+    assert mem.slots[0][0].items == {"dense": 4, "L1.E0": 1, "L1.E1": 1}
+    assert restorable_homes(mem) == [4, 3, 2]
 
 
 def test_a_snapshot_of_an_abandoned_timeline_is_never_restored_whatever_the_reuse_order(memory):
-    """Run a wrote 10, 15, 20; the restart restored 10 (say another rank lacked 15 and 20) and run b
-    wrote 12 into the slot of 15. Slot reuse order left 20 in place - it must still never be restored,
-    nor count as the newest snapshot to keep, nor survive the agent's restart."""
+    """Run a wrote 10, 15, 20; the restart restored 10 and run b wrote 12 into the slot of 15. Slot reuse
+    order left 20 in place - it must never be restored, nor count as the newest, nor survive the
+    agent's restart."""
     files, mem = memory
-    mem.begin(0, "a", None)
+    mem.begin(0, "a", None, JOB)
     for slot, iteration in enumerate((10, 15, 20)):
         fill(files, mem, slot, iteration, "a")
-    assert restorable_iterations(mem) == [20, 15, 10]
-    mem.begin(0, "b", 10)
-    assert restorable_iterations(mem) == [10]
-    assert mem.newest(0)[0] == 0                       # slot 0 (iteration 10) is now the one to keep
-    assert mem.grantable(0, busy=set()) == [1, 2]      # abandoned slots are handed out, 10's is not
-    mem.forget(0, 1)
-    fill(files, mem, 1, 12, "b")                       # run b reuses 15's slot, not 20's
-    assert restorable_iterations(mem) == [12, 10]
-    verdict = mem.is_restorable(0, 2, JOB)
-    assert verdict == "holds iteration 20 of an abandoned timeline (run a)"
+    assert restorable_homes(mem) == [20, 15, 10]
+    mem.begin(0, "b", 10, JOB)
+    assert restorable_homes(mem) == [10] and newest(mem) == dict.fromkeys(ALL, 10)
+    assert mem.newest(0)[0] == 0
+    fill(files, mem, 1, 12, "b", written=("dense", "L1.E0"))
+    assert restorable_homes(mem) == [12, 10] and newest(mem) == {"dense": 12, "L1.E0": 12, "L1.E1": 10}
+    assert mem.is_restorable(0, 2, JOB) == "holds iteration 20 of an abandoned timeline (run a)"
     mem.write()
-    again = NodeMemory.read(mem.directory)             # what a restarted agent or a restore reads
-    assert restorable_iterations(again) == [12, 10]
-    mem.begin(0, "b", 10)                              # a reconnect repeats Begin: nothing changes
-    assert restorable_iterations(mem) == [12, 10]
-    mem.begin(0, "c", 11)                              # run c restored 10 again (say 12 was corrupt)
-    assert restorable_iterations(mem) == [10]
-    mem.begin(0, "d", None)                            # from scratch: nothing of before
-    assert restorable_iterations(mem) == []
+    again = NodeMemory.read(mem.directory)                     # what a restarted agent or a restore reads
+    assert restorable_homes(again) == [12, 10] and newest(again) == newest(mem)
+    mem.begin(0, "b", 10, JOB)                                 # a reconnect repeats Begin: nothing changes
+    assert restorable_homes(mem) == [12, 10]
+    mem.begin(0, "c", 11, JOB)                                 # run c restored 10 again (say 12 was corrupt)
+    assert restorable_homes(mem) == [10]
+    mem.begin(0, "d", None, JOB)                               # from scratch: nothing of before
+    assert restorable_homes(mem) == [] and newest(mem) == {}
 
 
-def test_restorable_checks_the_slot_itself_and_the_job(memory):
+def test_regions_of_an_older_run_keep_their_run_when_a_newer_one_takes_the_slot(memory):
     files, mem = memory
-    mem.begin(0, "a", None)
+    mem.begin(0, "a", None, JOB)
+    fill(files, mem, 0, 5, "a")
+    mem.begin(0, "b", 5, JOB)
+    fill(files, mem, 0, 6, "b", written=("dense",))           # b's home in a's slot: a's experts stay a's
+    record = mem.slots[0][0]
+    assert record.run == "b" and record.run_of("L1.E0") == "a"
+    assert newest(mem) == {"dense": 6, "L1.E0": 5, "L1.E1": 5}
+    mem.begin(0, "c", 4, JOB)                                  # back before 5: a's 5 is abandoned too
+    assert newest(mem) == {}
+
+
+def test_stale_regions_are_forgotten_and_the_slot_checked_itself(memory):
+    files, mem = memory
+    mem.begin(0, "a", None, JOB)
     fill(files, mem, 0, 4, "a")
-    fill(files, mem, 1, 5, "a", job=JobKey("other", "cfg", "/ckpt"))
-    fill(files, mem, 2, 6, "a")
-    files.invalidate(2)                                # a trainer killed mid-copy of iteration 7
-    found, foreign = mem.restorable(0, JOB)
-    assert [r.iteration for _, r, _ in found] == [4]
-    assert len(foreign) == 1 and "belongs to job 'other'" in foreign[0]
-    assert "the snapshot is incomplete" in mem.is_restorable(0, 2, JOB)
-    assert mem.is_restorable(0, 2, None) != mem.is_restorable(0, 0, None)
-    fill(files, mem, 2, 6, "a")
-    mem.record(0, 2, SlotRecord(7, "a", {}, {}))       # the record says 7, the slot holds 6
-    assert "holds iteration 6 of run a, not iteration 7 of run a" in mem.is_restorable(0, 2, JOB)
-    assert restorable_iterations(mem, JobKey("job", "cfg", "/elsewhere")) == []
+    fill(files, mem, 1, 5, "a")
+    files.invalidate(1)                                        # a trainer killed mid-copy of iteration 6
+    assert restorable_homes(mem) == [4]
+    found, _ = mem.restorable(0, JOB)
+    assert [r.iteration for _, r, _ in found] == [4, NO_HOME]  # slot 1's experts may still serve
+    fill(files, mem, 2, 7, "a", written=("dense",), stale={"dense": [1], "L1.E0": [1]})
+    assert mem.slots[0][1].items == {"L1.E1": 5} and mem.slots[0][1].iteration == NO_HOME
+    assert mem.is_restorable(0, 0, JobKey("job", "cfg", "/elsewhere")).startswith("belongs to job")
+
+
+def test_another_job_or_configuration_starts_from_nothing(memory):
+    files, mem = memory
+    mem.begin(0, "a", None, JOB)
+    fill(files, mem, 0, 4, "a")
+    other = JobKey("job", "other-cfg", "/ckpt")
+    _, foreign = mem.restorable(0, other)
+    assert len(foreign) == 1 and "belongs to job 'job' with configuration cfg" in foreign[0]
+    mem.begin(0, "b", None, other)
+    assert mem.slots.get(0) is None and restorable_homes(mem, other) == []
 
 
 def test_an_unreadable_index_means_nothing_is_restorable(tmp_path):
@@ -99,14 +129,3 @@ def test_an_unreadable_index_means_nothing_is_restorable(tmp_path):
     assert NodeMemory.read(str(tmp_path)).slots == {}
     (tmp_path / "slots.json").write_text("{torn")
     assert NodeMemory.read(str(tmp_path)).slots == {}
-
-
-def test_trainer_grants_are_used_in_order_and_dropped_with_the_agent():
-    grants = SlotGrants()
-    assert grants.take() is None
-    grants.add([2, 0])
-    grants.add([0, 1])
-    assert [grants.take(), grants.take(), grants.take(), grants.take()] == [2, 0, 1, None]
-    grants.add([1])
-    grants.revoke_all()
-    assert grants.take() is None

@@ -58,19 +58,19 @@ class Committer:
         for rank, link in sorted(served.items()):
             newest = memory.newest(rank)
             if newest is not None:
-                self.persist_from_memory(link, *newest, "planned exit")
+                self.persist_from_memory(link, *newest, "planned exit", memory)
 
     def persist_resumed(self, link, iteration: int, memory: NodeMemory) -> None:
         """A restart restored ``iteration`` from node memory: persist it if it never was, so a second
         failure does not fall back further than it."""
         resumed = memory.newest(link.rank, lambda r: r.iteration == iteration)
         if resumed is not None:
-            self.persist_from_memory(link, *resumed, "resumed")
+            self.persist_from_memory(link, *resumed, "resumed", memory)
 
-    def persist_from_memory(self, link, slot: int, record: SlotRecord, why: str) -> None:
+    def persist_from_memory(self, link, slot: int, record: SlotRecord, why: str, memory: NodeMemory) -> None:
         """Persist and commit a snapshot held in node memory unless storage commits it or a newer
         iteration. Only what that snapshot wrote is persisted (a rank file holds one iteration); the
-        experts it carried keep their persisted versions, and a restore accounts their PLT as usual."""
+        experts it did not write keep their persisted versions, and a restore accounts their PLT as usual."""
         rank, job, iteration = link.rank, link.job, record.iteration
         root = job.save
         committed = manifest.committed_iterations(root, self.storage)
@@ -80,9 +80,11 @@ class Committer:
             return  # persisted by this node already; another node's agent has yet to commit it
         self.failed.discard((root, iteration))  # a failed persist of it is retried now
         target = manifest.rank_file(root, iteration, rank)
+        _, places = memory.view_places(rank, iteration)
+        elsewhere = {item: slot_path(self.directory, rank, place) for item, place in places.items()}
         try:
-            _, file = check_and_persist(slot_path(self.directory, rank, slot), iteration, record.run, job.key,
-                                        None, target, self.storage, self.slots)
+            _, _, file = check_and_persist(slot_path(self.directory, rank, slot), iteration, record.run, job.key,
+                                           None, target, self.storage, self.slots, elsewhere)
             log.info(f"{why}: persisted rank {rank}'s snapshot of iteration {iteration}")
             self.persisted(job, iteration, rank, RankFile(file=manifest.relative(root, target), **file))
         except Exception as exc:  # storage keeps what it had: said, never hidden

@@ -1,6 +1,6 @@
 """The agent's CPU time by what it was doing: the benchmarks' breakdown of what persisting costs.
 
-The worker thread charges each part of its work (``with ledger("carrying"): ...``) the process
+The worker thread charges each part of its work (``with ledger("committing"): ...``) the process
 CPU time (every thread of it: the checksum thread works for the writes) spent meanwhile; the
 ledger is written to ``<node dir>/agent_cpu.json`` when a trainer flushes. The agent's whole CPU
 time is in it too: the rest (serving messages, replication's threads) is the difference.

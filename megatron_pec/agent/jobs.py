@@ -6,25 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pec.protocol import Begin, SlotRecord, SnapshotReady
+from megatron_pec.protocol import Begin, SnapshotReady
 
 
 @dataclass(frozen=True)
 class Persist:
-    """Phases 5-6 for an announced snapshot: check it, persist it if asked, record it, commit."""
+    """Phases 5-6 for an announced snapshot: check it, persist it if asked, record it, commit, release."""
 
     link: object  # the announcing trainer's ``server.Link``
     msg: SnapshotReady
-
-
-@dataclass(frozen=True)
-class Carry:
-    """Phase 7 for a recorded snapshot: carry the experts it did not write, release its slot."""
-
-    link: object
-    msg: SnapshotReady
-    record: SlotRecord    # as phase 5 recorded it
-    error: str | None     # the commit's error, reported with the release
 
 
 @dataclass(frozen=True)
@@ -51,14 +41,14 @@ class Resume:
 
 @dataclass(frozen=True)
 class Flush:
-    """Answer once everything queued before is done (carries included)."""
+    """Answer once everything queued before is done."""
 
     link: object
 
 
 @dataclass(frozen=True)
 class Shutdown:
-    """Finish the queued carries and stop the worker."""
+    """Stop the worker (everything queued before is done)."""
 
 
-__all__ = ["Persist", "Carry", "Pull", "Settle", "Resume", "Flush", "Shutdown"]
+__all__ = ["Persist", "Pull", "Settle", "Resume", "Flush", "Shutdown"]

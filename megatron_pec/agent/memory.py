@@ -1,24 +1,28 @@
-"""Node memory's history, owned by the node agent: which slot holds which snapshot, of which timeline,
-with which item versions - and the one predicate that says whether a slot may be restored.
+"""Node memory's history, owned by the node agent: which region of which slot file holds which version
+of which item, of which timeline - and the one predicate that says what may be restored.
 
-The agent is the only writer of ``<node dir>/slots.json`` (a ``MemoryIndex``): it records a
-slot as soon as its snapshot is checked (the items it wrote; a restore takes the others from
-older slots), again once the experts it did not write are carried forward into it, forgets
-it when the trainer announces new contents for it, and forks a rank's timeline when a trainer
-``Begin``s after a restore. Restore (``sources.memory_sources``) and the agent's own
-carry-forward read it through :meth:`NodeMemory.restorable`; nothing else decides.
+A rank has three slot files, each with a region for every item (its dense state, each expert it
+holds). A snapshot writes its header and dense state into one slot (its home) and each expert it
+writes into a region the trainer chose (``regions.RegionBook``); nothing is copied between slots.
+The agent is the only writer of ``<node dir>/slots.json`` (a ``MemoryIndex``): per slot, a
+``SlotRecord`` of its home snapshot and of every region that holds a recorded version. It records a
+snapshot as soon as its header is checked (``record_snapshot``), drops regions a trainer overwrote
+without announcing them, and forks a rank's timeline when a trainer ``Begin``s after a restore.
+Restore (``sources.memory_sources``), persists and replication read it through ``restorable``,
+``newest`` and ``view``; nothing else decides.
 
-Timelines: every snapshot carries the id of the run (trainer process) that wrote it.
-A rank's lineage is a list of segments ``(run, last iteration)``; a restart that resumes
-from iteration T closes every earlier run's segment at T. A slot is restorable only if
-its run and iteration lie on the lineage, so a snapshot of an abandoned timeline is never
-restored, whatever order slots are reused in.
+Timelines: every region carries the run (trainer process) that wrote it. A rank's lineage is a list of
+segments ``(run, last iteration)``; a restart that resumes from iteration T closes every earlier
+run's segment at T. A region or home is restorable only if its run and version lie on the lineage,
+so a snapshot of an abandoned timeline is never restored, whatever order regions are reused in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import JobKey, MemoryIndex, ProtocolError, RankMemory, Segment, SlotHeader, SlotRecord
 from megatron_pec.slots import NUM_SLOTS, read_slot_metadata, slot_path
 from megatron_pec.stformat import FormatError
@@ -54,6 +58,9 @@ def read_header(path: str) -> SlotHeader | str:
         return f"has no complete snapshot ({exc})"
 
 
+NO_HOME = -1  # a slot record's iteration when the slot holds no complete snapshot's header
+
+
 class NodeMemory:
     """The index of one node directory (every local rank's slots and timeline)."""
 
@@ -63,6 +70,7 @@ class NodeMemory:
         self.slots: dict[int, dict[int, SlotRecord]] = {
             int(r): {int(s): rec for s, rec in m.slots.items()} for r, m in index.ranks.items()}
         self.lineage: dict[int, list[Segment]] = {int(r): list(m.lineage) for r, m in index.ranks.items()}
+        self.jobs: dict[int, JobKey] = {int(r): JobKey(*m.job) for r, m in index.ranks.items() if len(m.job) == 3}
 
     @classmethod
     def read(cls, directory: str) -> "NodeMemory":
@@ -77,7 +85,7 @@ class NodeMemory:
     def write(self) -> None:
         """Agent only: replace ``slots.json`` atomically (tmpfs: no fsync needed)."""
         ranks = {str(r): RankMemory({str(s): rec for s, rec in self.slots.get(r, {}).items()},
-                                    self.lineage.get(r, []))
+                                    self.lineage.get(r, []), list(self.jobs[r]) if r in self.jobs else [])
                  for r in sorted(set(self.slots) | set(self.lineage))}
         tmp = os.path.join(self.directory, INDEX + ".tmp")
         with open(tmp, "w") as f:
@@ -85,69 +93,177 @@ class NodeMemory:
         os.replace(tmp, os.path.join(self.directory, INDEX))
 
     # ---- the agent's updates ---------------------------------------------------------------------
-    def forget(self, rank: int, slot: int) -> None:
-        self.slots.get(rank, {}).pop(slot, None)
+    def record_snapshot(self, rank: int, home: int, header: SlotHeader, checks: dict, places: dict[str, int],
+                        stale: dict[str, list[int]], job: JobKey) -> None:
+        """Snapshot ``header`` is complete: its header and dense state in slot ``home``, each item it wrote
+        in ``places.get(item, home)`` with its checksum in ``checks``; the regions in ``stale`` lost
+        what they held."""
+        self._own(rank, job)
+        for item, slots in stale.items():
+            for slot in slots:
+                self._drop(rank, slot, item)
+        records = self.slots.setdefault(rank, {})
+        previous_home = records.get(home)
+        if previous_home is not None and previous_home.iteration != NO_HOME:
+            # The home's header is replaced: what stays of the old home snapshot keeps its run.
+            records[home] = self._without_home(previous_home)
+        for item, version in header.items.items():
+            slot = places.get(item, home)
+            self._put(rank, slot, item, version, checks[item], header.run, header.tokens.get(item))
+        record = records[home]
+        records[home] = dataclasses.replace(
+            record, iteration=header.iteration, run=header.run,
+            runs={i: r for i, r in ((i, record.run_of(i)) for i in record.items) if r != header.run})
 
-    def record(self, rank: int, slot: int, record: SlotRecord) -> None:
-        self.slots.setdefault(rank, {})[slot] = record
-
-    def adopt(self, rank: int, slot: int, record: SlotRecord, lineage: list[Segment]) -> None:
-        """A snapshot pulled from a peer's replica becomes this rank's slot, with the timeline it had."""
+    def adopt(self, rank: int, slot: int, record: SlotRecord, lineage: list[Segment], job: JobKey) -> None:
+        """A snapshot pulled from a peer's replica becomes this rank's slot, whole, with the timeline it had."""
+        self.jobs[rank] = job
         self.lineage[rank] = list(lineage)
-        self.record(rank, slot, record)
+        self.slots[rank] = {slot: record}
 
-    def begin(self, rank: int, run: str, resumed_from: int | None) -> None:
+    def begin(self, rank: int, run: str, resumed_from: int | None, job: JobKey) -> None:
         """``run`` continues from ``resumed_from`` (None: from scratch): every other run's snapshots
         after that iteration are abandoned. Repeating it (a reconnect) changes nothing."""
+        self._own(rank, job)
         cut = -1 if resumed_from is None else resumed_from
         kept = [Segment(s.run, cut if s.last is None else min(s.last, cut))
                 for s in self.lineage.get(rank, []) if s.run != run]
         own = [s for s in self.lineage.get(rank, []) if s.run == run] or [Segment(run, None)]
         self.lineage[rank] = [s for s in kept if s.last >= 0] + own
 
-    # ---- questions ---------------------------------------------------------------------------------
-    def on_lineage(self, rank: int, record: SlotRecord) -> bool:
-        return any(s.admits(record.run, record.iteration) for s in self.lineage.get(rank, []))
+    def _own(self, rank: int, job: JobKey) -> None:
+        """Regions written under another job, configuration or --save are forgotten (the slot files of
+        another configuration are laid out anew anyway)."""
+        if self.jobs.get(rank) not in (None, job):
+            self.slots.pop(rank, None)
+            self.lineage.pop(rank, None)
+        self.jobs[rank] = job
 
-    def newest(self, rank: int, accept=None, exclude=frozenset()) -> tuple[int, SlotRecord] | None:
-        """The slot with the newest snapshot on the rank's timeline (the one the agent keeps for recovery),
-        among the records ``accept(record)`` approves if given and the slots not in ``exclude``."""
+    def _drop(self, rank: int, slot: int, item: str) -> None:
+        record = self.slots.get(rank, {}).get(slot)
+        if record is None or item not in record.items:
+            return
+        if item == NON_EXPERT and record.iteration != NO_HOME:
+            record = self._without_home(record)
+        self.slots[rank][slot] = dataclasses.replace(
+            record, items=_without(record.items, item), crcs=_without(record.crcs, item),
+            sums=_without(record.sums, item), tokens=_without(record.tokens, item), runs=_without(record.runs, item))
+
+    def _put(self, rank: int, slot: int, item: str, version: int, check, run: str, tokens: int | None) -> None:
+        record = self.slots.setdefault(rank, {}).get(slot) or SlotRecord(NO_HOME, "", {})
+        sums, crcs = dict(record.sums), dict(record.crcs)
+        (sums if isinstance(check, str) else crcs)[item] = check
+        (crcs if isinstance(check, str) else sums).pop(item, None)
+        runs = dict(record.runs)
+        if run != record.run:
+            runs[item] = run
+        else:
+            runs.pop(item, None)
+        tokens_at = dict(record.tokens)
+        if tokens is not None:
+            tokens_at[item] = tokens
+        else:
+            tokens_at.pop(item, None)
+        self.slots[rank][slot] = dataclasses.replace(record, items={**record.items, item: version}, sums=sums,
+                                                     crcs=crcs, runs=runs, tokens=tokens_at)
+
+    @staticmethod
+    def _without_home(record: SlotRecord) -> SlotRecord:
+        """The record with no home snapshot: its regions keep their runs; its dense state goes with the
+        header it belonged to."""
+        runs = {i: record.run_of(i) for i in record.items if i != NON_EXPERT}
+        kept = dataclasses.replace(record, iteration=NO_HOME, run="", runs=runs)
+        if NON_EXPERT not in record.items:
+            return kept
+        return dataclasses.replace(kept, items=_without(kept.items, NON_EXPERT), crcs=_without(kept.crcs, NON_EXPERT),
+                                   sums=_without(kept.sums, NON_EXPERT), tokens=_without(kept.tokens, NON_EXPERT))
+
+    # ---- questions ---------------------------------------------------------------------------------
+    def admits(self, rank: int, run: str, version: int) -> bool:
+        return any(s.admits(run, version) for s in self.lineage.get(rank, []))
+
+    def on_lineage(self, rank: int, record: SlotRecord) -> bool:
+        """The slot's home snapshot lies on the rank's timeline."""
+        return record.iteration != NO_HOME and self.admits(rank, record.run, record.iteration)
+
+    def newest(self, rank: int, accept=None) -> tuple[int, SlotRecord] | None:
+        """The slot of the newest home snapshot on the rank's timeline, among the records ``accept(record)``
+        approves if given."""
         live = [(rec.iteration, slot) for slot, rec in self.slots.get(rank, {}).items()
-                if slot not in exclude and self.on_lineage(rank, rec) and (accept is None or accept(rec))]
+                if self.on_lineage(rank, rec) and (accept is None or accept(rec))]
         if not live:
             return None
         slot = max(live)[1]
         return slot, self.slots[rank][slot]
 
-    def grantable(self, rank: int, busy: set[int], uncarried=frozenset()) -> list[int]:
-        """Slots the trainer may overwrite: not ``busy`` (announced, being read), not the newest
-        snapshot and, while ``uncarried`` snapshots wait for their experts, not the newest complete
-        one they are carried from; oldest contents first."""
-        keep = {found[0] for found in (self.newest(rank), self.newest(rank, exclude=uncarried)) if found}
-        records = self.slots.get(rank, {})
+    def regions(self, rank: int, upto: int | None = None) -> dict[str, tuple[int, int]]:
+        """item -> (slot, version) of its newest version on the rank's timeline (up to ``upto``)."""
+        best: dict[str, tuple[int, int]] = {}
+        for slot, record in self.slots.get(rank, {}).items():
+            for item, version in record.items.items():
+                if (upto is None or version <= upto) and self.admits(rank, record.run_of(item), version) \
+                        and version > best.get(item, (0, -1))[1]:
+                    if item == NON_EXPERT and not self.on_lineage(rank, record):
+                        continue
+                    best[item] = (slot, version)
+        return best
 
-        def reuse_order(slot: int):  # abandoned or empty slots first, then the oldest snapshot
-            record = records.get(slot)
-            return (record is not None and self.on_lineage(rank, record), record.iteration if record else -1)
+    def view(self, rank: int, iteration: int) -> SlotRecord:
+        """Snapshot ``iteration`` as a whole: every item at its newest version up to it, its checksum and
+        token count, and (``places``: ``view_places``) where it lies."""
+        home = next((s for s, r in self.slots.get(rank, {}).items() if r.iteration == iteration
+                     and self.on_lineage(rank, r)), None)
+        items, sums, crcs, tokens, runs = {}, {}, {}, {}, {}
+        run = self.slots[rank][home].run if home is not None else ""
+        for item, (slot, version) in self.regions(rank, iteration).items():
+            record = self.slots[rank][slot]
+            items[item] = version
+            check = record.checks[item]
+            (sums if isinstance(check, str) else crcs)[item] = check
+            if item in record.tokens:
+                tokens[item] = record.tokens[item]
+            if record.run_of(item) != run:
+                runs[item] = record.run_of(item)
+        return SlotRecord(iteration, run, items, crcs=crcs, tokens=tokens, sums=sums, runs=runs)
 
-        free = [s for s in range(NUM_SLOTS) if s not in busy and s not in keep]
-        return sorted(free, key=reuse_order)
+    def view_places(self, rank: int, iteration: int) -> tuple[int, dict[str, int]]:
+        """(home slot, item -> slot where not the home) of the view of snapshot ``iteration``."""
+        home = next(s for s, r in self.slots.get(rank, {}).items() if r.iteration == iteration
+                    and self.on_lineage(rank, r))
+        return home, {item: slot for item, (slot, _) in self.regions(rank, iteration).items() if slot != home}
 
-    def is_restorable(self, rank: int, slot: int, job: JobKey | None) -> tuple[SlotRecord, SlotHeader] | str:
-        """The one predicate: the slot's record and header when it may serve a restore or a carry of
-        ``job`` (None: any job), else the reason it may not."""
+    def is_restorable(self, rank: int, slot: int, job: JobKey | None) -> tuple[SlotRecord, SlotHeader | None] | str:
+        """The slot's record, restricted to what may serve a restore of ``job`` (None: any job), and its
+        home snapshot's header (None when it has no home on the timeline; its regions may still serve),
+        else the reason nothing of it may."""
         record = self.slots.get(rank, {}).get(slot)
         if record is None:
             return "is not recorded as complete by the node agent"
-        if not self.on_lineage(rank, record):
-            return f"holds iteration {record.iteration} of an abandoned timeline (run {record.run})"
-        header = read_header(slot_path(self.directory, rank, slot))
-        problem = header_problem(header, record.iteration, record.run, job)
-        return problem if problem is not None else (record, header)
+        if job is not None and self.jobs.get(rank) not in (None, job):
+            known = self.jobs[rank]
+            return (f"belongs to job {known.job_id!r} with configuration {known.fingerprint} and --save {known.save}; "
+                    f"this run is job {job.job_id!r} with configuration {job.fingerprint} and --save {job.save}")
+        header = None
+        if self.on_lineage(rank, record):
+            found = read_header(slot_path(self.directory, rank, slot))
+            problem = header_problem(found, record.iteration, record.run, job)
+            if problem is not None and problem.startswith("belongs to job"):
+                return problem
+            header = None if problem is not None else found
+        keep = {i: v for i, v in record.items.items() if self.admits(rank, record.run_of(i), v)
+                and (i != NON_EXPERT or header is not None)}
+        if not keep:
+            if record.iteration != NO_HOME and not self.on_lineage(rank, record):
+                return f"holds iteration {record.iteration} of an abandoned timeline (run {record.run})"
+            return "holds no complete snapshot and no recorded region"
+        if header is None:
+            record = dataclasses.replace(record, iteration=NO_HOME)
+        return dataclasses.replace(record, items=keep), header
 
-    def restorable(self, rank: int, job: JobKey) -> tuple[list[tuple[str, SlotRecord, SlotHeader]], list[str]]:
-        """(path, record, header) of every slot of ``rank`` that may serve a restore of ``job``, newest
-        first, and the reasons other recorded slots of another job or configuration were passed over."""
+    def restorable(self, rank: int, job: JobKey) -> tuple[list[tuple[str, SlotRecord, SlotHeader | None]], list[str]]:
+        """(path, record, home header) of every slot of ``rank`` that may serve a restore of ``job``, the
+        newest home first (records keep only what may serve), and the reasons slots of another job or
+        configuration were passed over."""
         found, foreign = [], []
         for slot in sorted(self.slots.get(rank, {})):
             path = slot_path(self.directory, rank, slot)
@@ -159,3 +275,12 @@ class NodeMemory:
             found.append((path, *verdict))
         found.sort(key=lambda t: -t[1].iteration)
         return found, foreign
+
+
+def _without(values: dict, key) -> dict:
+    if key not in values:
+        return values
+    return {k: v for k, v in values.items() if k != key}
+
+
+__all__ += ["NO_HOME", "NUM_SLOTS"]

@@ -1,11 +1,12 @@
-"""Agent phase 5: check a snapshot slot and persist its persist-level items as a rank file.
+"""Agent phase 5: check a snapshot's header and persist its persist-level items as a rank file.
 
-Runs in the node agent process, one slot at a time. The slot's header carries each written item's
-checksum, computed by the trainer where the bytes came from (``sum64``): that is the snapshot's
-record, and a memory-only snapshot is recorded without reading its bytes. A persisted item is read
-once, to write the rank file (a compact safetensors file: the slot's non-expert tensors plus the
-persist-level experts, written atomically), and checked against the trainer's checksum on the way:
-bytes that changed in node memory never become a rank file.
+Runs in the node agent process, one snapshot at a time. The header (in the snapshot's home slot)
+carries each written item's checksum, computed by the trainer where the bytes came from (``sum64``):
+that is the snapshot's record, and a memory-only snapshot is recorded without reading its bytes. A
+persisted item is read once, from the slot its region is in, to write the rank file (a compact
+safetensors file: the non-expert tensors plus the persist-level experts, written atomically), and
+checked against the trainer's checksum on the way: bytes that changed in node memory never become a
+rank file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from megatron_pec.agent.memory import header_problem
 from megatron_pec.checksum import crc32, item_checks, mismatch
 from megatron_pec.items import NON_EXPERT
-from megatron_pec.protocol import JobKey, ProtocolError, SlotHeader, SlotRecord
+from megatron_pec.protocol import JobKey, ProtocolError, SlotHeader
 from megatron_pec.slots import SlotCache
 from megatron_pec.stformat import encode_header, item_checksums
 from megatron_pec.storage import PosixStorage
@@ -26,15 +27,17 @@ class SnapshotMismatch(RuntimeError):
 
 
 def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_items: set[str] | None,
-                      target: str | None, storage: PosixStorage, slots: SlotCache) -> tuple[SlotRecord, dict | None]:
-    """Validate the slot at ``path`` as the complete snapshot ``iteration`` of ``run`` and ``job``;
-    persist it to ``target`` if given (the dense state plus ``persist_items``, None: all it wrote).
+                      target: str | None, storage: PosixStorage, slots: SlotCache,
+                      elsewhere: dict[str, str] | None = None) -> tuple[SlotHeader, dict, dict | None]:
+    """Validate the home slot at ``path`` as holding the complete snapshot ``iteration`` of ``run`` and
+    ``job`` (its items there, or in the slot files ``elsewhere`` names); persist it to ``target`` if
+    given (the dense state plus ``persist_items``, None: all it wrote).
 
-    Returns the slot's record (the items the snapshot wrote and their checksums; carried experts
-    are added later) and, when persisted, the rank file's ``size``, ``crc32``, ``items``,
-    ``header_crc32`` and ``item_sums`` (``item_crc32`` for a slot of an older trainer). Raises
-    SnapshotMismatch, FormatError or OSError.
+    Returns the snapshot's header, its items' checksums and, when persisted, the rank file's ``size``,
+    ``crc32``, ``items``, ``header_crc32`` and ``item_sums`` (``item_crc32`` for a slot of an older
+    trainer). Raises SnapshotMismatch, FormatError or OSError.
     """
+    elsewhere = elsewhere or {}
     mapping, header = slots.open(path)
     try:
         snapshot = SlotHeader.from_metadata(header.metadata)
@@ -56,15 +59,25 @@ def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_
         keep = set(written) if persist_items is None else \
             {i for i in written if i == NON_EXPERT or i in persist_items}
         expected = {i: checks[i] for i in keep}
+        mappings = {path: mapping, **{p: slots.open(p)[0] for p in set(elsewhere.values())}}
+        where = {i: mappings[elsewhere.get(i, path)] for i in keep}
         # The persisted items are checked beside the write (both release the GIL), before the rename.
         with ThreadPoolExecutor(1) as pool:
-            computing = pool.submit(item_checks, mapping, header, expected)
-            file = _write_compact(mapping, header, snapshot, keep, target, storage,
+            computing = pool.submit(_checks_in, mappings, elsewhere, path, header, expected)
+            file = _write_compact(where, header, snapshot, keep, target, storage,
                                   lambda: _check(path, computing.result(), expected))
         file["item_sums" if snapshot.sums else "item_crc32"] = expected
-    if snapshot.sums:
-        return SlotRecord(iteration, run, dict(written), sums=checks), file
-    return SlotRecord(iteration, run, dict(written), crcs=checks), file
+    return snapshot, checks, file
+
+
+def _checks_in(mappings: dict, elsewhere: dict[str, str], home: str, header, expected: dict) -> dict:
+    """``item_checks`` of items spread over several slot files (one layout)."""
+    out = {}
+    for path, mapping in mappings.items():
+        here = {i: v for i, v in expected.items() if elsewhere.get(i, home) == path}
+        if here:
+            out.update(item_checks(mapping, header, here))
+    return out
 
 
 def _check(path: str, actual: dict, expected: dict) -> None:
@@ -73,8 +86,9 @@ def _check(path: str, actual: dict, expected: dict) -> None:
             raise SnapshotMismatch(mismatch(f"{path} (in node memory)", item, actual[item], expected[item]))
 
 
-def _write_compact(mapping, header, snapshot: SlotHeader, keep: set[str], target: str, storage: PosixStorage,
+def _write_compact(where: dict, header, snapshot: SlotHeader, keep: set[str], target: str, storage: PosixStorage,
                    before_rename) -> dict:
+    """``where``: item -> the mapping of the slot file its bytes are in (all slots share ``header``'s layout)."""
     entries, offset = [], 0
     chosen = [e for e in header.tensors if e.item in keep]
     for e in chosen:
@@ -86,9 +100,9 @@ def _write_compact(mapping, header, snapshot: SlotHeader, keep: set[str], target
 
     def chunks():
         yield head
-        view = memoryview(mapping)  # zero-copy; dropped before the mapping closes
+        views = {id(m): memoryview(m) for m in where.values()}  # zero-copy; dropped before the mappings close
         for e in chosen:
-            yield view[header.data_start + e.begin: header.data_start + e.end]
+            yield views[id(where[e.item])][header.data_start + e.begin: header.data_start + e.end]
 
     size, crc = storage.write_atomic(target, chunks(), before_rename)
     return {"size": size, "crc32": crc, "items": sorted(keep), "header_crc32": crc32(head)}

@@ -3,18 +3,21 @@
 Three parts, all in the node agent process (no torch):
 
 * ``Replicator`` (sender): after the agent records a snapshot, a background thread
-  streams it to this node's holders (``peers.holders``). PEC-aware: it sends only the
-  items the snapshot wrote; the holder takes every other item from its previous replica,
-  which must hold exactly the version the sender's record names (else it asks for the
-  whole slot once). Bounded: an unsent snapshot is replaced by a newer one of the same
-  rank. ``--pec-replica-mbps`` caps its bandwidth. Failures are logged; training never waits.
-* ``ReplicaStore`` (holder): two replica slots per (node, rank) under ``<node dir>/replicas``;
-  a push is written into the one not holding the complete replica, every received item is
-  checked against the crc32 the sender computed, and only then is the index (the marker)
-  switched to it. A torn, corrupt or foreign push never becomes the replica.
+  streams it to this node's holders (``peers.holders``), reading each item from the slot
+  its region is in. PEC-aware: it sends only the items the snapshot wrote; the holder keeps
+  every other item where its replica already holds it, at exactly the version the sender's
+  record names (else it asks for the whole snapshot once). Bounded: an unsent snapshot is
+  replaced by a newer one of the same rank; what is being sent or waits is pinned on the
+  trainer. ``--pec-replica-mbps`` caps its bandwidth. Failures are logged; training never waits.
+* ``ReplicaStore`` (holder): two replica files per (node, rank) under ``<node dir>/replicas``;
+  a pushed item is written into the file that does not hold its current version (nothing is
+  copied between them), every received item is checked against the checksum the sender's
+  record names, and only then is the index (the marker) switched to the new replica. A torn,
+  corrupt or foreign push never becomes the replica.
 * ``pull`` (a replacement node): an agent whose memory has nothing for a rank asks that
-  rank's holders for their replica, verifies every item and records it as its own slot,
-  marked with the node it came from; restore then reads it like local memory.
+  rank's holders for their replica (streamed as one whole slot file), verifies every item and
+  records it as its own slot, marked with the node it came from; restore then reads it like
+  local memory.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 
 from megatron_pec import faults, log
 from megatron_pec.agent import peers
-from megatron_pec.byteruns import spans
+from megatron_pec.byteruns import runs
 from megatron_pec.protocol import (JobInfo, PeerAddress, ProtocolError, ReplicaEntry, ReplicaIndex, ReplicaPull,
                                    ReplicaPush, ReplicaReply, Segment, SlotRecord)
 from megatron_pec.slots import REPLICA_SLOTS
@@ -109,8 +112,8 @@ class ReplicaStore:
         return entry
 
     def receive(self, push: ReplicaPush, sock: socket.socket) -> str | None:
-        """Take a pushed snapshot into the free replica slot; None when it is complete and recorded,
-        else why not (the bytes on the socket are consumed either way, or the connection is dropped)."""
+        """Take a pushed snapshot into the replica files; None when it is complete and recorded, else
+        why not (the bytes on the socket are consumed either way, or the connection is dropped)."""
         with self.lock:
             record, sent = push.record, set(push.sent)
             base = self.current(push.job, push.node, push.rank)
@@ -120,7 +123,11 @@ class ReplicaStore:
                             or any(base.record.items.get(i) != record.items[i]
                                    or base.record.checks.get(i) != record.checks.get(i) for i in carried)):
                 return NEED_FULL
-            slot = (base.slot + 1) % REPLICA_SLOTS if base is not None else 0
+            home = (base.slot + 1) % REPLICA_SLOTS if base is not None else 0
+            # Each item into the file that does not hold its current version; the rest stay where they are.
+            held = {} if base is None else {i: base.places.get(i, base.slot) for i in base.record.items}
+            placed = {i: (1 - held[i] if i in held else home) for i in sent}
+            placed.update({i: held[i] for i in carried})
             if not 8 < push.header_len <= min(push.file_len, MAX_HEADER + 8):
                 raise ReplicaError(f"implausible header length {push.header_len} for a {push.file_len}-byte slot")
             header = bytearray(push.header_len)
@@ -129,53 +136,71 @@ class ReplicaStore:
                 layout = decode_header(header, file_len=push.file_len)
             except FormatError as exc:
                 raise ReplicaError(f"bad slot header: {exc}") from None
-            target = _map(self.path(push.node, push.rank, slot), push.file_len)
+            files = [_map(self.path(push.node, push.rank, slot), push.file_len) for slot in range(REPLICA_SLOTS)]
+            checks = record.checks
+            views = [memoryview(f) for f in files]
             try:
-                with memoryview(target) as view:
-                    view[:push.header_len] = header
-                    for i, (begin, length) in enumerate(spans([e for e in layout.tensors if e.item in sent])):
-                        _recv_into(sock, view[layout.data_start + begin:layout.data_start + begin + length])
-                        if i == 0:
-                            faults.point("replica_receive", iteration=record.iteration)
-                    if carried:
-                        self._copy_items(view, self.path(push.node, push.rank, base.slot), layout, carried)
-                checks = record.checks
-                actual = item_checks(target, layout, {i: checks.get(i) for i in sent})
+                views[home][:push.header_len] = header
+                pieces = runs([e for e in layout.tensors if e.item in sent],
+                              lambda a, b: a.end == b.begin and placed[a.item] == placed[b.item])
+                for n, piece in enumerate(pieces):
+                    begin, end = layout.data_start + piece[0].begin, layout.data_start + piece[-1].end
+                    _recv_into(sock, views[placed[piece[0].item]][begin:end])
+                    if n == 0:
+                        faults.point("replica_receive", iteration=record.iteration)
+                actual = {}
+                for slot in range(REPLICA_SLOTS):
+                    here = {i: checks.get(i) for i in sent if placed[i] == slot}
+                    if here:
+                        actual.update(item_checks(files[slot], layout, here))
             finally:
-                target.close()
+                for view in views:
+                    view.release()
+                for f in files:
+                    f.close()
             bad = sorted(i for i in sent if actual[i] != checks.get(i))
             if bad:
                 return f"checksum mismatch for {', '.join(bad[:3])}: the transfer was damaged"
             entries = dict(self.index.entries)
             entries[f"{push.node}.{push.rank}"] = ReplicaEntry(
-                push.job.job_id, push.job.fingerprint, push.job.save, push.node, push.rank, slot, record,
-                list(push.lineage))
+                push.job.job_id, push.job.fingerprint, push.job.save, push.node, push.rank, home, record,
+                list(push.lineage), {i: slot for i, slot in placed.items() if slot != home})
             self._write_index(entries)  # the marker, last: the replica is complete
             return None
 
-    @staticmethod
-    def _copy_items(view: memoryview, source_path: str, layout, items: set[str]) -> None:
-        """The bytes of ``items`` from the previous replica (same layout) into ``view``."""
-        source = _map(source_path, len(view))
-        try:
-            with memoryview(source) as src:
-                for begin, length in spans([e for e in layout.tensors if e.item in items]):
-                    start = layout.data_start + begin
-                    view[start:start + length] = src[start:start + length]
-        finally:
-            source.close()
-
     def serve_pull(self, pull: ReplicaPull, sock: socket.socket) -> None:
+        """The replica of ``pull.rank`` as one whole slot file: the header of its home file, then every
+        item from the file it is in."""
         with self.lock:
             entry = self.current(pull.job, pull.node, pull.rank)
             if entry is None:
                 sock.sendall((ReplicaReply(False, "no replica of that rank for this job").dumps() + "\n").encode())
                 return
-            path = self.path(pull.node, pull.rank, entry.slot)
-            with open(path, "rb") as f:
-                data = f.read()
-            sock.sendall((ReplicaReply(True, None, entry.record, entry.lineage, len(data)).dumps() + "\n").encode())
-            sock.sendall(data)
+            paths = [self.path(pull.node, pull.rank, slot) for slot in range(REPLICA_SLOTS)]
+            with open(paths[entry.slot], "rb") as f:
+                head = f.read(8)
+                head += f.read(int.from_bytes(head, "little"))
+            layout = decode_header(head, file_len=os.path.getsize(paths[entry.slot]))
+            sock.sendall((ReplicaReply(True, None, entry.record, entry.lineage, layout.file_len).dumps()
+                          + "\n").encode())
+            sock.sendall(head)
+            where = {i: entry.places.get(i, entry.slot) for i in entry.record.items}
+            handles = [open(p, "rb") for p in paths]
+            try:
+                for piece in runs(layout.tensors, lambda a, b: where.get(a.item, entry.slot) == where.get(b.item,
+                                                                                                       entry.slot)):
+                    f = handles[where.get(piece[0].item, entry.slot)]
+                    f.seek(layout.data_start + piece[0].begin)
+                    left = piece[-1].end - piece[0].begin
+                    while left:
+                        chunk = f.read(min(left, 4 << 20))
+                        if not chunk:
+                            raise ReplicaError(f"{f.name} ends early")
+                        sock.sendall(chunk)
+                        left -= len(chunk)
+            finally:
+                for f in handles:
+                    f.close()
 
     def clear(self) -> None:
         for name in os.listdir(self.directory):
@@ -239,20 +264,27 @@ class Replicator:
     def __init__(self, node_dir: str, job: JobInfo, storage: PosixStorage):
         self.node_dir, self.job, self.storage = node_dir, job, storage
         self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
-        self.sending: dict[int, int] = {}           # rank -> slot being read now (not to be granted)
+        self.sending: dict[int, int] = {}           # rank -> iteration being read now (pinned)
         self.synced: set[tuple[int, int]] = set()   # (holder, rank) that hold a base replica
         self.sent = {"snapshots": 0, "whole": 0, "bytes": 0}  # completed pushes (reported at exit)
         self.cond = threading.Condition()
         threading.Thread(target=self._run, daemon=True).start()
 
-    def offer(self, rank: int, slot_path: str, slot: int, record: SlotRecord, lineage: list[Segment]) -> None:
+    def offer(self, rank: int, home: str, elsewhere: dict[str, str], record: SlotRecord,
+              lineage: list[Segment]) -> None:
+        """Snapshot ``record`` (every item at its version) of ``rank``: its header and dense state in the
+        slot file ``home``, its other items there too or in the files ``elsewhere`` names."""
         with self.cond:
-            self.pending[rank] = (slot_path, slot, record, list(lineage))
+            self.pending[rank] = (home, elsewhere, record, list(lineage))
             self.cond.notify()
 
-    def busy(self, rank: int) -> set[int]:
+    def replicating(self, rank: int) -> list[int]:
+        """The iterations of ``rank`` being sent or waiting to be: what the trainer must keep."""
         with self.cond:
-            return {self.sending[rank]} if rank in self.sending else set()
+            out = [self.sending[rank]] if rank in self.sending else []
+            if rank in self.pending:
+                out.append(self.pending[rank][2].iteration)
+            return out
 
     def idle(self) -> bool:
         with self.cond:
@@ -264,15 +296,16 @@ class Replicator:
                 while not self.pending:
                     self.cond.wait()
                 rank = min(self.pending)
-                path, slot, record, lineage = self.pending.pop(rank)
-                self.sending[rank] = slot
+                home, elsewhere, record, lineage = self.pending.pop(rank)
+                self.sending[rank] = record.iteration
             try:
-                self._send_to_holders(rank, path, record, lineage)
+                self._send_to_holders(rank, home, elsewhere, record, lineage)
             finally:
                 with self.cond:
                     self.sending.pop(rank, None)
 
-    def _send_to_holders(self, rank: int, path: str, record: SlotRecord, lineage: list[Segment]) -> None:
+    def _send_to_holders(self, rank: int, home: str, elsewhere: dict[str, str], record: SlotRecord,
+                         lineage: list[Segment]) -> None:
         job = self.job
         addresses = peers.read_peers(job.save, job.job_id, job.num_nodes, self.storage)
         domains = {n: a.domain for n, a in addresses.items()}
@@ -283,29 +316,34 @@ class Replicator:
                          "start with a later snapshot", once=True)
                 continue
             try:
-                self._push(address, rank, path, record, lineage, full=(holder, rank) not in self.synced)
+                self._push(address, rank, home, elsewhere, record, lineage, full=(holder, rank) not in self.synced)
                 self.synced.add((holder, rank))
             except (OSError, ReplicaError, ProtocolError, FormatError) as exc:
                 self.synced.discard((holder, rank))
                 log.info(f"replication of rank {rank} to node {holder} failed ({exc}); training continues, a "
                          "lost node restores from storage until a replica lands", once=True)
 
-    def _push(self, address: PeerAddress, rank: int, path: str, record: SlotRecord, lineage: list[Segment],
-              full: bool) -> None:
-        with open(path, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    def _push(self, address: PeerAddress, rank: int, home: str, elsewhere: dict[str, str], record: SlotRecord,
+              lineage: list[Segment], full: bool) -> None:
+        paths = {home, *elsewhere.values()}
+        mappings = {}
         try:
+            for path in paths:
+                with open(path, "rb") as f:
+                    mappings[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mapping = mappings[home]
             size = int.from_bytes(mapping[:8], "little")
             header = mapping[:8 + size]
             layout = decode_header(header, file_len=len(mapping))
             sent = sorted(record.items) if full else sorted(i for i, v in record.items.items()
                                                              if v == record.iteration)
+            source = {i: mappings[elsewhere.get(i, home)] for i in record.items}
             push = ReplicaPush(self.job, self.job.node_rank, rank, record, lineage, len(mapping), len(header), sent)
-            reply = self._exchange(address, push, mapping, layout)
+            reply = self._exchange(address, push, mapping, source, layout)
             if not reply.ok and reply.error == NEED_FULL and not full:
                 push = ReplicaPush(self.job, self.job.node_rank, rank, record, lineage, len(mapping), len(header),
                                    sorted(record.items))
-                reply = self._exchange(address, push, mapping, layout)
+                reply = self._exchange(address, push, mapping, source, layout)
             if not reply.ok:
                 raise ReplicaError(reply.error or "refused")
             sent = set(push.sent)
@@ -314,22 +352,27 @@ class Replicator:
                 self.sent["whole"] += len(sent) == len(record.items)
                 self.sent["bytes"] += push.header_len + sum(e.end - e.begin for e in layout.tensors if e.item in sent)
         finally:
-            mapping.close()
+            for m in mappings.values():
+                m.close()
 
-    def _exchange(self, address: PeerAddress, push: ReplicaPush, mapping, layout) -> ReplicaReply:
+    def _exchange(self, address: PeerAddress, push: ReplicaPush, home, source: dict, layout) -> ReplicaReply:
+        """Send the push: its header from the ``home`` mapping, each sent item's bytes from ``source``
+        (item -> the mapping of the slot file it is in)."""
         cap = self.job.replica_mbps
         with socket.create_connection((address.host, address.port), timeout=CONNECT_TIMEOUT) as sock:
             sock.settimeout(120.0)
             sock.sendall((push.dumps() + "\n").encode())
-            sock.sendall(mapping[:push.header_len])
+            sock.sendall(home[:push.header_len])
             started, sent_bytes = time.monotonic(), 0
-            with memoryview(mapping) as whole:
-                for begin, length in spans([e for e in layout.tensors if e.item in set(push.sent)]):
-                    start = layout.data_start + begin
-                    for offset in range(start, start + length, 4 << 20):
-                        with whole[offset:min(offset + (4 << 20), start + length)] as piece:
-                            sock.sendall(piece)
-                            sent_bytes += len(piece)
+            wanted = set(push.sent)
+            for piece in runs([e for e in layout.tensors if e.item in wanted],
+                              lambda a, b: a.end == b.begin and source[a.item] is source[b.item]):
+                start, end = layout.data_start + piece[0].begin, layout.data_start + piece[-1].end
+                with memoryview(source[piece[0].item]) as whole:
+                    for offset in range(start, end, 4 << 20):
+                        with whole[offset:min(offset + (4 << 20), end)] as chunk:
+                            sock.sendall(chunk)
+                            sent_bytes += len(chunk)
                         if cap:  # never ahead of the cap
                             ahead = sent_bytes / (cap * 1e6) - (time.monotonic() - started)
                             if ahead > 0:

@@ -13,7 +13,7 @@ from megatron_pec import log
 from megatron_pec.agent import peers
 from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
-from megatron_pec.protocol import JobInfo, PeerAddress, SlotRecord
+from megatron_pec.protocol import JobInfo, PeerAddress
 from megatron_pec.slots import slot_path
 from megatron_pec.storage import PosixStorage
 
@@ -60,16 +60,20 @@ class Replication:
                  f"{peers.holders(job.node_rank, job.num_nodes, job.replicas, domains)} (failure domain "
                  f"{self.address.domain}; address in {peers.address_path(job.save, job.job_id, job.node_rank)})")
 
-    def offer(self, job: JobInfo, rank: int, slot: int, record: SlotRecord, memory: NodeMemory) -> None:
-        """A recorded snapshot on the rank's timeline: send it to the holders (in the background)."""
-        if self.replicator is None or not memory.on_lineage(rank, record):
+    def offer(self, job: JobInfo, rank: int, iteration: int, memory: NodeMemory) -> None:
+        """Snapshot ``iteration`` is recorded: send it to the holders (in the background), every item at
+        its newest version up to it, each read from the slot its region is in."""
+        if self.replicator is None:
             return
         self.publish(job)
-        self.replicator.offer(rank, slot_path(self.directory, rank, slot), slot, record, memory.lineage.get(rank, []))
+        home, places = memory.view_places(rank, iteration)
+        elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in places.items()}
+        self.replicator.offer(rank, slot_path(self.directory, rank, home), elsewhere, memory.view(rank, iteration),
+                              memory.lineage.get(rank, []))
 
-    def busy(self, rank: int) -> set[int]:
-        """The rank's slots being read for a peer now (not to be granted)."""
-        return self.replicator.busy(rank) if self.replicator is not None else set()
+    def replicating(self, rank: int) -> list[int]:
+        """The rank's iterations being sent to a peer or waiting to be (pinned on its trainer)."""
+        return self.replicator.replicating(rank) if self.replicator is not None else []
 
     def pull(self, job: JobInfo, rank: int, memory: NodeMemory) -> None:
         """This node's memory has nothing for ``rank`` (a replacement node): take its newest replica from
@@ -82,7 +86,7 @@ class Replication:
             log.info(f"rank {rank}: nothing pulled from peer memory ({result}); it restores from storage")
             return
         record, lineage = result
-        memory.adopt(rank, 0, record, lineage)
+        memory.adopt(rank, 0, record, lineage, job.key)
         memory.write()
         log.info(f"rank {rank}: pulled iteration {record.iteration} from node {record.origin}'s memory")
 

@@ -1,18 +1,19 @@
-"""A trainer's session with its node agent: the connection and the lease of snapshot slots.
+"""A trainer's session with its node agent: the connection and the lease of node-memory regions.
 
 The engine calls a session, never raw messages. Call order:
 
 1. ``start``          start or reuse the node's agent, connect, say ``Hello``;
 2. ``begin``          a new timeline (after every restore, or from scratch); its ``Begun`` is taken
-                      before the next slot (``take_slot``), so a restore does not wait for it;
-3. per snapshot:      ``take_slot`` (a slot the agent granted; the session reconnects to a new
-                      agent first when the old one died), ``wrote`` before each copy into it,
-                      then ``announce`` (the slot goes back to the agent) or ``keep`` (a skipped
-                      snapshot: the slot stays this trainer's, its header says "being written");
+                      before the next lease, so a restore does not wait for it;
+3. per snapshot:      ``lease`` (the home slot for its header and dense state; the session reconnects
+                      to a new agent first when the old one died), ``place`` its items into regions and
+                      say ``writing`` before each copy, then ``announce`` (the regions go to the agent)
+                      or ``skipped`` (they hold nothing now; the agent hears at the next announcement);
 4. ``settle``/``flush`` wait until the agent has recorded / finished everything announced;
 5. ``close``          detach (a clean exit) or just leave (a crash: the agent keeps node memory).
 
-A slot is written only while granted; every grant heard before the answer to the last ``Begin``
+Which regions may be overwritten is the ``RegionBook``'s (``regions.py``): it follows the agent's
+``Begun``, ``Released`` and ``Granted`` (pins); what it heard before the answer to the last ``Begin``
 is void. Thread-safe: a snapshot may be announced from a background thread.
 """
 
@@ -24,23 +25,24 @@ import uuid
 
 from megatron_pec import log
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, ensure_agent
+from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.protocol import Begin, Begun, Flush, Flushed, Granted, Hello, Record, Released, Settle, SnapshotReady
-from megatron_pec.slots import SlotGrants
+from megatron_pec.regions import RegionBook
 
-PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for a slot before it is skipped
+PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions before it is skipped
 
 
 class AgentSession:
-    def __init__(self, node_dir: str, rank: int, node_rank: int, hello: Hello, *, idle_timeout: float,
-                 keep_shm: bool, wait_for_slot: bool):
+    def __init__(self, node_dir: str, rank: int, node_rank: int, hello: Hello, items: list[str], *,
+                 idle_timeout: float, keep_shm: bool, wait_for_slot: bool):
+        """``items``: the rank's items in slot order."""
         self.node_dir, self.rank, self.node_rank, self.hello = node_dir, rank, node_rank, hello
         self.idle_timeout, self.keep_shm, self.wait_for_slot = idle_timeout, keep_shm, wait_for_slot
         self.client = AgentClient(node_dir, rank)
-        self.grants = SlotGrants()
+        self.regions = RegionBook(items)
         self.run: str | None = None            # this process's timeline, from its first begin
         self.resumed_from: int | None = None
         self.begins_unanswered = 0             # Begins sent whose Begun has not arrived
-        self.written_into: dict[int, set[str]] = {}  # slot -> items written since the agent last had it
         self.persist_errors = 0
         self._lock = threading.RLock()
 
@@ -69,15 +71,15 @@ class AgentSession:
         # (again after a reconnect: repeating it changes nothing on the agent's side)
         if not self.client.connected:
             return
-        self.grants.revoke_all()
         if self.client.send(Begin(self.run, self.resumed_from)):
             self.begins_unanswered += 1
 
-    # ---- the slot lease --------------------------------------------------------------------------------
-    def take_slot(self, persistent: bool) -> tuple[int | None, str | None]:
-        """(a granted slot, None) or (None, why there is none). With --pec-wait-for-slot a save waits
-        for one; without, a persistent save (what the user asked to keep, e.g. the last one of
-        training) waits up to PERSISTENT_SLOT_WAIT_S, a memory snapshot not at all."""
+    # ---- the lease of regions -------------------------------------------------------------------------
+    def lease(self, persistent: bool) -> tuple[int | None, str | None]:
+        """(the home slot of the next snapshot, None) or (None, why there is none). With
+        --pec-wait-for-slot a save waits for one; without, a persistent save (what the user asked to
+        keep, e.g. the last one of training) waits up to PERSISTENT_SLOT_WAIT_S, a memory snapshot not
+        at all."""
         with self._lock:
             self._collect()
             if self.run is None:
@@ -85,38 +87,46 @@ class AgentSession:
             if not self.client.connected and not self._reconnect():
                 return None, "the node agent is not running"
             self._await_begun()
-            slot = self.grants.take()
+            home = self._home()
             deadline = time.monotonic() + (PERSISTENT_SLOT_WAIT_S if persistent else 0.0)
-            while slot is None and (self.wait_for_slot or time.monotonic() < deadline) and self.client.connected:
+            while home is None and (self.wait_for_slot or time.monotonic() < deadline) and self.client.connected:
                 self._collect(block_s=1.0)
-                slot = self.grants.take()
-            if slot is None:
-                return None, ("all snapshot slots are still held by the node agent (being persisted or sent to a "
-                              "peer, or kept for recovery); raise the save interval or pass --pec-wait-for-slot")
-            return slot, None
+                home = self._home()
+            if home is None:
+                return None, ("node memory has no free region for some item (all held by the node agent: being "
+                              "persisted or sent to a peer, or kept for recovery); raise the save interval or pass "
+                              "--pec-wait-for-slot")
+            return home, None
 
-    def keep(self, slot: int) -> None:
-        """A snapshot into ``slot`` was skipped: the slot stays this trainer's (its header says "being
-        written", never restorable)."""
-        with self._lock:
-            self.grants.add([slot])
+    def _home(self) -> int | None:
+        return self.regions.home() if self.client.connected and not self.begins_unanswered else None
 
-    def wrote(self, slot: int, items) -> None:
-        """``items`` are about to change in ``slot`` (said before the copy: one cut short changed them too)."""
+    def place(self, home: int, items) -> dict[str, int]:
+        """item -> the slot its bytes go to in the snapshot leased with ``home``."""
         with self._lock:
-            self.written_into.setdefault(slot, set()).update(items)
+            return self.regions.place(home, items)
 
-    def announce(self, slot: int, iteration: int, persistent: bool, persist_items: list[str] | None,
-                 written) -> bool:
-        """Hand the slot, holding the complete snapshot of ``iteration`` (``written``: its items), to the
-        agent; False when the agent is gone (the snapshot is lost, the caller warns)."""
+    def writing(self, iteration: int, placement: dict[str, int]) -> None:
+        """These regions are about to change (said before the copy: one cut short changed them too)."""
         with self._lock:
-            # (only what skipped attempts wrote besides ``written``: usually nothing, the header names the rest)
-            also = sorted(self.written_into.get(slot, set()) - set(written))
-            if not self.client.send(SnapshotReady(slot, iteration, persistent, persist_items, also)):
-                self.grants.revoke_all()
+            self.regions.writing(iteration, placement)
+
+    def skipped(self, placement: dict[str, int]) -> None:
+        """The snapshot that wrote these regions is not announced: they hold nothing now."""
+        with self._lock:
+            self.regions.skipped(placement)
+
+    def announce(self, home: int, iteration: int, persistent: bool, persist_items: list[str] | None,
+                 placement: dict[str, int]) -> bool:
+        """Hand the complete snapshot of ``iteration`` (header and dense state in ``home``, its items where
+        ``placement`` says) to the agent; False when the agent is gone (the snapshot is lost, the caller
+        warns)."""
+        with self._lock:
+            places = {item: slot for item, slot in placement.items() if slot != home}
+            stale = self.regions.announced(iteration, placement)
+            if not self.client.send(SnapshotReady(home, iteration, persistent, persist_items, places, stale)):
+                self.regions.agent_lost()
                 return False
-            self.written_into.pop(slot, None)  # the agent's now; its next grant starts clean
             return True
 
     # ---- waiting for the agent -------------------------------------------------------------------------
@@ -154,22 +164,22 @@ class AgentSession:
     def _handle(self, messages: list[Record]) -> None:
         for msg in messages:
             if isinstance(msg, Begun):
-                # Only the answer to the last Begin grants: slots granted before the agent knew this
-                # timeline, or under an earlier Begin of it, were revoked when it was sent.
+                # Only the answer to the last Begin counts: the agent's index is current then.
                 self.begins_unanswered -= 1
                 if not self.begins_unanswered:
-                    self.grants.add(msg.grants)
+                    self.regions.reset(NodeMemory.read(self.node_dir), self.rank)
+                    self.regions.pin(msg.pins)
                 continue
-            if not isinstance(msg, (Released, Granted)):
-                continue
-            if not self.begins_unanswered:
-                self.grants.add(msg.grants)
-            if isinstance(msg, Released) and msg.error is not None:
-                self.persist_errors += 1
-                log.warning(f"snapshot of iteration {msg.iteration} was not persisted: {msg.error}; training "
-                            "continues and the next save tries again", rank=self.rank)
+            if isinstance(msg, Released):
+                self.regions.released(msg.iteration, msg.recorded)
+                if msg.error is not None:
+                    self.persist_errors += 1
+                    log.warning(f"snapshot of iteration {msg.iteration} was not persisted: {msg.error}; training "
+                                "continues and the next save tries again", rank=self.rank)
+            if isinstance(msg, (Released, Granted)) and not self.begins_unanswered:
+                self.regions.pin(msg.pins)
         if not self.client.connected:
-            self.grants.revoke_all()
+            self.regions.agent_lost()
             self.begins_unanswered = 0
 
     def _reconnect(self) -> bool:

@@ -50,7 +50,7 @@ TIMEOUT = 180.0
 DEFAULT_SCRIPT = os.path.join("examples", "gpt_moe", "pretrain_gpt_moe.py")
 
 TRAINER_POINTS = ("snapshot_begin", "snapshot_mid", "snapshot_end", "optimizer_step")
-AGENT_POINTS = ("agent_carried", "persist_write", "before_rename", "before_node_marker", "before_manifest",
+AGENT_POINTS = ("agent_recorded", "persist_write", "before_rename", "before_node_marker", "before_manifest",
                 "before_tracker")
 DAMAGE = ("flip_byte", "truncate", "delete_rank_file", "manifest_missing_file")
 TYPES = ("trainer_kill_point", "trainer_kill_random", "agent_kill_point", "agent_kill_random", "node_loss",
@@ -112,7 +112,7 @@ class Campaign:
         elif kind == "agent_kill_point":
             spec["point"] = self.rng.choice(AGENT_POINTS)
             # n-th time the point is reached in one agent process (chunks, for persist_write)
-            spec["nth"] = self.rng.randrange(1, {"agent_carried": 11, "persist_write": 9, "before_rename": 4,
+            spec["nth"] = self.rng.randrange(1, {"agent_recorded": 11, "persist_write": 9, "before_rename": 4,
                                                  "before_node_marker": 4}.get(spec["point"], 3))
         elif kind == "agent_kill_random":
             spec["iteration"] = self.rng.randrange(1, FULL_ITERS - 1)
@@ -267,7 +267,7 @@ class Campaign:
 
     def _agent_kill_point(self, c: Cluster, spec: dict, result: dict) -> None:
         node, point = spec["node"], spec["point"]
-        scope = f":{node}" if point in ("agent_carried", "persist_write", "before_rename", "before_node_marker") else ""
+        scope = f":{node}" if point in ("agent_recorded", "persist_write", "before_rename", "before_node_marker") else ""
         c.launch(FULL, faults=f"{point}=kill@{spec['nth']}{scope}")
         codes = c.wait_exit(TIMEOUT)
         self._agent_outcome(c, result, codes, f"fault injection: kill at {point}")

@@ -1,0 +1,32 @@
+"""Which regions of a rank's node memory the agent needs kept: its pins, sent with every answer.
+
+Runs in the node agent. A trainer overwrites any region of its slots that is not its item's newest
+recorded version, not in flight and not pinned (``regions.RegionBook``). The agent pins:
+
+* the dense state of the rank's newest committed snapshot, so that after a node loss the survivors
+  restore from memory the iteration the lost node restores from storage, whatever the ratio of
+  snapshot and persist intervals (its experts are at their newest versions anyway, or on storage);
+* the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it.
+
+A trainer hears the pins with every ``Begun`` and ``Released``, and unasked (``Granted``) when they
+shrink while it waits for a region.
+"""
+
+from __future__ import annotations
+
+from megatron_pec import manifest
+from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.items import NON_EXPERT
+from megatron_pec.protocol import Pin
+
+
+def pins(rank: int, save: str, memory: NodeMemory, storage, replicating: list[int]) -> list[Pin]:
+    """The rank's pins now; ``replicating``: the iterations of its snapshots being sent or to send."""
+    out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))]
+    committed = memory.newest(rank, lambda r: storage.exists(manifest.manifest_path(save, r.iteration)))
+    if committed is not None:
+        out.append(Pin(committed[1].iteration, [NON_EXPERT]))
+    return out
+
+
+__all__ = ["pins"]
