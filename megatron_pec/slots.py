@@ -245,9 +245,9 @@ def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int
 class SlotCache:
     """The node agent's mappings of slot files, each with its parsed tensor table.
 
-    The agent reads a slot's header at every snapshot and its bytes at persists. A fresh mapping
-    faults in every page again, and a large MoE rank's table is megabytes of JSON that stays the same
-    for a configuration. A slot file replaced or resized (another configuration) is mapped and parsed
+    The agent reads a slot's header at every snapshot and its bytes at persists: a mapping kept keeps
+    the pages a persist faulted in, and a large MoE rank's table is megabytes of JSON that stays the
+    same for a configuration. A slot file replaced or resized (another configuration) is mapped and parsed
     anew. Mappings are the cache's: callers never close them.
     """
 
@@ -265,8 +265,8 @@ class SlotCache:
             if cached is None or cached[0] != identity:
                 if cached is not None:
                     _close_quietly(cached[1])
-                with open(path, "r+b") as f:
-                    mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                with open(path, "r+b") as f:  # (not populated: a memory-only snapshot's bytes are never touched)
+                    mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
                 self._maps[path] = cached = (identity, mapping)
             known = self._known.get(path)
             _, header = open_slot(path, cached[1], known)

@@ -14,98 +14,27 @@ import torch
 
 from conftest import REPO
 from megatron_pec import manifest
-from megatron_pec.agent.client import AgentClient, AgentUnavailable, agent_pid, check_socket_path, ensure_agent
-from megatron_pec.agent.memory import JobKey, NodeMemory
-from megatron_pec.protocol import (Begin, Begun, Flushed, Granted, Hello, JobInfo, Released, Settle, SlotHeader,
-                                   SnapshotReady, Stop)
+from megatron_pec.agent.client import AgentUnavailable, agent_pid, check_socket_path
+from megatron_pec.agent.memory import JobKey
+from megatron_pec.protocol import Flushed, Released, Settle, SlotHeader, SnapshotReady
 from megatron_pec.regions import RegionBook
-from megatron_pec.slots import SlotFiles, node_dir, open_slot
+from megatron_pec.slots import node_dir, open_slot
 from megatron_pec.sources import SourceError, storage_source
 from megatron_pec.stformat import decode_header, layout
 from megatron_pec.storage import PosixStorage
 from megatron_pec.sum64 import item_sums
+from megatron_pec.testing.scripted import ScriptedTrainer
 
 ENTRIES = layout([("dense/w.param", torch.float32, 256)]
                  + [(f"L1.E{e}/w.{k}", torch.float32, 128) for e in range(4) for k in ("param", "exp_avg")])
 ALL = ("dense", "L1.E0", "L1.E1", "L1.E2", "L1.E3")
 
 
-class Trainer:
-    """One rank speaking the agent protocol as the engine does: hello, begin, snapshots into the regions
-    its ``RegionBook`` chooses, each item's checksum in the header (as the trainer computes them)."""
+class Trainer(ScriptedTrainer):
+    """The scripted trainer on this file's slot layout."""
 
-    def __init__(self, directory, rank, root, nodes=2, keep=0, job="t", run="run-1", resumed_from=None, replicas=0,
-                 fingerprint="f"):
-        self.directory, self.rank, self.root, self.run = directory, rank, root, run
-        self.job = JobInfo(job_id=job, fingerprint=fingerprint, save=root, local_world_size=1, node_rank=rank,
-                           num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas)
-        ensure_agent(directory, rank, idle_timeout=60, keep_shm=False)
-        self.files = SlotFiles(directory, rank, ENTRIES, 1)
-        self.client = AgentClient(directory, rank)
-        self.client.connect(Hello(rank, self.job))
-        self.book = RegionBook(list(ALL))
-        self.begin(run, resumed_from)
-
-    def begin(self, run, resumed_from):
-        self.run = run
-        answer, _ = self.client.request(Begin(run, resumed_from), Begun, timeout=30)
-        self.book.reset(NodeMemory.read(self.directory), self.rank)
-        self.book.pin(answer.pins)
-        return answer
-
-    def write(self, iteration, written=ALL):
-        """Copy ``written`` at ``iteration`` into the regions the book chooses; (home, placement)."""
-        home = self.book.home()
-        assert home is not None, "no region free for some item"
-        placement = self.book.place(home, written)
-        self.book.writing(iteration, placement)
-        for item, slot in placement.items():
-            for name, view in self.files.views[slot].items():
-                if name.split("/")[0] == item:
-                    view.fill_(iteration + 0.5)
-        return home, placement
-
-    def snapshot(self, iteration, persist_items=None, written=ALL, persist=True, wait=True, legacy=False):
-        """Write ``written`` items at ``iteration``, announce, wait for the release (``wait=False``: return
-        (home, placement) at once); ``legacy``: a header without checksums (an older trainer)."""
-        home, placement = self.write(iteration, written)
-        sums = {}
-        for slot in set(placement.values()):
-            sums.update(item_sums(self.files.maps[slot], self.files.header,
-                                  {i for i, s in placement.items() if s == slot}))
-        header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank,
-                            world_size=2, iteration=iteration, items=dict.fromkeys(written, iteration),
-                            tokens={f"L1.E{e}": 100 * iteration + e for e in range(4)}, small="{}", pec="{}",
-                            run=self.run, sums={} if legacy else sums)
-        self.files.write_header(home, header.to_metadata())
-        places = {i: s for i, s in placement.items() if s != home}
-        stale = self.book.announced(iteration, placement)
-        assert self.client.send(SnapshotReady(home, iteration, persist, persist_items, places, stale))
-        if not wait:
-            return home, placement
-        return (home, placement), self.released(iteration)
-
-    def released(self, iteration):
-        for _ in range(150):
-            for msg in self.client.poll(block_s=0.2):
-                self.hear(msg)
-                if isinstance(msg, Released) and msg.iteration == iteration:
-                    return msg
-        raise AssertionError("no release from the agent")
-
-    def hear(self, msg):
-        if isinstance(msg, Released):
-            self.book.released(msg.iteration, msg.recorded)
-            self.book.pin(msg.pins)
-        elif isinstance(msg, Granted):
-            self.book.pin(msg.pins)
-
-    def memory(self):
-        return NodeMemory.read(self.directory)
-
-    def close(self):
-        self.files.close()
-        self.client.send(Stop())
+    def __init__(self, directory, rank, root, **kw):
+        super().__init__(directory, rank, root, ENTRIES, ALL, **kw)
 
 
 @pytest.fixture

@@ -198,6 +198,28 @@ def test_trainer_sigkill_around_snapshot_and_in_optimizer_step(clusters, referen
     assert {3, 5, 7} <= set(committed(c.save)), committed(c.save)
 
 
+def test_a_deferred_snapshot_reaches_the_agent_before_the_next_step(clusters, tmp_path):
+    """Issue 28: an asynchronous snapshot (the GPU's path; ``MEGATRON_PEC_DEFER_SNAPSHOT=1`` runs it on
+    CPU) is handed to the agent as soon as its copy is done, not at the next save or step. With EP=1 the
+    example's ``optimizer_step`` fault point is the first hook of the one optimizer: a trainer killed
+    there in iteration 31 has run nothing of ours since the save of 30, and restores 30 from memory."""
+    from megatron_pec.testing.cluster import SMALL_MODEL
+
+    ep1 = [("1" if prev == "--expert-model-parallel-size" else a) for prev, a in zip([None] + SMALL_MODEL, SMALL_MODEL)]
+    c = clusters(tmp_path, "fdefer", model_args=[*ep1, "--disable-bias-linear"])
+    every = ["--train-iters", "34", "--save-interval", "100", "--non-persistent-save-interval", "1",
+             "--pec-keep", "0", "--pec-wait-for-slot"]  # (no snapshot skipped for want of a region)
+    defer = {"MEGATRON_PEC_DEFER_SNAPSHOT": "1"}
+    c.launch(every, faults={1: "optimizer_step=kill@31:1"}, env=defer)
+    codes = c.wait_exit(LAUNCH_TIMEOUT)
+    assert codes[1] != 0 and "fault injection: kill at optimizer_step" in c.log(1)
+    assert "skipped the snapshot" not in c.logs(), c.logs()[-3000:]
+    c.launch(every, env=defer)
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    restores = c.restores(2)
+    assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (30, "memory"), 1: (30, "memory")}
+
+
 def test_pec_trainer_kill_before_the_first_commit_restores_every_expert_from_memory(clusters, tmp_path):
     """K=1 of 8 experts per snapshot and nothing persisted yet: the experts the first snapshot wrote
     (iteration 1) live on only because the agent carries them forward into every later slot, beyond

@@ -9,11 +9,18 @@ import pytest
 from megatron_pec import protocol as p
 
 FILE = p.RankFile(file="iter_0000010/pec/rank_00000.safetensors", size=4096, crc32=0xDEADBEEF,
-                  items=["L1.E0", "dense"], header_crc32=7, item_crc32={"L1.E0": 1, "dense": 2})
+                  items=["L1.E0", "dense"], header_crc32=7, item_sums={"L1.E0": "s64:" + "1" * 32,
+                                                                       "dense": "s64:" + "2" * 32})
+OLD_FILE = p.RankFile(file="iter_0000010/pec/rank_00001.safetensors", size=4096, crc32=0xDEADBEEF,
+                      items=["L1.E0", "dense"], header_crc32=7, item_crc32={"L1.E0": 1, "dense": 2})
 JOB = p.JobInfo(job_id="job", fingerprint="0123abcd", save="/ckpt", local_world_size=2, node_rank=1, num_nodes=2,
                 topology={"tp": 1, "ep": 2, "dp": 2}, keep=2)
-RECORD = p.SlotRecord(iteration=12, run="r1", items={"dense": 12, "L1.E0": 10}, crcs={"dense": 5, "L1.E0": 6},
-                      tokens={"L1.E0": 900})
+RECORD = p.SlotRecord(iteration=12, run="r1", items={"dense": 12, "L1.E0": 10},
+                      sums={"dense": "s64:" + "5" * 32, "L1.E0": "s64:" + "6" * 32}, tokens={"L1.E0": 900},
+                      runs={"L1.E0": "r0"})
+OLD_RECORD = p.SlotRecord(iteration=12, run="r1", items={"dense": 12, "L1.E0": 10}, crcs={"dense": 5, "L1.E0": 6},
+                          tokens={"L1.E0": 900})
+PIN = p.Pin(iteration=7, items=["dense"], newest=False)
 
 # One instance of every record, and a field of it to break (with a value of the wrong type).
 SAMPLES = [
@@ -22,21 +29,28 @@ SAMPLES = [
     (p.Ready(pid=4242), "pid", "4242"),
     (p.Begin(run="r1", resumed_from=10), "run", 5),
     (p.Begin(run="r2", resumed_from=None), "resumed_from", "10"),
-    (p.Begun(grants=[0, 2]), "grants", [0, "x"]),
-    (p.SnapshotReady(slot=1, iteration=12, persist=True, persist_items=["L1.E3"]), "slot", "1"),
-    (p.SnapshotReady(slot=2, iteration=13, persist=False, persist_items=None), "persist", "yes"),
-    (p.Released(slot=1, iteration=12, error=None, grants=[0]), "iteration", 12.5),
-    (p.Released(slot=1, iteration=12, error="OSError: [Errno 28] No space left", grants=[]), "error", 28),
-    (p.Granted(grants=[2]), "grants", "2"),
+    (PIN, "iteration", "7"),
+    (p.Begun(pins=[PIN, p.Pin(9, None, newest=True)]), "pins", [0]),
+    (p.SnapshotReady(slot=1, iteration=12, persist=True, persist_items=["L1.E3"], places={"L1.E0": 2}), "slot", "1"),
+    (p.SnapshotReady(slot=2, iteration=13, persist=False, persist_items=None, stale={"L1.E1": [0]}), "persist",
+     "yes"),
+    (p.SnapshotReady(slot=2, iteration=13, persist=False, persist_items=None, places={"L1.E1": 1}), "places",
+     {"L1.E1": "1"}),
+    (p.Released(slot=1, iteration=12, error=None, recorded=True, pins=[PIN]), "iteration", 12.5),
+    (p.Released(slot=1, iteration=12, error="OSError: [Errno 28] No space left", recorded=False), "error", 28),
+    (p.Released(slot=1, iteration=12, error=None, recorded=True), "recorded", 1),
+    (p.Granted(pins=[PIN]), "pins", "2"),
     (p.Flush(), None, None),
     (p.Flushed(), None, None),
     (p.Detach(), None, None),
     (p.Stop(), None, None),
-    (RECORD, "crcs", {"dense": "5"}),
+    (RECORD, "sums", {"dense": 5}),
+    (OLD_RECORD, "crcs", {"dense": "5"}),
     (p.Segment(run="r1", last=None), "last", "open"),
     (p.RankMemory(slots={"0": RECORD}, lineage=[p.Segment("r0", 8), p.Segment("r1", None)]), "lineage", {}),
     (p.MemoryIndex(ranks={"0": p.RankMemory(slots={"1": RECORD})}), "ranks", []),
     (FILE, "size", True),
+    (OLD_FILE, "item_crc32", {"dense": "2"}),
     (p.NodeMarker(iteration=10, node=1, job_id="job", fingerprint="f", topology={"ep": 2}, ranks={"2": FILE}),
      "ranks", {"2": {"file": "x"}}),
     (p.Manifest(iteration=20, job_id="job", fingerprint="f", topology={"ep": 2}, num_nodes=2, world_size=4,

@@ -23,3 +23,19 @@ def test_gpt_moe_trains_with_separate_expert_buffers(tmp_path):
     # After the param all-gather every rank holds identical dense weights; each EP rank its own experts.
     assert r0["dense_sum"] == r1["dense_sum"]
     assert r0["expert_sum"] != r1["expert_sum"]
+
+
+def test_megatron_cores_biased_expert_failure_is_a_message_with_the_fix(tmp_path):
+    """Issue 28: the example with biased experts at EP = 1 hits megatron-core's in-place bias update on an
+    autograd view (0.16.1 on CPU, 0.19.2 on GPU); the user reads what to pass, not a traceback."""
+    from conftest import REPO
+
+    script = str(REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py")
+    proc = torchrun(script, "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+                    "--num-experts", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size",
+                    "4", "--train-iters", "2", "--expert-model-parallel-size", "1", check=False, timeout=180)
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0:  # a megatron-core release that trains biased experts: nothing to explain
+        pytest.skip("this megatron-core trains biased experts at EP = 1")
+    assert "pass --disable-bias-linear" in out, out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]

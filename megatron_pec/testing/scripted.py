@@ -1,0 +1,100 @@
+"""A trainer speaking the node agent's protocol without Megatron: the test suite's and the agent
+benchmark's stand-in for the engine (shipped test tooling; production code never imports it).
+
+It fills its regions with known values (``iteration + 0.5``) through the same ``SlotFiles`` and
+``RegionBook`` the engine uses, sums them as the trainer does on the CPU and announces them.
+"""
+
+from __future__ import annotations
+
+from megatron_pec.agent.client import AgentClient, ensure_agent
+from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.protocol import Begin, Begun, Granted, Hello, JobInfo, Released, SlotHeader, SnapshotReady, Stop
+from megatron_pec.regions import RegionBook
+from megatron_pec.slots import SlotFiles
+from megatron_pec.sum64 import item_sums
+
+
+class ScriptedTrainer:
+    """One rank speaking the agent protocol as the engine does: hello, begin, snapshots into the regions
+    its ``RegionBook`` chooses, each item's checksum in the header (as the trainer computes them).
+    ``entries``: the slot layout (``stformat.layout``); ``items``: its items, in slot order."""
+
+    def __init__(self, directory, rank, root, entries, items, nodes=2, keep=0, job="t", run="run-1",
+                 resumed_from=None, replicas=0, fingerprint="f"):
+        self.directory, self.rank, self.root, self.run, self.items = directory, rank, root, run, tuple(items)
+        self.job = JobInfo(job_id=job, fingerprint=fingerprint, save=root, local_world_size=1, node_rank=rank,
+                           num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas)
+        ensure_agent(directory, rank, idle_timeout=60, keep_shm=False)
+        self.files = SlotFiles(directory, rank, entries, 1)
+        self.client = AgentClient(directory, rank)
+        self.client.connect(Hello(rank, self.job))
+        self.book = RegionBook(list(self.items))
+        self.begin(run, resumed_from)
+
+    def begin(self, run, resumed_from):
+        self.run = run
+        answer, _ = self.client.request(Begin(run, resumed_from), Begun, timeout=30)
+        self.book.reset(NodeMemory.read(self.directory), self.rank)
+        self.book.pin(answer.pins)
+        return answer
+
+    def write(self, iteration, written=None):
+        """Copy ``written`` (default: every item) at ``iteration`` into the regions the book chooses;
+        (home, placement)."""
+        written = self.items if written is None else written
+        home = self.book.home()
+        assert home is not None, "no region free for some item"
+        placement = self.book.place(home, written)
+        self.book.writing(iteration, placement)
+        for item, slot in placement.items():
+            for name, view in self.files.views[slot].items():
+                if name.split("/")[0] == item:
+                    view.fill_(iteration + 0.5)
+        return home, placement
+
+    def snapshot(self, iteration, persist_items=None, written=None, persist=True, wait=True, legacy=False):
+        """Write ``written`` items at ``iteration``, announce, wait for the release (``wait=False``: return
+        (home, placement) at once); ``legacy``: a header without checksums (an older trainer)."""
+        written = self.items if written is None else written
+        home, placement = self.write(iteration, written)
+        sums = {}
+        for slot in set(placement.values()):
+            sums.update(item_sums(self.files.maps[slot], self.files.header,
+                                  {i for i, s in placement.items() if s == slot}))
+        header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank,
+                            world_size=2, iteration=iteration, items=dict.fromkeys(written, iteration),
+                            tokens={i: 100 * iteration + n for n, i in enumerate(e for e in self.items if e != "dense")},
+                            small="{}", pec="{}", run=self.run, sums={} if legacy else sums)
+        self.files.write_header(home, header.to_metadata())
+        places = {i: s for i, s in placement.items() if s != home}
+        stale = self.book.announced(iteration, placement)
+        assert self.client.send(SnapshotReady(home, iteration, persist, persist_items, places, stale))
+        if not wait:
+            return home, placement
+        return (home, placement), self.released(iteration)
+
+    def released(self, iteration):
+        for _ in range(150):
+            for msg in self.client.poll(block_s=0.2):
+                self.hear(msg)
+                if isinstance(msg, Released) and msg.iteration == iteration:
+                    return msg
+        raise AssertionError("no release from the agent")
+
+    def hear(self, msg):
+        if isinstance(msg, Released):
+            self.book.released(msg.iteration, msg.recorded)
+            self.book.pin(msg.pins)
+        elif isinstance(msg, Granted):
+            self.book.pin(msg.pins)
+
+    def memory(self):
+        return NodeMemory.read(self.directory)
+
+    def close(self):
+        self.files.close()
+        self.client.send(Stop())
+
+
+__all__ = ["ScriptedTrainer"]
