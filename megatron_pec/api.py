@@ -196,6 +196,14 @@ def load_checkpoint(ddp_model=None, optimizer=None, opt_param_scheduler=None, lo
     return engine.load(root, opt_param_scheduler, rng_key_prefix=rng_state_key_prefix, pretrained=pretrained)
 
 
+@_keeping_memory_on_error
+def prepare(model, optimizer) -> None:
+    """Set everything up now (collective): slot files, their page-locking on a GPU, the node agent.
+    ``load_checkpoint`` does it too; a job that starts without ``--load`` calls this before training
+    so that its first save costs no more than later ones."""
+    _get_engine(model, optimizer)
+
+
 def plt_so_far() -> float:
     """Accumulated portion of lost tokens of this run (0.0 before any recovery)."""
     return _engine.book.state.plt if _engine is not None else 0.0

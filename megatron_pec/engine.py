@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+
 import torch
 
 from megatron_pec import faults, log, manifest, smallstate
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import AgentSession
+from megatron_pec.checksum import mismatch
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
 from megatron_pec.gcpause import without_gc
@@ -30,10 +32,11 @@ from megatron_pec.loader import LoadContext, Loader, RestoreResult
 from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
-from megatron_pec.slots import SlotFiles, SlotSpaceError
+from megatron_pec.slots import NUM_SLOTS, SlotFiles, SlotSpaceError
 from megatron_pec.sources import megatron_format
 from megatron_pec.stager import Stager
 from megatron_pec.stformat import layout as tensor_layout
+from megatron_pec.sum64 import DeviceSums
 
 
 class Engine:
@@ -62,12 +65,18 @@ class Engine:
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
         self.restore_phases = Phases()  # ... and the latest restore's
         background = torch.cuda.is_available() or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
+        # A restore from node memory checks its bytes where they land: on the GPU (MEGATRON_PEC_CHECK_ON_DEVICE=1
+        # runs the same path on CPU ranks; else they are checked in node memory, before the copy).
+        self.check_on_device = os.environ.get("MEGATRON_PEC_CHECK_ON_DEVICE",
+                                              "1" if torch.cuda.is_available() else "0") == "1"
         self.handover = HandOver(self._complete, background)
         if background:
             self.adapter.before_each_step(self._before_step)
         if self.config.save:
             self._record_layout()
             self._start_memory_tier()
+            self._warm = False
+            self.adapter.after_each_step(self._warm_up)
 
     # ---- set-up --------------------------------------------------------------------------------------
     def _record_layout(self) -> None:
@@ -93,6 +102,16 @@ class Engine:
         except (SlotSpaceError, AgentUnavailable) as exc:
             error = str(exc)
         self.adapter.collectives.raise_if_any(error)
+
+    def _warm_up(self) -> None:
+        """Once the optimizer has state (after its first step): bind the live views (the moments placed
+        contiguously) and build every slot's copy plan, so that the first save costs what later ones do."""
+        if self._warm or self.stager is None or not self.adapter.has_state:
+            return
+        self._warm = True
+        live = self.adapter.live_views()
+        for slot in range(NUM_SLOTS):
+            self.stager.runs(slot, live)
 
     def _header_reserve(self) -> int:
         """Header room for a save's metadata, sized now so that no save runs out of it: per expert this
@@ -167,23 +186,57 @@ class Engine:
         with phases("waiting for the agent"):
             self.handover.wait()
             self.session.settle()
-        with phases("the rest of the loader"):  # (the loader's own phases inside)
-            result = Loader(self._load_context(phases), root).load() if root else None
+        excluded: set[int] = set()
+        while True:
+            with phases("the rest of the loader"):  # (the loader's own phases inside)
+                result = self._decide(root, pretrained, excluded, phases)
+            if result is None:
+                self.session.begin(None)
+                return 0, 0
+            self._apply(result, scheduler, rng_key_prefix, phases)
+            with phases("checking on the device"):
+                problem = self._checked_after_copy(result)
+            if self.adapter.collectives.all_ok(problem is None):
+                return self._restored(result, phases)
+            log.warning(f"cannot restore iteration {result.iteration}: {problem or 'another rank cannot'}; "
+                        "falling back to an older checkpoint", rank=self.rank)
+            excluded.add(result.iteration)
+
+    def _decide(self, root: str | None, pretrained: str | None, excluded: set[int],
+                phases: Phases) -> RestoreResult | None:
+        """What to restore, from ``root`` or else ``pretrained`` (--pretrained-checkpoint: fine-tuning
+        from it, as Megatron does; it must then hold a megatron-pec checkpoint)."""
+        after_copy = self.check_on_device and self.stager is not None and \
+            not (self.config.no_load_optim or self.config.finetune)
+        result = Loader(self._load_context(phases), root, excluded, after_copy).load() if root else None
         if result is None and pretrained:
             log.info(f"no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint {pretrained} "
                      "(weights only, iteration 0)", rank0=True)
             self.config = dataclasses.replace(self.config, finetune=True)
-            with phases("the rest of the loader"):
-                result = Loader(self._load_context(phases), pretrained).load()
+            result = Loader(self._load_context(phases), pretrained, excluded).load()
             if result is None:
                 raise CheckpointError(
                     f"--pretrained-checkpoint {pretrained} holds no megatron-pec checkpoint; megatron-pec cannot "
                     "read Megatron's own formats yet: load it once with unpatched Megatron-LM and save with "
                     "megatron-pec, or point --pretrained-checkpoint at a megatron-pec --save directory")
-        if result is None:
-            self.session.begin(None)
-            return 0, 0
-        return self._apply(result, scheduler, rng_key_prefix, phases)
+        return result
+
+    def _checked_after_copy(self, result: RestoreResult) -> str | None:
+        """The items restored from node memory, checked where they landed (the device): their sums over
+        the live optimizer state equal the recorded ones; else what does not."""
+        if not result.check_after_copy:
+            return None
+        live = self.adapter.live_views()
+        runs = self.stager.runs(0, live)
+        sums = DeviceSums(self.stager.device)
+        for item in result.check_after_copy:
+            for tensor, offset in zip(runs[item][1], self.stager.run_offsets[item]):
+                sums.add(item, tensor, offset)
+        actual = sums.digests(sums.result().cpu())
+        for item, (expected, where) in sorted(result.check_after_copy.items()):
+            if actual[item] != expected:
+                return mismatch(f"{where} (checked on the device after the copy)", item, actual[item], expected)
+        return None
 
     def megatron_checkpoint(self, root: str) -> str | None:
         """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:
@@ -209,9 +262,8 @@ class Engine:
                            slice_items={s.name: s.item for s in self.adapter.slices}, slots=self.files,
                            phases=phases)
 
-    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str, phases: Phases) -> tuple[int, float]:
-        """Phase 9: the loader's decision into Megatron (through the adapter) and into the PEC
-        bookkeeping; where the restore's time went (``phases``) goes into the log."""
+    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str, phases: Phases) -> None:
+        """Phase 9: the loader's decision into Megatron (through the adapter) and into the PEC bookkeeping."""
         config = self.config
         load_optim = not (config.no_load_optim or config.finetune)
         self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
@@ -219,6 +271,10 @@ class Engine:
                              rng_key_prefix=rng_key_prefix, phases=phases)
         with phases("PEC state"):
             self.book.adopt(result.pec, result.tokens_at_target, result.resharded)
+
+    def _restored(self, result: RestoreResult, phases: Phases) -> tuple[int, float]:
+        """The restore is done: say so (where the time went included) and start the new timeline."""
+        config = self.config
         result.log(self.rank)
         iteration = 0 if config.finetune else result.iteration
         with phases("telling the agent the new timeline"):

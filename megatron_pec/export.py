@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_pec import manifest, smallstate
-from megatron_pec.items import NON_EXPERT
 from megatron_pec.committed import CommittedFiles
+from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Manifest, RankLayout, SlotHeader
 from megatron_pec.stformat import ITEMSIZE, dtype_code
 from megatron_pec.storage import PosixStorage

@@ -82,6 +82,9 @@ class RestoreResult:
     tokens_at_target: dict[ExpertId, int]   # cumulative token counts at the iteration, this stage's experts
     report: plt.PltReport | None
     resharded: bool = False                 # saved by another layout: no older file holds this rank's slices
+    # item -> (its recorded checksum, where it came from): memory items the restore verifies once the
+    # bytes are on the device (``Loader(checked_after_copy=True)``)
+    check_after_copy: dict[str, tuple] = field(default_factory=dict)
 
     def log(self, rank: int) -> None:
         """Every rank: where it restored from and which experts are older; rank 0: the PLT."""
@@ -144,8 +147,11 @@ class Agreement:
 
 
 class Loader:
-    def __init__(self, ctx: LoadContext, root: str):
+    def __init__(self, ctx: LoadContext, root: str, excluded=(), checked_after_copy: bool = False):
+        """``excluded``: iterations not to restore (found corrupt after a copy); ``checked_after_copy``: node
+        memory's bytes are verified by the restore once on the device, not here before."""
         self.ctx, self.root = ctx, os.path.abspath(root)
+        self.excluded, self.checked_after_copy = set(excluded), checked_after_copy
         self.storage = PosixStorage()
         self.rank = ctx.rank
         self.coll = ctx.collectives
@@ -160,7 +166,8 @@ class Loader:
         with phases("listing sources"):
             try:
                 memory = memory_sources(ctx.job.node_dir, self.rank,
-                                        JobKey(ctx.config.job_id, ctx.job.fingerprint, self.root), ctx.slots)
+                                        JobKey(ctx.config.job_id, ctx.job.fingerprint, self.root), ctx.slots,
+                                        self.checked_after_copy)
             except SourceError as exc:
                 error = str(exc)
             newest = self._newest_committed()
@@ -175,11 +182,11 @@ class Loader:
                 except SourceError as exc:
                     error = str(exc)
             self._warn_stale_tracker(manifests)
-        candidates = {s.iteration for s in memory} | set(stored)
+        candidates = ({s.iteration for s in memory if s.iteration >= 0} | set(stored)) - self.excluded
         # First every rank plans its own newest iteration: the plan's all-reduce also says whether it
         # is every rank's (usually), then that one collective is the whole agreement. Otherwise, and
         # after a rank could not read the agreed iteration, the ranks agree on an iteration first.
-        excluded: set[int] = set()
+        excluded = set(self.excluded)
         target = max(candidates) if candidates and error is None else None
         while True:
             plan, unreadable, agreed = self._plan(target, memory, stored, manifests, error)
@@ -412,9 +419,11 @@ class Loader:
         for source, names in by_source.values():
             tensors.update(source.tensors(names))
         versions = {item: source.items[item] for item, source in plan.items()}
+        after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
+                      if source.kind == "memory" and source.checked_after_copy}
         pec, report, tokens_at_target = self._account(target, state, accounted)
         return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
-                             tokens_at_target, report)
+                             tokens_at_target, report, check_after_copy=after_copy)
 
     def _accounting(self, plan: dict[str, Source], state: PecState) -> list[list[int]]:
         """This rank's part of the PLT accounting, one int per expert of the model in each of

@@ -65,9 +65,12 @@ class RegionBook:
         self._pin()
 
     def _pin(self) -> None:
-        self.pinned[:] = False
+        self.pinned = self._pinned(self.pins)
+
+    def _pinned(self, pins: list[Pin]) -> numpy.ndarray:
+        pinned = numpy.zeros_like(self.pinned)
         recorded = self.state == RECORDED
-        for pin in self.pins:
+        for pin in pins:
             columns = self._columns if pin.items is None else \
                 numpy.array([self.index[i] for i in pin.items if i in self.index], dtype=numpy.int64)
             if pin.newest:  # each item's newest recorded version up to the iteration
@@ -75,9 +78,10 @@ class RegionBook:
                 best = versions.argmax(axis=0)
                 held = versions.max(axis=0) >= 0
                 picked = columns[held[columns]]
-                self.pinned[best[picked], picked] = True
+                pinned[best[picked], picked] = True
             else:
-                self.pinned[:, columns] |= recorded[:, columns] & (self.version[:, columns] == pin.iteration)
+                pinned[:, columns] |= recorded[:, columns] & (self.version[:, columns] == pin.iteration)
+        return pinned
 
     def released(self, iteration: int, recorded: bool) -> None:
         """The agent is done with snapshot ``iteration``: its regions are recorded (each now its item's
@@ -97,10 +101,10 @@ class RegionBook:
             self.released(iteration, False)
 
     # ---- a snapshot ------------------------------------------------------------------------------
-    def writable(self) -> numpy.ndarray:
-        """[slot, item]: whether the region may be overwritten now."""
+    def writable(self, pinned: numpy.ndarray | None = None) -> numpy.ndarray:
+        """[slot, item]: whether the region may be overwritten now (``pinned``: other pins than the agent's)."""
         writable = (self.state == FREE) | (self.state == RECORDED)
-        writable &= ~self.pinned
+        writable &= ~(self.pinned if pinned is None else pinned)
         writable[self.newest[self.newest >= 0], numpy.nonzero(self.newest >= 0)[0]] = False
         return writable
 
@@ -108,7 +112,15 @@ class RegionBook:
         """The slot for the next snapshot's header and dense state: a slot whose dense region may be
         overwritten, the oldest first; None when some item has no region to go to (the snapshot must
         be skipped, or wait: whatever it plans, every item it writes needs one)."""
-        writable = self.writable()
+        return self._home(self.writable())
+
+    def held_by_replicas(self) -> bool:
+        """There is no home only because of what is being sent to a peer (``newest`` pins): the
+        replica lags, and the next snapshot waits for it."""
+        return self.home() is None and \
+            self._home(self.writable(self._pinned([p for p in self.pins if not p.newest]))) is not None
+
+    def _home(self, writable: numpy.ndarray) -> int | None:
         if not writable.any(axis=0).all():
             return None
         dense = self.index[NON_EXPERT]

@@ -42,6 +42,7 @@ class Source:
     mapping: object = field(default=None, repr=False)  # memory: the trainer's own mapping of the slot, if any
     known_table: tuple | None = field(default=None, repr=False)  # memory: the table the trainer writes
     known_views: tuple | None = field(default=None, repr=False)  # memory: (data start, views) of that mapping
+    checked_after_copy: bool = False        # memory: checksums verified where the bytes land (``Loader``)
     _buffer: object = field(default=None, repr=False)
     _layout: Header | None = field(default=None, repr=False)
     _verified: set[str] = field(default_factory=set, repr=False)
@@ -49,15 +50,20 @@ class Source:
 
     def open(self, storage: PosixStorage, items: set[str] | None = None) -> None:
         """Make ``items`` (None: everything the source holds) readable, each verified against its
-        checksum. A memory slot is mapped; of a storage file only the header and those items are
-        read when the manifest has per-item checksums. Repeated calls read only what is new."""
+        checksum (a memory slot ``checked_after_copy``: by the restore, once the bytes are on the device).
+        A memory slot is mapped; of a storage file only the header and those items are read when the
+        manifest has per-item checksums. Repeated calls read only what is new."""
         wanted = set(self.items) if items is None else set(items)
         if wanted <= self._verified and self._layout is not None:
             return
         try:
             if self.kind == "memory":
                 self._map_slot()
-                self._check(item_checks(self._buffer, self._layout, self._expected(wanted - self._verified)))
+                expected = self._expected(wanted - self._verified)
+                if self.checked_after_copy:
+                    self._verified |= expected.keys()
+                else:
+                    self._check(item_checks(self._buffer, self._layout, expected))
             elif items is None:
                 self._buffer, self._layout = read_rank_file(self.where, self.rank_file, storage)
                 self._pieces.clear()
@@ -218,11 +224,12 @@ def verify_items(path: str, header: Header, items: set[str], expected: dict, chu
             raise SourceError(mismatch(path, item, accs[item].result(), expected[item]))
 
 
-def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None) -> list[Source]:
+def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None, checked_after_copy: bool = False) -> list[Source]:
     """The slots of this rank that node memory's owner (the agent's index) says may serve a
     restore of ``job`` (same job, configuration and --load as --save). ``slots``: the trainer's own
     ``SlotFiles``, if mapped: a slot file it maps is read through its mapping (its pages already
-    mapped, its tensor table and views already built) instead of mapping it anew."""
+    mapped, its tensor table and views already built) instead of mapping it anew.
+    ``checked_after_copy``: the restore verifies the bytes once they are on the device."""
     mapped = slots.mapped() if slots is not None else {}
     views = slots.mapped_views() if slots is not None else {}
     table = slots.table if slots is not None else None
@@ -231,7 +238,7 @@ def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None) -> list[So
         log.warning(f"ignoring node-memory slot {reason}", rank=rank)
     return [Source("memory", record.iteration, record.items, path, record.checks, header=header,
                    carried_tokens=record.tokens, origin=record.origin, mapping=mapped.get(path),
-                   known_table=table, known_views=views.get(path))
+                   known_table=table, known_views=views.get(path), checked_after_copy=checked_after_copy)
             for path, record, header in restorable]
 
 

@@ -38,6 +38,7 @@ from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.items import item_name
 from megatron_pec.pec_state import PecState
 from megatron_pec.protocol import SlotHeader
+from megatron_pec.slots import open_slot
 from megatron_pec.stformat import decode_header
 from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, parse_plt, persist_only_plt, run_megatron_pec
 
@@ -203,8 +204,6 @@ def test_a_deferred_snapshot_reaches_the_agent_before_the_next_step(clusters, tm
     CPU) is handed to the agent as soon as its copy is done, not at the next save or step. With EP=1 the
     example's ``optimizer_step`` fault point is the first hook of the one optimizer: a trainer killed
     there in iteration 31 has run nothing of ours since the save of 30, and restores 30 from memory."""
-    from megatron_pec.testing.cluster import SMALL_MODEL
-
     ep1 = [("1" if prev == "--expert-model-parallel-size" else a) for prev, a in zip([None] + SMALL_MODEL, SMALL_MODEL)]
     c = clusters(tmp_path, "fdefer", model_args=[*ep1, "--disable-bias-linear"])
     every = ["--train-iters", "34", "--save-interval", "100", "--non-persistent-save-interval", "1",
@@ -661,6 +660,36 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
         assert_sound(c.save)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_byte_flipped_in_node_memory_is_caught_on_the_device_after_the_copy(clusters, reference, tmp_path):
+    """Issue 28: a restore from node memory checks the bytes where they land (on a GPU, on the device,
+    after the host-to-device copy; ``MEGATRON_PEC_CHECK_ON_DEVICE=1`` runs that path on CPU ranks). A byte
+    flipped in node 0's newest snapshot is caught there, every rank falls back to an older snapshot, says
+    why, and continues exactly as the uninterrupted run."""
+    c = clusters(tmp_path, "fdevice")
+    c.launch(FULL, faults="optimizer_step=kill@7")
+    assert all(code != 0 for code in c.wait_exit(LAUNCH_TIMEOUT).values())
+    memory = NodeMemory.read(str(c.node_dir(0)))
+    home, record = memory.newest(0)
+    assert record.iteration == 6
+    path = c.node_dir(0) / f"rank0.slot{home}"
+    _, header = open_slot(str(path))
+    dense = next(e for e in header.tensors if e.item == "dense")
+    with open(path, "r+b") as f:  # a flipped byte in the dense state of iteration 6
+        f.seek(header.data_start + dense.begin + 40)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x04]))
+    c.launch(FULL, env={"MEGATRON_PEC_CHECK_ON_DEVICE": "1"})
+    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    log = c.logs()
+    assert "(checked on the device after the copy) fails its checksum for dense" in log, log[-3000:]
+    assert "cannot restore iteration 6" in log and "falling back to an older checkpoint" in log
+    restores = c.restores(2)
+    assert {x.iteration for x in restores.values()} == {5} and {x.source for x in restores.values()} == {"memory"}
+    assert reference.assert_same_losses(c, launches=[2]) == ITERS - 5
+    assert no_worker_traceback(log)
 
 
 def test_slots_of_same_job_with_other_configuration_are_never_loaded(clusters, reference, tmp_path):

@@ -288,6 +288,8 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(model, optimizer, scheduler)
         load_s = time.perf_counter() - started
+    elif args.save:
+        megatron_pec.prepare(model, optimizer)  # slots and agent now: the first save costs what later ones do
     train_ds, valid_ds = build_datasets(
         args.data_path, args.seq_length, args.seed, args.train_iters * args.global_batch_size,
         max(args.eval_iters, 1) * args.global_batch_size * 2, args.split,

@@ -16,10 +16,15 @@
 #   TP_SIZE [1] PP_SIZE [1] EP_SIZE [1]
 #   NUM_LAYERS [12] HIDDEN_SIZE [768] NUM_HEADS [12] NUM_EXPERTS [8] TOPK [2]
 #   SEQ_LENGTH [1024] MICRO_BATCH_SIZE [8] GLOBAL_BATCH_SIZE [256] TRAIN_ITERS [20000] LR [6e-4]
+#   LR_WARMUP_ITERS [200, or a tenth of TRAIN_ITERS for short runs: Megatron wants it below TRAIN_ITERS]
 #   CKPT_DIR [./checkpoints/gpt2-moe-small]  SAVE_INTERVAL [100]  (persistent checkpoints)
 #   PEC_SNAPSHOT_K [4] PEC_PERSIST_K [1] PEC_SELECTION [sequential]
 # Every argument is passed through to pretrain_gpt.py; a flag given there overrides
 # the same flag set here (argparse keeps the last value).
+#
+# Without Transformer Engine (and apex) Megatron-LM needs its local implementations; this script adds
+# them when `import transformer_engine` fails: --transformer-impl local --no-persist-layer-norm
+# --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion.
 set -euo pipefail
 
 die() { echo "launch_pretrain_gpt.sh: $1" >&2; exit "${2:-2}"; }
@@ -69,12 +74,22 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "${TP_SIZE:-1}" --pipeline-model-parallel-size "${PP_SIZE:-1}"
     --expert-model-parallel-size "${EP_SIZE:-1}" --use-distributed-optimizer
 )
+TRAIN_ITERS=${TRAIN_ITERS:-20000}
+# Megatron asserts unless the warmup is shorter than the run.
+LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-$(( TRAIN_ITERS > 2000 ? 200 : TRAIN_ITERS / 10 ))}
+(( LR_WARMUP_ITERS < TRAIN_ITERS )) || die "LR_WARMUP_ITERS=$LR_WARMUP_ITERS must be below TRAIN_ITERS=$TRAIN_ITERS"
 TRAINING_ARGS=(
     --micro-batch-size "${MICRO_BATCH_SIZE:-8}" --global-batch-size "${GLOBAL_BATCH_SIZE:-256}"
-    --train-iters "${TRAIN_ITERS:-20000}" --lr "${LR:-6e-4}" --min-lr 6e-5 --lr-decay-style cosine
-    --lr-warmup-iters 200 --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+    --train-iters "$TRAIN_ITERS" --lr "${LR:-6e-4}" --min-lr 6e-5 --lr-decay-style cosine
+    --lr-warmup-iters "$LR_WARMUP_ITERS" --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
     --init-method-std 0.02 --bf16
 )
+IMPL_ARGS=()
+if ! "${PYTHON:-python3}" -c "import transformer_engine" 2>/dev/null; then
+    echo "launch_pretrain_gpt.sh: no Transformer Engine: using Megatron-LM's local implementations" >&2
+    IMPL_ARGS=(--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion
+               --no-masked-softmax-fusion --no-bias-dropout-fusion)
+fi
 read -ra DATA_PREFIXES <<< "$DATA_PATH"  # several prefixes (with weights) are allowed
 DATA_ARGS=(--data-path "${DATA_PREFIXES[@]}" --split 949,50,1 "${TOKENIZER_ARGS[@]}")
 # Snapshot to node memory every iteration (non-persistent), persist every SAVE_INTERVAL.
@@ -88,5 +103,5 @@ LOGGING_ARGS=(--log-interval 10 --eval-interval 1000 --eval-iters 10)
 
 echo "launch_pretrain_gpt.sh: node ${NODE_RANK:-0}/${NNODES:-1}, $GPUS_PER_NODE GPUs, checkpoints in $CKPT_DIR" >&2
 exec torchrun "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_LM/pretrain_gpt.py" \
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
+    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${IMPL_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

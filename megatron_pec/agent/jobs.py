@@ -47,8 +47,13 @@ class Flush:
 
 
 @dataclass(frozen=True)
+class Repin:
+    """Tell the trainers the regions they must keep now (a replica push ended)."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop the worker (everything queued before is done)."""
 
 
-__all__ = ["Persist", "Pull", "Settle", "Resume", "Flush", "Shutdown"]
+__all__ = ["Persist", "Pull", "Settle", "Resume", "Flush", "Repin", "Shutdown"]

@@ -3,9 +3,12 @@
 Runs in the node agent. A trainer overwrites any region of its slots that is not its item's newest
 recorded version, not in flight and not pinned (``regions.RegionBook``). The agent pins:
 
-* the dense state of the rank's newest committed snapshot, so that after a node loss the survivors
-  restore from memory the iteration the lost node restores from storage, whatever the ratio of
-  snapshot and persist intervals (its experts are at their newest versions anyway, or on storage);
+* without replicas: the dense state of the rank's newest committed snapshot, so that after a node
+  loss the survivors restore from memory the iteration the lost node restores from storage, whatever
+  the ratio of snapshot and persist intervals (its experts are at their newest versions anyway, or on
+  storage). With replicas the lost node restores its newest replica instead, which the survivors hold
+  as one of their newest snapshots; keeping a third one would leave snapshots no region while a push
+  runs;
 * the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it.
 
 A trainer hears the pins with every ``Begun`` and ``Released``, and unasked (``Granted``) when they
@@ -20,12 +23,14 @@ from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Pin
 
 
-def pins(rank: int, save: str, memory: NodeMemory, storage, replicating: list[int]) -> list[Pin]:
-    """The rank's pins now; ``replicating``: the iterations of its snapshots being sent or to send."""
+def pins(rank: int, job, memory: NodeMemory, storage, replicating: list[int]) -> list[Pin]:
+    """The rank's pins now (``job``: its ``JobInfo``); ``replicating``: the iterations of its snapshots
+    being sent or to send."""
     out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))]
-    committed = memory.newest(rank, lambda r: storage.exists(manifest.manifest_path(save, r.iteration)))
-    if committed is not None:
-        out.append(Pin(committed[1].iteration, [NON_EXPERT]))
+    if not job.replicas:
+        committed = memory.newest(rank, lambda r: storage.exists(manifest.manifest_path(job.save, r.iteration)))
+        if committed is not None:
+            out.append(Pin(committed[1].iteration, [NON_EXPERT]))
     return out
 
 

@@ -33,10 +33,20 @@ import time
 from megatron_pec import faults, log
 from megatron_pec.agent import peers
 from megatron_pec.byteruns import runs
-from megatron_pec.protocol import (JobInfo, PeerAddress, ProtocolError, ReplicaEntry, ReplicaIndex, ReplicaPull,
-                                   ReplicaPush, ReplicaReply, Segment, SlotRecord)
-from megatron_pec.slots import REPLICA_SLOTS
 from megatron_pec.checksum import item_checks
+from megatron_pec.protocol import (
+    JobInfo,
+    PeerAddress,
+    ProtocolError,
+    ReplicaEntry,
+    ReplicaIndex,
+    ReplicaPull,
+    ReplicaPush,
+    ReplicaReply,
+    Segment,
+    SlotRecord,
+)
+from megatron_pec.slots import REPLICA_SLOTS
 from megatron_pec.stformat import MAX_HEADER, FormatError, decode_header
 from megatron_pec.storage import PosixStorage
 
@@ -261,8 +271,9 @@ class ReplicaServer:
 class Replicator:
     """Sends recorded snapshots to this node's holders in a background thread."""
 
-    def __init__(self, node_dir: str, job: JobInfo, storage: PosixStorage):
-        self.node_dir, self.job, self.storage = node_dir, job, storage
+    def __init__(self, node_dir: str, job: JobInfo, storage: PosixStorage, on_done=None):
+        """``on_done()``: called after each push ends (its pins are gone)."""
+        self.node_dir, self.job, self.storage, self.on_done = node_dir, job, storage, on_done
         self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
         self.sending: dict[int, int] = {}           # rank -> iteration being read now (pinned)
         self.synced: set[tuple[int, int]] = set()   # (holder, rank) that hold a base replica
@@ -303,6 +314,8 @@ class Replicator:
             finally:
                 with self.cond:
                     self.sending.pop(rank, None)
+                if self.on_done is not None:
+                    self.on_done()
 
     def _send_to_holders(self, rank: int, home: str, elsewhere: dict[str, str], record: SlotRecord,
                          lineage: list[Segment]) -> None:

@@ -19,8 +19,9 @@ from megatron_pec.storage import PosixStorage
 
 
 class Replication:
-    def __init__(self, directory: str, storage: PosixStorage):
-        self.directory, self.storage = directory, storage
+    def __init__(self, directory: str, storage: PosixStorage, on_push_done=None):
+        """``on_push_done()``: called after each push ends (a trainer may be waiting for its regions)."""
+        self.directory, self.storage, self.on_push_done = directory, storage, on_push_done
         self.replicator: Replicator | None = None
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
@@ -41,7 +42,7 @@ class Replication:
             self.server = ReplicaServer(self.store)
             self.address = PeerAddress(job.node_rank, peers.advertised_host(), self.server.port,
                                        job.domain or f"node {job.node_rank}", os.getpid())
-            self.replicator = Replicator(self.directory, job, self.storage)
+            self.replicator = Replicator(self.directory, job, self.storage, self.on_push_done)
         self.publish(job)  # storage I/O: outside the lock
 
     def publish(self, job: JobInfo) -> None:

@@ -41,14 +41,32 @@ from dataclasses import dataclass, field
 from megatron_pec import faults, log, manifest
 from megatron_pec.agent import jobs
 from megatron_pec.agent.committer import Committer
-from megatron_pec.agent.cpu import FILE as CPU_LEDGER, CpuLedger
+from megatron_pec.agent.cpu import FILE as CPU_LEDGER
+from megatron_pec.agent.cpu import CpuLedger
 from megatron_pec.agent.memory import INDEX, NodeMemory
-from megatron_pec.agent.pins import pins
 from megatron_pec.agent.persist import check_and_persist
+from megatron_pec.agent.pins import pins
 from megatron_pec.agent.replication import Replication
-from megatron_pec.protocol import (Begin, Begun, Detach, Flush, Flushed, Granted, Hello, JobInfo, Pin,
-                                   ProtocolError, RankFile, Ready, Record, Released, Settle, SnapshotReady, Stop,
-                                   decode_message)
+from megatron_pec.protocol import (
+    Begin,
+    Begun,
+    Detach,
+    Flush,
+    Flushed,
+    Granted,
+    Hello,
+    JobInfo,
+    Pin,
+    ProtocolError,
+    RankFile,
+    Ready,
+    Record,
+    Released,
+    Settle,
+    SnapshotReady,
+    Stop,
+    decode_message,
+)
 from megatron_pec.slots import SlotCache, slot_path
 from megatron_pec.storage import PosixStorage
 
@@ -96,7 +114,8 @@ class Agent:
         self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
         self.detached: set[int] = set()
         self.planned_exit = False                       # every trainer detached cleanly
-        self.replication = Replication(directory, self.storage)  # started once a job asks for it
+        # started once a job asks for it; a push that ends frees the regions it pinned
+        self.replication = Replication(directory, self.storage, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
         self.committer = Committer(directory, self.storage, self.slots)
         self.pending_work = False  # a job is queued or running
@@ -264,6 +283,8 @@ class Agent:
                 self._send(job.link.conn, Flushed())
             elif isinstance(job, jobs.Persist):
                 self._persist(job)
+            elif isinstance(job, jobs.Repin):
+                self._repin()
             elif isinstance(job, jobs.Pull):
                 try:
                     self.replication.pull(job.link.job, job.link.rank, self.memory)
@@ -333,7 +354,7 @@ class Agent:
         return Begun(link.told(self._pins(link)))
 
     def _pins(self, link: Link) -> list[Pin]:
-        return pins(link.rank, link.job.save, self.memory, self.storage, self.replication.replicating(link.rank))
+        return pins(link.rank, link.job, self.memory, self.storage, self.replication.replicating(link.rank))
 
     def _repin(self) -> None:
         """Trainers hear of pins that changed since their last answer (a push ended, a newer iteration

@@ -30,6 +30,7 @@ from megatron_pec.protocol import Begin, Begun, Flush, Flushed, Granted, Hello, 
 from megatron_pec.regions import RegionBook
 
 PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions before it is skipped
+REPLICA_WAIT_S = 120.0  # how long a snapshot waits for a replica push that holds the regions it needs
 
 
 class AgentSession:
@@ -78,8 +79,9 @@ class AgentSession:
     def lease(self, persistent: bool) -> tuple[int | None, str | None]:
         """(the home slot of the next snapshot, None) or (None, why there is none). With
         --pec-wait-for-slot a save waits for one; without, a persistent save (what the user asked to
-        keep, e.g. the last one of training) waits up to PERSISTENT_SLOT_WAIT_S, a memory snapshot not
-        at all."""
+        keep, e.g. the last one of training) waits up to PERSISTENT_SLOT_WAIT_S, a memory snapshot only
+        when a replica push holds the regions it needs (the replicas' lag is bounded: the snapshot waits,
+        up to REPLICA_WAIT_S, rather than letting a node loss lose more)."""
         with self._lock:
             self._collect()
             if self.run is None:
@@ -88,9 +90,12 @@ class AgentSession:
                 return None, "the node agent is not running"
             self._await_begun()
             home = self._home()
-            deadline = time.monotonic() + (PERSISTENT_SLOT_WAIT_S if persistent else 0.0)
-            while home is None and (self.wait_for_slot or time.monotonic() < deadline) and self.client.connected:
-                self._collect(block_s=1.0)
+            started = time.monotonic()
+            deadline = started + (PERSISTENT_SLOT_WAIT_S if persistent else 0.0)
+            while home is None and self.client.connected and (
+                    self.wait_for_slot or time.monotonic() < deadline
+                    or (self.regions.held_by_replicas() and time.monotonic() < started + REPLICA_WAIT_S)):
+                self._collect(block_s=0.05)
                 home = self._home()
             if home is None:
                 return None, ("node memory has no free region for some item (all held by the node agent: being "

@@ -136,6 +136,15 @@ class MegatronAdapter:
         for opt in self.optimizers:
             self._step_hooks.append(opt.optimizer.register_step_pre_hook(lambda *_: callback()))
 
+    def after_each_step(self, callback) -> None:
+        """Call ``callback()`` after every optimizer step (after the last of the chained optimizers)."""
+        self._step_hooks.append(self.optimizers[-1].optimizer.register_step_post_hook(lambda *_: callback()))
+
+    @property
+    def has_state(self) -> bool:
+        """The optimizer holds its state (Adam's moments exist once it has stepped)."""
+        return collect.has_state(self.optimizer)
+
     def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "") -> dict:
         small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers,
                                     self.optimizer_state.state_dict)
