@@ -1,7 +1,7 @@
 """The node agent's CPU per memory-only snapshot against the size of the state: the node tier's cost,
 measured without a GPU.
 
-    python -m benchmarks.agent_cpu                      # 8 MB and 512 MB states, about a minute
+    python -m benchmarks.agent_cpu                      # 8 MB and 512 MB states, about 10 seconds
     python -m benchmarks.agent_cpu --sizes-mb 8,64,512 --snapshots 30 --json out.json
 
 A real node agent and a scripted trainer (``megatron_pec.testing.scripted``: the engine's slot files,
@@ -83,12 +83,12 @@ def report(rows: list[dict]) -> str:
     lines = ["# Agent CPU per memory-only snapshot", "",
              "`python -m benchmarks.agent_cpu`: a real node agent, a scripted trainer, one rank; the agent's "
              "own CPU time between two flushes divided by the snapshots.", "",
-             "| state | K | agent CPU per snapshot (ms) | of which: checking, index, committing, replicating (ms) |"
-             " wall per snapshot (ms) |", "|---|---|---|---|---|"]
+             "| state | K | agent CPU per snapshot (ms) | of which: checking the header, node-memory index, "
+             "replicating (ms) | wall per snapshot (ms) |", "|---|---|---|---|---|"]
     for r in rows:
         phases = r["phases_s_per_snapshot"]
         parts = ", ".join(f"{phases.get(p, 0.0) * 1e3:.2f}" for p in
-                          ("checking and writing", "node-memory index", "committing", "replicating"))
+                          ("checking", "node-memory index", "replicating"))
         lines.append(f"| {r['size_mb']} MB | {r['k']} of {EXPERTS} | {r['agent_cpu_s_per_snapshot'] * 1e3:.2f} | "
                      f"{parts} | {r['wall_s_per_snapshot'] * 1e3:.1f} |")
     return "\n".join(lines) + "\n"

@@ -246,7 +246,7 @@ class Pec(Method):
         fresh.load(self.root, c.scheduler)
         elapsed = _max(time.perf_counter() - t)
         self._storage_phases = dict(fresh.restore_phases.seconds)
-        node = fresh.node_dir
+        node = fresh.job.node_dir
         fresh.close()
         _stop_agent(node)
         return elapsed

@@ -63,6 +63,10 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "domain (default: $MEGATRON_PEC_FAILURE_DOMAIN, else each node is its own domain)")
     g.add_argument("--pec-replica-mbps", type=float, default=None,
                    help="bandwidth cap for sending replicas, MB/s per node agent (default: unlimited)")
+    g.add_argument("--pec-replica-lag", type=int, default=2,
+                   help="snapshots a node's newest replica on its peers may lag behind its newest snapshot; "
+                        "the next snapshot waits for the replica beyond it, so a node loss never loses more "
+                        "(default 2)")
     g.add_argument("--pec-agent-idle-timeout", type=float, default=600.0,
                    help="seconds the node agent waits for trainers to come back after they vanished "
                         "(default 600)")
@@ -145,6 +149,8 @@ class PecConfig:
     """Snapshot copies in other nodes' memory; None = 1 on a multi-node job, else 0."""
     failure_domain: str | None = None
     replica_mbps: float | None = None
+    replica_lag: int = 2
+    """Snapshots the newest replica may lag behind the newest snapshot before the next one waits."""
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
@@ -167,6 +173,8 @@ class PecConfig:
             raise PecConfigError(f"--pec-keep must be >= 0 (got {self.keep})")
         if self.replicas is not None and self.replicas < 0:
             raise PecConfigError(f"--pec-replicas must be >= 0 (got {self.replicas}); 0 turns replication off")
+        if self.replica_lag < 1:
+            raise PecConfigError(f"--pec-replica-lag must be at least 1 snapshot (got {self.replica_lag})")
         if self.replica_mbps is not None and self.replica_mbps <= 0:
             raise PecConfigError(f"--pec-replica-mbps must be positive (got {self.replica_mbps}); omit it for no cap")
         if self.failure_domain is not None and (not self.failure_domain or "/" in self.failure_domain):
@@ -189,7 +197,7 @@ class PecConfig:
             keep_shm=bool(get("pec_keep_shm")), agent_idle_timeout=get("pec_agent_idle_timeout"),
             replicas=get("pec_replicas"),
             failure_domain=get("pec_failure_domain") or os.environ.get("MEGATRON_PEC_FAILURE_DOMAIN") or None,
-            replica_mbps=get("pec_replica_mbps"),
+            replica_mbps=get("pec_replica_mbps"), replica_lag=get("pec_replica_lag"),
             no_load_optim=bool(getattr(args, "no_load_optim", False)),
             no_load_rng=bool(getattr(args, "no_load_rng", False)),
             finetune=bool(getattr(args, "finetune", False)),

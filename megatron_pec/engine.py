@@ -64,14 +64,20 @@ class Engine:
         self.stats = {"saves": 0, "skipped": 0}
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
         self.restore_phases = Phases()  # ... and the latest restore's
+        self.stepped = False           # an optimizer step since the last save or restore
+        self.last_save: tuple[int, frozenset] | None = None  # (iteration, items it wrote) of the last save call
+        self.restored: tuple[int, str] | None = None  # (iteration, source) of the restore, until a step
+        self.last_small = ""           # the small state's JSON at the last save
+        self.generations: dict[int, int] = {}  # iteration -> persistent saves of it by this process
+        self.held: set[int] = set()     # iterations this process restored or persisted (a save of one again
+        #                                 writes every expert: its manifest replaces the first one's)
         background = torch.cuda.is_available() or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         # A restore from node memory checks its bytes where they land: on the GPU (MEGATRON_PEC_CHECK_ON_DEVICE=1
         # runs the same path on CPU ranks; else they are checked in node memory, before the copy).
         self.check_on_device = os.environ.get("MEGATRON_PEC_CHECK_ON_DEVICE",
                                               "1" if torch.cuda.is_available() else "0") == "1"
         self.handover = HandOver(self._complete, background)
-        if background:
-            self.adapter.before_each_step(self._before_step)
+        self.adapter.before_each_step(self._before_step)
         if self.config.save:
             self._record_layout()
             self._start_memory_tier()
@@ -128,6 +134,11 @@ class Engine:
         """Phases 1-4: every rank snapshots or none does (the PEC bookkeeping must stay identical)."""
         if not self.config.save:
             raise CheckpointError("save_checkpoint was called but --save is not set")
+        if persistent and not self.stepped and self.restored == (iteration, "storage"):
+            # (a relaunched finished job: the state is the committed iteration, written again it would be the same)
+            log.info(f"iteration {iteration} is committed and unchanged since it was restored: nothing to save",
+                     rank0=True, once=True)
+            return
         save = Save(self, iteration, persistent)
         self.save_phases = phases = save.phases
         with phases("previous snapshot"):
@@ -139,15 +150,52 @@ class Engine:
         save.copy({NON_EXPERT})
         for step in (save.plan, save.agree) if self.book.plans_without_counts else (save.agree, save.plan):
             step()
+        with phases("metadata"):
+            self.last_small = smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix))
+        # A skipped save wrote nothing: a clean exit right after it still saves this state (``_final_snapshot``).
+        self.stepped, self.restored = False, None
         if save.why_not is not None:
+            self.last_save = (iteration, frozenset())
             self.session.skipped(save.placement)
             self._skip(iteration, save.why_not)
             return
         faults.point("snapshot_end", iteration=iteration)
         with phases("metadata"):
-            pending = save.describe(scheduler, flops, rng_key_prefix)
+            pending = save.describe(self.last_small, self._generation(iteration, persistent))
         with phases("hand-off") if not self.handover.background else contextlib.nullcontext():
             self.handover.submit(pending)
+        self.last_save = (iteration, frozenset(save.placement))
+
+    def _generation(self, iteration: int, persistent: bool) -> str:
+        """A persistent save's generation: the launch's session, and which of its saves of the iteration
+        (the same on every rank: every rank saves the same)."""
+        if not persistent:
+            return ""
+        self.held.add(iteration)
+        n = self.generations[iteration] = self.generations.get(iteration, 0) + 1
+        return self.job.session if n == 1 else f"{self.job.session}.{n}"
+
+    def _final_snapshot(self) -> None:
+        """A clean exit right after a save (nothing trained since) that left experts out, or was skipped:
+        save that iteration once more with every expert and persist it (a planned exit loses nothing: the
+        restart restores every expert at it). No collective: every rank does the same, so the PEC
+        bookkeeping stays identical; the agents commit it as its own save (``<session>.exit``)."""
+        if self.last_save is None or self.stepped or self.stager is None or not self.session.connected:
+            return
+        iteration, written = self.last_save
+        if set(self.job.held_names.values()) | {NON_EXPERT} <= written:
+            return
+        save = Save(self, iteration, persistent=True)  # (waits for regions, as a persistent save)
+        save.lease()
+        if save.slot is None:
+            log.warning(f"cannot save every expert of iteration {iteration} at exit: {save.why_not}; the restart "
+                        "restores them from their newest saved versions", rank=self.rank)
+            return
+        save.copy({NON_EXPERT})
+        save.plan_all()
+        self.handover.submit(save.describe(self.last_small, f"{self.job.session}.exit"))
+        self.last_save = (iteration, frozenset(save.placement))
+        log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
 
     def _complete(self, pending: PendingSnapshot) -> None:
         """The snapshot's bytes are in the slot: write its header, with the items' checksums, and hand
@@ -155,12 +203,13 @@ class Engine:
         header = dataclasses.replace(pending.header, sums=pending.staged.sums())
         self.files.write_header(pending.slot, header.to_metadata())
         if not self.session.announce(pending.slot, pending.iteration, pending.persistent, pending.persist_items,
-                                     pending.placement):
+                                     pending.placement, pending.generation):
             self._skip(pending.iteration, "the node agent died")
             return
         self.stats["saves"] += 1
 
     def _before_step(self) -> None:
+        self.stepped = True
         self.handover.before_step(torch.cuda.current_stream() if torch.cuda.is_available() else None)
 
     def _skip(self, iteration: int, why: str) -> None:
@@ -169,7 +218,7 @@ class Engine:
 
     def flush(self, timeout: float = 300.0) -> None:
         """Wait for the agent to finish everything announced so far (by earlier trainers too):
-        persisted, committed, carried and recorded."""
+        persisted, committed and recorded."""
         self.handover.wait()
         self.session.flush(timeout)
 
@@ -275,6 +324,8 @@ class Engine:
     def _restored(self, result: RestoreResult, phases: Phases) -> tuple[int, float]:
         """The restore is done: say so (where the time went included) and start the new timeline."""
         config = self.config
+        self.restored, self.stepped, self.last_save = (result.iteration, result.source), False, None
+        self.held.add(result.iteration)
         result.log(self.rank)
         iteration = 0 if config.finetune else result.iteration
         with phases("telling the agent the new timeline"):
@@ -287,6 +338,8 @@ class Engine:
         agent keeps the node memory for the restart."""
         self.adapter.close()
         if detach:
+            self.handover.wait()
+            self._final_snapshot()
             self.handover.wait()
         self.session.close(detach)
         self._release_slots()
@@ -336,9 +389,21 @@ class Save:
         if not everyone_can and self.why_not is None:
             self.why_not = "another rank cannot snapshot (see its warning)"
 
+    def plan_all(self) -> None:
+        """Every expert, snapshot and persisted (a planned exit), and its copy."""
+        layout = self.engine.job.expert_layout
+        every = frozenset(layout.all_experts()) if layout is not None else frozenset()
+        self.experts = (every, every)
+        self.copy(self.engine.job.held_items(every))
+
     def plan(self) -> None:
-        """Which experts this save writes (nothing changes yet: it may still be skipped), and their copy."""
+        """Which experts this save writes (nothing changes yet: it may still be skipped), and their copy. A
+        persistent save of an iteration this process restored or persisted writes every expert: its commit
+        replaces the earlier one's, whose experts at that iteration it would otherwise drop."""
         if self.slot is None or self.why_not is not None:
+            return
+        if self.persistent and self.iteration in self.engine.held:
+            self.plan_all()
             return
         with self.phases("plan"):
             self.experts = self.engine.book.plan(self.persistent)
@@ -362,18 +427,18 @@ class Save:
             if first:
                 faults.point("snapshot_mid", iteration=self.iteration)
 
-    def describe(self, scheduler, flops: float, rng_key_prefix: str) -> PendingSnapshot:
-        """Record the save in the PEC bookkeeping and describe the snapshot (its slot header)."""
+    def describe(self, small: str, generation: str) -> PendingSnapshot:
+        """Record the save in the PEC bookkeeping and describe the snapshot (its slot header; ``small``:
+        the small state's JSON; ``generation``: a persistent save's, ``manifest``)."""
         engine, job = self.engine, self.engine.job
         snapshot, persist = self.experts
         engine.book.record(snapshot, persist, self.iteration, self.persistent)
         tokens, pec = engine.book.header_columns()
-        small = engine.adapter.small_state(scheduler, self.iteration, flops, rng_key_prefix)
         header = SlotHeader(
             job_id=engine.config.job_id, fingerprint=job.fingerprint, save=job.save_root, rank=job.rank,
             world_size=job.world_size, iteration=self.iteration,
-            items=dict.fromkeys(sorted(self.placement), self.iteration), tokens=tokens, small=smallstate.dumps(small),
+            items=dict.fromkeys(sorted(self.placement), self.iteration), tokens=tokens, small=small,
             pec=pec, run=engine.session.run)
         persist_items = sorted(item_name(e) for e in persist) if self.persistent and job.expert_layout else None
         return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, dict(self.placement),
-                               header, self.staging.finish())
+                               header, self.staging.finish(), generation)

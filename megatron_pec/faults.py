@@ -2,7 +2,8 @@
 
 ``MEGATRON_PEC_FAULT`` arms points, comma-separated, each ``point=action[@n][:rank]``:
 ``action`` is ``kill`` (SIGKILL this process), ``enospc`` or ``eio`` (raise that
-OSError); ``@n`` fires on the n-th time the point is reached (default 1);
+OSError) or ``stall`` (sleep ``STALL_S``: slow storage, a stuck write); ``@n`` fires on
+the n-th time the point is reached (default 1);
 ``:rank`` limits it to one global rank (trainer points) or node (agent points).
 When the variable is unset, ``point()`` is a single dictionary lookup on an
 empty dict.
@@ -28,8 +29,10 @@ import errno
 import os
 import signal
 import sys
+import time
 
-_ACTIONS = {"kill", "enospc", "eio"}
+_ACTIONS = {"kill", "enospc", "eio", "stall"}
+STALL_S = 3.0
 
 
 def _parse(spec: str) -> dict[str, list]:
@@ -47,7 +50,8 @@ def _parse(spec: str) -> dict[str, list]:
             if action not in _ACTIONS:
                 raise ValueError
         except ValueError:
-            raise SystemExit(f"MEGATRON_PEC_FAULT: cannot parse {part!r}; expected point=kill|enospc|eio[@n][:rank]")
+            raise SystemExit(f"MEGATRON_PEC_FAULT: cannot parse {part!r}; expected "
+                             "point=kill|enospc|eio|stall[@n][:rank]")
         armed[name] = [action, count, scope]
     return armed
 
@@ -79,6 +83,9 @@ def point(name: str, **context) -> None:
     print(f"megatron-pec fault injection: {action} at {name} {context or ''}", file=sys.stderr, flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "stall":
+        time.sleep(STALL_S)
+        return
     code = errno.ENOSPC if action == "enospc" else errno.EIO
     raise OSError(code, f"injected {action.upper()} at {name}", context.get("path"))
 

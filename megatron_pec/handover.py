@@ -29,6 +29,7 @@ class PendingSnapshot:
     placement: dict[str, int]        # item -> the slot it was copied into (the header's is ``slot``)
     header: SlotHeader
     staged: StagedCopy
+    generation: str = ""             # a persistent save's (``manifest``)
 
 
 class HandOver:

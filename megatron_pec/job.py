@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ class JobFacts:
     num_nodes: int
     topology: dict
     fingerprint: str                   # one configuration id for the whole job
+    session: str                       # this launch, the same on every rank (names its saves' files)
     layout: RankLayout                 # where this rank's slices lie in the global parameters
     expert_layout: policy.ExpertLayout | None  # this stage's MoE layers (None: no MoE here)
     all_experts: tuple[ExpertId, ...]  # every expert of the model: the index space of cross-rank vectors
@@ -54,7 +56,7 @@ class JobFacts:
             job_id=config.job_id, fingerprint=self.fingerprint, save=self.save_root,
             local_world_size=self.local_world_size, node_rank=self.node_rank, num_nodes=self.num_nodes,
             topology=self.topology, keep=config.keep, replicas=self.replicas, domain=config.failure_domain or "",
-            replica_mbps=config.replica_mbps))
+            replica_mbps=config.replica_mbps, session=self.session, replica_lag=config.replica_lag))
 
     @classmethod
     def build(cls, config: PecConfig, adapter) -> "JobFacts":
@@ -63,8 +65,9 @@ class JobFacts:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         node_rank = int(os.environ.get("GROUP_RANK", adapter.rank // local_world_size))
         num_nodes = adapter.world_size // local_world_size
-        every = coll.gather([int(adapter.local_fingerprint[:15], 16)], 1)
+        every = coll.gather([int(adapter.local_fingerprint[:15], 16), secrets.randbits(48)], 2)
         fingerprint = hashlib.sha256(",".join(str(row[0]) for row in every).encode()).hexdigest()[:16]
+        session = f"{every[0][1]:012x}"  # rank 0's
         expert_layout = _expert_layout(adapter)
         all_experts = _all_experts(adapter)
         held_names = {x: item_name(x) for x in adapter.experts_held}
@@ -73,6 +76,7 @@ class JobFacts:
                                   for e in range(adapter.num_experts)], dtype=torch.int64)
         return cls(rank=adapter.rank, world_size=adapter.world_size, local_world_size=local_world_size,
                    node_rank=node_rank, num_nodes=num_nodes, topology=adapter.topology, fingerprint=fingerprint,
+                   session=session,
                    layout=adapter.layout_record(fingerprint), expert_layout=expert_layout,
                    all_experts=tuple(all_experts), held_names=held_names,
                    held=HeldExperts(adapter.experts_held, order) if order else None, token_positions=positions,

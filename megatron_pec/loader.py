@@ -85,10 +85,13 @@ class RestoreResult:
     # item -> (its recorded checksum, where it came from): memory items the restore verifies once the
     # bytes are on the device (``Loader(checked_after_copy=True)``)
     check_after_copy: dict[str, tuple] = field(default_factory=dict)
+    newest: int = -1                        # the newest iteration any rank planned (what a lost node was at)
 
     def log(self, rank: int) -> None:
         """Every rank: where it restored from and which experts are older; rank 0: the PLT."""
         line = f"restored iteration {self.iteration} from {self.source}"
+        if self.source.startswith("peer memory") and self.newest > self.iteration:
+            line += f", {self.newest - self.iteration} iteration(s) behind the newest snapshot of any rank"
         older = {i: v for i, v in self.versions.items() if i != NON_EXPERT and v < self.iteration}
         if len(older) > LIST_OLDER:  # thousands of experts: their count per version
             counts = Counter(older.values())
@@ -143,6 +146,7 @@ class Agreement:
     every_rank_can: bool          # ... and every rank can restore its plan for it
     accounted: list[list[int]]    # the PLT accounting's columns, completed over the ranks
     state: PecState | None        # the dense source's PEC state (None without MoE or on failure)
+    newest: int = -1              # the newest iteration any rank planned
     versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
 
 
@@ -188,15 +192,17 @@ class Loader:
         # after a rank could not read the agreed iteration, the ranks agree on an iteration first.
         excluded = set(self.excluded)
         target = max(candidates) if candidates and error is None else None
+        newest = -1
         while True:
             plan, unreadable, agreed = self._plan(target, memory, stored, manifests, error)
+            newest = max(newest, agreed.newest)
             if agreed.failed:
                 raise CheckpointError(error or ANOTHER_RANK_FAILED)
             if agreed.every_rank_can:
                 with phases("listing sources"):  # (the directory's bookkeeping)
                     self._retire_newer(target)
                 with phases("deciding"):
-                    return self._decide(target, plan, agreed.accounted, agreed.state)
+                    return self._decide(target, plan, agreed.accounted, agreed.state, newest)
             if agreed.same_iteration:
                 log.warning(f"cannot restore iteration {target}: {unreadable or 'another rank cannot'}; falling back "
                             "to an older checkpoint", rank=self.rank)
@@ -377,7 +383,7 @@ class Loader:
         every = PlanVote.of_values(self.coll.reduce(mine.values(), "max"), n, planned is not None)
         same_iteration = every.iteration == every.lowest_iteration >= 0
         agreed = Agreement(bool(every.failed), same_iteration, same_iteration and not every.cannot,
-                           every.accounting, state)
+                           every.accounting, state, every.iteration)
         if planned is None or not same_iteration:
             return agreed
         if not any(every.lacking) and all(lo == NONE or lo == hi for hi, lo in zip(every.high, every.low)):
@@ -410,7 +416,7 @@ class Loader:
 
     # ---- 9. decide -----------------------------------------------------------------------------
     def _decide(self, target: int, plan: dict[str, Source], accounted: list[list[int]],
-                state: PecState | None) -> RestoreResult:
+                state: PecState | None, newest: int = -1) -> RestoreResult:
         dense = plan[NON_EXPERT]
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for name, item in self.ctx.slice_items.items():
@@ -423,7 +429,7 @@ class Loader:
                       if source.kind == "memory" and source.checked_after_copy}
         pec, report, tokens_at_target = self._account(target, state, accounted)
         return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
-                             tokens_at_target, report, check_after_copy=after_copy)
+                             tokens_at_target, report, check_after_copy=after_copy, newest=newest)
 
     def _accounting(self, plan: dict[str, Source], state: PecState) -> list[list[int]]:
         """This rank's part of the PLT accounting, one int per expert of the model in each of

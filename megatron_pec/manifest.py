@@ -3,15 +3,22 @@
 Run by the node agents (commit, retention) and read by restore, ``inspect`` and
 ``verify``. One rule decides validity: an iteration is committed iff its
 ``manifest.json`` exists. The manifest is written (tmp, fsync, rename) only by
-whichever agent sees every node's marker, and the tracker only after it.
+whichever agent sees every node's marker of one save, and the tracker only after it.
 
 Layout under ``--save``::
 
     iter_0000100/pec/rank_00003.safetensors   one per rank: dense + persisted experts
-    iter_0000100/pec/node_0001.json           one per node: its rank files, sizes, crc32
+    iter_0000100/pec/node_0001.json           one per node: its rank files, sizes, checksums
     iter_0000100/pec/manifest.json            the commit marker
     pec_layout/<fingerprint>/rank_00003.json  per configuration: where each stored tensor lies in the model
     latest_checkpointed_iteration.txt         Megatron's tracker
+
+Committed files are never written again. Every save has a generation (the launch's session id, and
+what saved: ``<session>`` for the trainers' saves, ``<session>.exit`` for a planned exit's persist);
+a save of an iteration that already has files names its own after its generation
+(``rank_00003.<generation>.safetensors``, ``node_0001.<generation>.json``), and only its commit -
+the manifest replaced atomically - switches what the iteration holds. The replaced commit's files
+go once no manifest references them.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from megatron_pec.storage import PosixStorage
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
-_NODE_MARKER = re.compile(r"^node_\d{4}\.json$")
+_NODE_MARKER = re.compile(r"^node_\d{4}(\.[0-9A-Za-z._-]+)?\.json$")
+_RANK_FILE = re.compile(r"^rank_\d{5}(\.[0-9A-Za-z._-]+)?\.safetensors$")
 _PARTIAL = re.compile(r"\.tmp(\d+)$")  # a write_atomic that never finished (its agent was killed)
 
 
@@ -43,8 +51,17 @@ def pec_dir(root: str, iteration: int) -> str:
     return os.path.join(iter_dir(root, iteration), "pec")
 
 
-def rank_file(root: str, iteration: int, rank: int) -> str:
-    return os.path.join(pec_dir(root, iteration), f"rank_{rank:05d}.safetensors")
+def rank_file(root: str, iteration: int, rank: int, generation: str | None = None) -> str:
+    """The rank file's plain name, or (``generation``) the one a later save of the iteration takes."""
+    suffix = f".{generation}" if generation else ""
+    return os.path.join(pec_dir(root, iteration), f"rank_{rank:05d}{suffix}.safetensors")
+
+
+def fresh_rank_file(root: str, iteration: int, rank: int, generation: str, storage=PosixStorage()) -> str:
+    """Where a save of ``generation`` writes the rank's file: the plain name unless a file has it
+    already (a committed iteration's files are never written again), else named after the save."""
+    plain = rank_file(root, iteration, rank)
+    return plain if not storage.exists(plain) else rank_file(root, iteration, rank, generation or "again")
 
 
 def relative(root: str, path: str) -> str:
@@ -56,8 +73,15 @@ def layout_path(root: str, fingerprint: str, rank: int) -> str:
     return os.path.join(root, "pec_layout", fingerprint, f"rank_{rank:05d}.json")
 
 
-def node_marker(root: str, iteration: int, node: int) -> str:
-    return os.path.join(pec_dir(root, iteration), f"node_{node:04d}.json")
+def node_marker(root: str, iteration: int, node: int, generation: str | None = None) -> str:
+    suffix = f".{generation}" if generation else ""
+    return os.path.join(pec_dir(root, iteration), f"node_{node:04d}{suffix}.json")
+
+
+def node_markers(root: str, iteration: int, storage=PosixStorage()) -> list[str]:
+    """Every node marker of ``iteration``, of every save."""
+    directory = pec_dir(root, iteration)
+    return [os.path.join(directory, n) for n in storage.listdir(directory) if _NODE_MARKER.match(n)]
 
 
 def manifest_path(root: str, iteration: int) -> str:
@@ -120,23 +144,44 @@ def read_rank_layout(root: str, fingerprint: str, rank: int, storage=PosixStorag
 
 
 def write_node_marker(root: str, marker: NodeMarker, storage=PosixStorage()) -> None:
+    """This node's part of one save of the iteration: under the plain name unless another save's marker
+    has it, else named after its generation."""
     faults.point("before_node_marker", iteration=marker.iteration)
-    storage.write_text_atomic(node_marker(root, marker.iteration, marker.node), marker.dumps())
+    path = node_marker(root, marker.iteration, marker.node)
+    if storage.exists(path) and _generation_of(path, storage) != marker.generation:
+        path = node_marker(root, marker.iteration, marker.node, marker.generation or "again")
+    storage.write_text_atomic(path, marker.dumps())
 
 
-def try_commit(root: str, iteration: int, num_nodes: int, keep: int, storage=PosixStorage()) -> bool:
-    """Write the manifest and tracker if every node's marker for ``iteration`` exists.
+def _generation_of(path: str, storage) -> str | None:
+    try:
+        return _read_record(path, NodeMarker, storage).generation
+    except ManifestError:
+        return None  # unreadable: never this save's
+
+
+def try_commit(root: str, iteration: int, num_nodes: int, keep: int, generation: str = "",
+               storage=PosixStorage()) -> bool:
+    """Commit save ``generation`` of ``iteration`` if every node's marker of it exists: the manifest
+    (replacing another save's, atomically: the only switch of what the iteration holds), then the
+    tracker; the replaced commit's files go once nothing references them.
 
     Several agents may race here; each writes identical bytes with an atomic
     rename, and the lock keeps the tracker from moving backwards.
     """
-    markers = [node_marker(root, iteration, n) for n in range(num_nodes)]
-    if not all(storage.exists(m) for m in markers):
+    found = _markers_of(root, iteration, generation, storage)
+    if len(found) < num_nodes:
         return False
     with _lock(root):
+        replaced = None
         if storage.exists(manifest_path(root, iteration)):
-            return True
-        nodes = [_read_record(m, NodeMarker, storage) for m in markers]
+            try:
+                replaced = read_manifest(root, iteration, storage)
+            except ManifestError:
+                replaced = None
+            if replaced is not None and replaced.generation == generation:
+                return True
+        nodes = [found[n] for n in range(num_nodes)]
         ranks: dict[str, RankFile] = {}
         for node in nodes:
             ranks.update(node.ranks)
@@ -144,16 +189,55 @@ def try_commit(root: str, iteration: int, num_nodes: int, keep: int, storage=Pos
         experts, sources = _expert_versions(root, iteration, ranks, first.fingerprint, storage)
         manifest = Manifest(iteration=iteration, job_id=first.job_id, fingerprint=first.fingerprint,
                             topology=first.topology, num_nodes=num_nodes, world_size=len(ranks), ranks=ranks,
-                            experts=experts, sources=sources)
+                            experts=experts, sources=sources, generation=generation)
         faults.point("before_manifest", iteration=iteration)
         storage.write_text_atomic(manifest_path(root, iteration), manifest.dumps())
         faults.point("before_tracker", iteration=iteration)
         current = read_tracker(root, storage)
         if current is None or not current.isdigit() or int(current) < iteration:
             storage.write_text_atomic(os.path.join(root, TRACKER), str(iteration))
+        if replaced is not None:
+            _drop_unreferenced(root, iteration, replaced, storage)
         if keep:
             apply_retention(root, keep, storage)
     return True
+
+
+def persisted_nodes(root: str, iteration: int, generation: str, storage=PosixStorage()) -> set[int]:
+    """The nodes whose marker of save ``generation`` of ``iteration`` exists."""
+    return set(_markers_of(root, iteration, generation, storage))
+
+
+def _markers_of(root: str, iteration: int, generation: str, storage) -> dict[int, NodeMarker]:
+    """node -> its marker of save ``generation`` of ``iteration``."""
+    found = {}
+    for path in node_markers(root, iteration, storage):
+        try:
+            marker = _read_record(path, NodeMarker, storage)
+        except ManifestError:
+            continue  # torn or foreign: never part of this save
+        if marker.generation == generation and marker.iteration == iteration:
+            found[marker.node] = marker
+    return found
+
+
+def _drop_unreferenced(root: str, iteration: int, replaced: Manifest, storage) -> None:
+    """Once another save's commit replaced ``replaced``: its rank files and node markers that no
+    committed manifest references any more."""
+    referenced = set()
+    for i in committed_iterations(root, storage):
+        try:
+            m = read_manifest(root, i, storage)
+        except ManifestError:
+            continue
+        referenced.update(e.file for e in m.ranks.values())
+        referenced.update(e.file for files in m.sources.values() for e in files.values())
+    for entry in replaced.ranks.values():
+        if entry.file not in referenced:
+            storage.remove(os.path.join(root, entry.file))
+    for path in node_markers(root, iteration, storage):
+        if _generation_of(path, storage) == replaced.generation:
+            storage.remove(path)
 
 
 def retire_after(root: str, iteration: int, storage=PosixStorage()) -> list[int]:

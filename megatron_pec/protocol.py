@@ -33,9 +33,9 @@ from megatron_pec.jsontext import Quoted
 from megatron_pec.packed import PackedColumn
 
 __all__ = [
-    "ProtocolError", "Record", "JobKey", "JobInfo", "Hello", "Ready", "Begin", "Pin", "Begun", "SnapshotReady", "Released",
-    "Flush", "Flushed", "Detach", "Stop", "SlotHeader", "SlotRecord", "Segment", "RankMemory", "MemoryIndex",
-    "RankFile", "NodeMarker", "Manifest", "PeerAddress", "ReplicaPush", "ReplicaPull", "ReplicaReply",
+    "ProtocolError", "Record", "JobKey", "JobInfo", "Hello", "Ready", "Begin", "Pin", "Begun", "SnapshotReady",
+    "Released", "Flush", "Flushed", "Detach", "Stop", "SlotHeader", "SlotRecord", "Segment", "RankMemory",
+    "MemoryIndex", "RankFile", "NodeMarker", "Manifest", "PeerAddress", "ReplicaPush", "ReplicaPull", "ReplicaReply",
     "ReplicaEntry", "ReplicaIndex", "GlobalParam", "RankLayout", "decode_message", "LEGACY_FORMAT",
 ]
 
@@ -189,6 +189,8 @@ class JobInfo(Record):
     replicas: int = 0         # --pec-replicas: copies of each snapshot in other nodes' memory
     domain: str = ""          # this node's failure domain ("" = its own)
     replica_mbps: float | None = None  # send bandwidth cap
+    session: str = ""         # this launch of the job (the same on every rank): names its saves' files
+    replica_lag: int = 2      # --pec-replica-lag: snapshots a replica may lag before the next snapshot waits
 
     @property
     def key(self) -> JobKey:
@@ -237,6 +239,7 @@ class Begun(Record):
     KIND: ClassVar[str] = "begun"
     VERSION: ClassVar[int] = 2  # v2: pins instead of whole-slot grants
     pins: list[Pin] = field(default_factory=list)
+    hold: str | None = None   # why the next snapshot must wait (a replica lags too far behind), if it must
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +257,7 @@ class SnapshotReady(Record):
     # Regions that attempts since the last announcement overwrote without announcing them (skipped
     # snapshots): item -> slots; what they held is gone.
     stale: dict[str, list[int]] = field(default_factory=dict)
+    generation: str = ""      # a persistent save's generation (``manifest``): the same on every rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +272,7 @@ class Released(Record):
     error: str | None
     recorded: bool
     pins: list[Pin] = field(default_factory=list)
+    hold: str | None = None   # why the next snapshot must wait (a replica lags too far behind), if it must
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +283,7 @@ class Granted(Record):
     KIND: ClassVar[str] = "granted"
     VERSION: ClassVar[int] = 2
     pins: list[Pin] = field(default_factory=list)
+    hold: str | None = None   # why the next snapshot must wait (a replica lags too far behind), if it must
 
 
 @dataclass(frozen=True, slots=True)
@@ -589,6 +595,7 @@ class NodeMarker(Record):
     fingerprint: str
     topology: dict[str, int]
     ranks: dict[str, RankFile]
+    generation: str = ""      # the save it belongs to ("" before generations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -606,6 +613,7 @@ class Manifest(Record):
     ranks: dict[str, RankFile]
     experts: dict[str, int]                  # expert item -> iteration of its newest persisted version
     sources: dict[str, dict[str, RankFile]]  # older iteration -> rank -> file still holding needed versions
+    generation: str = ""                     # the save committed ("" before generations)
 
     def file_of(self, version: int, rank: int) -> RankFile | None:
         """The rank file of ``rank`` written at ``version`` (this iteration or a referenced older one)."""

@@ -33,6 +33,7 @@ class RegionBook:
         self.newest = numpy.full(n, -1, dtype=numpy.int64)  # slot of each item's newest recorded version
         self.pinned = numpy.zeros((NUM_SLOTS, n), dtype=bool)
         self.pins: list[Pin] = []
+        self.hold: str | None = None  # the agent's reason the next snapshot must wait (a lagging replica)
         self.pending: dict[int, list[tuple[int, int]]] = {}  # iteration announced -> its (slot, item) regions
         self.stale: dict[str, set[int]] = {}  # regions overwritten by attempts not announced yet
         self._columns = numpy.arange(n)
@@ -59,9 +60,9 @@ class RegionBook:
                     self.state[slot, i] = RECORDED
         self._pin()
 
-    def pin(self, pins: list[Pin]) -> None:
-        """The agent's current pins (they replace the earlier ones)."""
-        self.pins = list(pins)
+    def pin(self, pins: list[Pin], hold: str | None = None) -> None:
+        """The agent's current pins and hold (they replace the earlier ones)."""
+        self.pins, self.hold = list(pins), hold
         self._pin()
 
     def _pin(self) -> None:
@@ -84,12 +85,15 @@ class RegionBook:
         return pinned
 
     def released(self, iteration: int, recorded: bool) -> None:
-        """The agent is done with snapshot ``iteration``: its regions are recorded (each now its item's
-        newest version), or hold nothing."""
+        """The agent is done with snapshot ``iteration``: its regions are recorded (each its item's newest
+        version, unless a later snapshot was released first), or hold nothing."""
         for slot, i in self.pending.pop(iteration, []):
             if recorded:
                 self.state[slot, i] = RECORDED
-                self.newest[i] = slot
+                newest = self.newest[i]
+                # (a persistent snapshot is released once written: later ones may have been released first)
+                if newest < 0 or self.version[newest, i] <= iteration:
+                    self.newest[i] = slot
             else:
                 self.state[slot, i] = FREE
                 self.version[slot, i] = -1
@@ -111,13 +115,17 @@ class RegionBook:
     def home(self) -> int | None:
         """The slot for the next snapshot's header and dense state: a slot whose dense region may be
         overwritten, the oldest first; None when some item has no region to go to (the snapshot must
-        be skipped, or wait: whatever it plans, every item it writes needs one)."""
-        return self._home(self.writable())
+        be skipped, or wait: whatever it plans, every item it writes needs one) or the agent holds the
+        snapshot back."""
+        return None if self.hold else self._home(self.writable())
 
     def held_by_replicas(self) -> bool:
-        """There is no home only because of what is being sent to a peer (``newest`` pins): the
-        replica lags, and the next snapshot waits for it."""
-        return self.home() is None and \
+        """There is no home only because of replication - the agent holds the snapshot back (a replica
+        lags too far) or what is being sent to a peer holds the regions (``newest`` pins): the next
+        snapshot waits for the replica."""
+        if self.home() is not None:
+            return False
+        return bool(self.hold) or \
             self._home(self.writable(self._pinned([p for p in self.pins if not p.newest]))) is not None
 
     def _home(self, writable: numpy.ndarray) -> int | None:

@@ -32,15 +32,10 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The small model (EP=2 over 2 ranks, every expert saved) committed at iteration 4, and each rank's
-    live state dict at that iteration."""
-    out = tmp_path_factory.mktemp("export")
+def train_and_keep_live_state(out: Path, *flags: str, env: dict | None = None) -> None:
     shm = Path("/dev/shm") / f"pec-test-{uuid.uuid4().hex[:8]}"
     try:
-        torchrun("export_state.py", str(out / "ckpt"), str(shm), env={"PEC_TEST_OUT": str(out)})
-        yield out
+        torchrun("export_state.py", str(out / "ckpt"), str(shm), *flags, env={"PEC_TEST_OUT": str(out), **(env or {})})
     finally:
         for pidfile in shm.glob("*/node*/agent.pid"):
             with contextlib.suppress(OSError, ValueError):
@@ -48,11 +43,20 @@ def trained(tmp_path_factory):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_export_equals_the_live_model(trained, tmp_path):
-    result = run_megatron_pec("export", trained / "ckpt", tmp_path / "hf")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The small model (EP=2 over 2 ranks, every expert saved) committed at iteration 4, and each rank's
+    live state dict at that iteration."""
+    out = tmp_path_factory.mktemp("export")
+    train_and_keep_live_state(out)
+    return out
+
+
+def assert_export_equals_live(trained: Path, out: Path) -> None:
+    result = run_megatron_pec("export", trained / "ckpt", out)
     assert result.returncode == 0, result.stderr
     assert "exported iteration 4" in result.stdout, result.stdout
-    exported = read_safetensors(tmp_path / "hf" / "model.safetensors")
+    exported = read_safetensors(out / "model.safetensors")
     live = {}
     for rank in (0, 1):
         for name, tensor in read_safetensors(trained / f"live.rank{rank}.safetensors").items():
@@ -64,10 +68,24 @@ def test_export_equals_the_live_model(trained, tmp_path):
     for name, tensor in live.items():
         assert exported[name].shape == tensor.shape, name
         assert torch.equal(exported[name], tensor), name
-    summary = json.loads((tmp_path / "hf" / "pec_export.json").read_text())
+    summary = json.loads((out / "pec_export.json").read_text())
     assert summary["iteration"] == 4 and summary["experts_older_than_iteration"] == 0
     assert summary["tensors"] == len(live) and summary["files"] == ["model.safetensors"]
     assert summary["topology"]["ep"] == 2 and summary["world_size"] == 2
+
+
+def test_export_equals_the_live_model(trained, tmp_path):
+    assert_export_equals_live(trained, tmp_path / "hf")
+
+
+def test_export_after_training_ends_under_pec_equals_the_live_model(tmp_path):
+    """Issue 29: snapshot-K 2 / persist-K 1 and training ends right after a memory snapshot: the end is a
+    planned exit, which saves that iteration with every expert, so the exported final checkpoint is the
+    trained model, not experts from older iterations."""
+    train_and_keep_live_state(tmp_path, "--pec-snapshot-k", "2", "--pec-persist-k", "1",
+                              env={"PEC_TEST_END": "exit"})
+    assert manifest.committed_iterations(str(tmp_path / "ckpt"))[0] == 4
+    assert_export_equals_live(tmp_path, tmp_path / "hf")
 
 
 def test_export_shards_and_refuses_to_overwrite(trained, tmp_path):

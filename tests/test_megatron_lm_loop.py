@@ -151,6 +151,43 @@ def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, tmp_path):
         lose_node_memory(shm)
 
 
+@pytest.fixture
+def newest_tree(tmp_path) -> Path:
+    """The newest supported release, patched (one release is enough for what the example covers too)."""
+    tree = megatron_lm.copy_tree(megatron_lm.NEWEST, tmp_path / "Megatron-LM-newest")
+    if tree is None:
+        pytest.skip(f"no archive of {megatron_lm.NEWEST} in {[str(d) for d in megatron_lm.archive_dirs()]}")
+    applied = subprocess.run([str(REPO / "patches" / "apply.sh"), str(tree)], capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    return tree
+
+
+def test_megatron_lm_planned_exit_under_pec_loses_nothing(newest_tree, tmp_path):
+    """Issue 29: snapshot-K 2 of 4, persist-K 1, Megatron's --exit-interval 7 between persists (every 4):
+    at the clean exit the trainers save iteration 7 once more with every expert and the agents commit it,
+    so the restart restores 7 with PLT 0.0000% and every later loss equals the uninterrupted run's."""
+    shm = Path("/dev/shm") / f"pec-mlm-exit-{os.getpid()}-{tmp_path.name[-12:]}"
+    save = tmp_path / "checkpoints"
+    ckpt = ["--save", str(save), "--load", str(save), "--save-interval", "4", "--non-persistent-save-interval", "1",
+            "--pec-shm-dir", str(shm), "--pec-job-id", "mlmexit", "--pec-snapshot-k", "2", "--pec-persist-k", "1"]
+    try:
+        code, log = pretrain(newest_tree)
+        assert code == 0, log[-4000:]
+        reference = losses(log)
+        code, log = pretrain(newest_tree, *ckpt, "--exit-interval", "7")
+        assert code == 0 and "exiting program at iteration 7" in log, log[-4000:]
+        assert "iteration 7 saved once more with every expert" in log, log[-4000:]
+        m = manifest.read_manifest(str(save), 7)
+        assert set(m.experts.values()) == {7} and m.generation.endswith(".exit"), m
+        code, log = pretrain(newest_tree, *ckpt)
+        assert code == 0, log[-4000:]
+        assert restored(log) == {(7, "storage")}, log[-4000:]
+        assert "PLT 0.0000%" in log and "experts from older versions" not in log, log[-4000:]
+        check_resumed(log, reference, 7)
+    finally:
+        lose_node_memory(shm)
+
+
 def test_megatron_formats_in_and_out(tmp_path):
     """Out: ``--ckpt-convert-format torch_dist`` on a megatron-pec checkpoint writes Megatron's own format
     through Megatron's own save_checkpoint: the unpatched tree resumes from it exactly as from its

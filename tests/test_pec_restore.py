@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import torchrun
+from megatron_pec.testing.cluster import run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,3 +36,41 @@ def test_pec_restore_versions_plt_and_dynamic_k(tmp_path, shm_dir):
     assert "restored iteration 10 from memory" in proc.stdout
     assert "restored iteration 14 from storage" in proc.stdout
     assert "Dynamic-K raises snapshot K 2 -> 4" in proc.stdout
+
+
+def test_a_planned_exit_right_after_a_skipped_snapshot_saves_that_iteration_whole(tmp_path, shm_dir):
+    """Issue 29: the snapshot of the last iteration was skipped (no region on one rank), then training ends
+    cleanly: the trainers save that iteration once more with every expert before they detach, so the restart
+    restores it from storage with PLT 0 and every slice as it was at exit."""
+    proc = torchrun("planned_exit.py", str(tmp_path / "ckpt"), shm_dir, env={"PEC_TEST_OUT": str(tmp_path)})
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"exit.rank{rank}.json").read_text())
+        assert r["skipped"] == 1 and r["iteration"] == 6, r
+        assert r["committed"][0] == 6 and r["generation"].endswith(".exit") and r["experts"] == [6], r
+        assert r["plt"] == 0.0 and r["differences"] == [], r
+    assert "skipped the snapshot of iteration 6" in proc.stdout + proc.stderr
+    assert "planned exit: iteration 6 saved once more with every expert" in proc.stdout + proc.stderr
+    assert "restored iteration 6 from storage" in proc.stdout
+
+
+def test_a_committed_iteration_saved_again_is_committed_under_new_names(tmp_path, shm_dir):
+    """Issue 29: 4 is committed (persist-K 1), restored from node memory (every expert at its snapshot
+    version) and saved again: the first save's files are never written again, the second save writes every
+    expert (its commit replaces the first's) into new files its manifest switches to, the first's go once
+    unreferenced, ``verify`` passes, and a restore from storage reads exactly the state saved."""
+    save = tmp_path / "ckpt"
+    proc = torchrun("resave.py", str(save), shm_dir, env={"PEC_TEST_OUT": str(tmp_path)})
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"resave.rank{rank}.json").read_text())
+        assert r["restored_from_memory"] == 4
+        first, second = r["generations"]
+        assert first != second and second, r
+        assert r["at_4"][1] == 16, r  # saved again: every expert (2 layers x 8), not persist-K
+        assert r["changed"] == ["manifest.json"], r  # replaced by a rename: the switch
+        assert not set(r["first_files"]) & set(r["second_files"]), r
+        rank_files = {f for f in r["left"] if f.endswith(".safetensors")}
+        assert set(r["second_files"]) <= rank_files <= set(r["referenced"]), r
+        assert r["differences"] == [], r
+    assert "restored iteration 4 from memory" in proc.stdout and "restored iteration 4 from storage" in proc.stdout
+    verify = run_megatron_pec("verify", save)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

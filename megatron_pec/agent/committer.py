@@ -1,6 +1,6 @@
 """Agent phase 6, commit - and the persists a restart relies on.
 
-Runs in the node agent's worker thread. A node's part of an iteration is done when every local
+Runs in the node agent's writer thread (``writer.py``). A node's part of an iteration is done when every local
 rank's file of it is durable: then the node marker is written, and whichever node's agent sees
 every marker writes the manifest and the tracker (``manifest.try_commit``). An iteration any of
 whose rank files failed is never committed. A snapshot held only in node memory is persisted
@@ -9,9 +9,11 @@ here too: at a planned exit (the newest one), and after a restart restored it fr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_pec import log, manifest
 from megatron_pec.agent.memory import NodeMemory
-from megatron_pec.agent.persist import check_and_persist
+from megatron_pec.agent.persist import check_snapshot, write_rank_file
 from megatron_pec.protocol import JobInfo, NodeMarker, RankFile, SlotRecord
 from megatron_pec.slots import SlotCache, slot_path
 from megatron_pec.storage import PosixStorage
@@ -20,16 +22,17 @@ from megatron_pec.storage import PosixStorage
 class Committer:
     def __init__(self, directory: str, storage: PosixStorage, slots: SlotCache):
         self.directory, self.storage, self.slots = directory, storage, slots
-        self.pending: dict[tuple[str, int], dict[str, RankFile]] = {}  # (save root, iteration) -> rank files
-        self.failed: set[tuple[str, int]] = set()  # (save root, iteration) with a failed rank file
+        # (save root, iteration, generation) -> rank files of one save; saves with a failed rank file
+        self.pending: dict[tuple[str, int, str], dict[str, RankFile]] = {}
+        self.failed: set[tuple[str, int, str]] = set()
 
-    def failed_persist(self, root: str, iteration: int) -> None:
-        self.failed.add((root, iteration))
+    def failed_persist(self, root: str, iteration: int, generation: str) -> None:
+        self.failed.add((root, iteration, generation))
 
-    def persisted(self, job: JobInfo, iteration: int, rank: int, entry: RankFile) -> None:
-        """Rank ``rank``'s file of ``iteration`` is durable; raises OSError when the marker or the
-        commit cannot be written."""
-        key = (job.save, iteration)
+    def persisted(self, job: JobInfo, iteration: int, rank: int, entry: RankFile, generation: str) -> None:
+        """Rank ``rank``'s file of save ``generation`` of ``iteration`` is durable; raises OSError when the
+        marker or the commit cannot be written."""
+        key = (job.save, iteration, generation)
         if key in self.failed:
             return
         done = self.pending.setdefault(key, {})
@@ -38,10 +41,10 @@ class Committer:
             return
         del self.pending[key]
         marker = NodeMarker(iteration=iteration, node=job.node_rank, job_id=job.job_id,
-                            fingerprint=job.fingerprint, topology=job.topology, ranks=done)
+                            fingerprint=job.fingerprint, topology=job.topology, ranks=done, generation=generation)
         manifest.write_node_marker(job.save, marker, self.storage)
         try:
-            committed = manifest.try_commit(job.save, iteration, job.num_nodes, job.keep, self.storage)
+            committed = manifest.try_commit(job.save, iteration, job.num_nodes, job.keep, generation, self.storage)
         except OSError as exc:
             if not self.storage.exists(manifest.manifest_path(job.save, iteration)):
                 raise
@@ -52,43 +55,64 @@ class Committer:
             log.info(f"committed iteration {iteration}")
 
     def persist_newest(self, served: dict, memory: NodeMemory) -> None:
-        """A planned exit (every trainer detached cleanly): persist and commit each rank's newest
-        snapshot if storage has nothing as new, so the restart loses nothing. ``served``: rank -> the
-        ``Link`` of its latest trainer."""
+        """A planned exit (every trainer detached cleanly): persist and commit each rank's newest snapshot
+        where storage does not hold it as completely - at a clean exit the trainer completed it with
+        every expert, so the restart restores with nothing lost. ``served``: rank -> the ``Link`` of its
+        latest trainer. Runs after the worker and the writer stopped."""
         for rank, link in sorted(served.items()):
             newest = memory.newest(rank)
             if newest is not None:
-                self.persist_from_memory(link, *newest, "planned exit", memory)
+                self.persist_from_memory(link, MemoryCopy.of(memory, rank, *newest), "planned exit",
+                                         f"{link.job.session}.exit")
 
-    def persist_resumed(self, link, iteration: int, memory: NodeMemory) -> None:
-        """A restart restored ``iteration`` from node memory: persist it if it never was, so a second
-        failure does not fall back further than it."""
-        resumed = memory.newest(link.rank, lambda r: r.iteration == iteration)
-        if resumed is not None:
-            self.persist_from_memory(link, *resumed, "resumed", memory)
-
-    def persist_from_memory(self, link, slot: int, record: SlotRecord, why: str, memory: NodeMemory) -> None:
-        """Persist and commit a snapshot held in node memory unless storage commits it or a newer
-        iteration. Only what that snapshot wrote is persisted (a rank file holds one iteration); the
-        experts it did not write keep their persisted versions, and a restore accounts their PLT as usual."""
-        rank, job, iteration = link.rank, link.job, record.iteration
+    def persist_from_memory(self, link, copy: "MemoryCopy", why: str, generation: str) -> None:
+        """Persist and commit the items snapshot ``copy`` wrote (a rank file holds one iteration's items) as
+        save ``generation``, unless storage holds a newer iteration, or this one with every one of them."""
+        rank, job, iteration = link.rank, link.job, copy.record.iteration
         root = job.save
         committed = manifest.committed_iterations(root, self.storage)
-        if committed and committed[0] >= iteration:
+        if committed and committed[0] > iteration:
             return
-        if self.storage.exists(manifest.node_marker(root, iteration, job.node_rank)):
+        if committed and committed[0] == iteration:
+            try:
+                held = manifest.read_manifest(root, iteration, self.storage)
+            except manifest.ManifestError:
+                held = None
+            entry = held.ranks.get(str(rank)) if held is not None else None
+            if entry is not None and (copy.written <= set(entry.items) or held.generation == generation):
+                return  # storage holds it as completely
+        if job.node_rank in manifest.persisted_nodes(root, iteration, generation, self.storage):
             return  # persisted by this node already; another node's agent has yet to commit it
-        self.failed.discard((root, iteration))  # a failed persist of it is retried now
-        target = manifest.rank_file(root, iteration, rank)
-        _, places = memory.view_places(rank, iteration)
-        elsewhere = {item: slot_path(self.directory, rank, place) for item, place in places.items()}
+        self.failed.discard((root, iteration, generation))  # a failed persist of it is retried now
+        target = manifest.fresh_rank_file(root, iteration, rank, generation, self.storage)
+        elsewhere = {item: slot_path(self.directory, rank, place) for item, place in copy.places.items()}
         try:
-            _, _, file = check_and_persist(slot_path(self.directory, rank, slot), iteration, record.run, job.key,
-                                           None, target, self.storage, self.slots, elsewhere)
+            checked = check_snapshot(slot_path(self.directory, rank, copy.slot), iteration, copy.record.run, job.key,
+                                     self.slots)
+            file = write_rank_file(checked, set(checked.snapshot.items), target, self.storage, self.slots, elsewhere)
             log.info(f"{why}: persisted rank {rank}'s snapshot of iteration {iteration}")
-            self.persisted(job, iteration, rank, RankFile(file=manifest.relative(root, target), **file))
+            self.persisted(job, iteration, rank, RankFile(file=manifest.relative(root, target), **file), generation)
         except Exception as exc:  # storage keeps what it had: said, never hidden
             log.info(f"{why}: cannot persist rank {rank}'s iteration {iteration}: {type(exc).__name__}: {exc}")
 
 
-__all__ = ["Committer"]
+@dataclass(frozen=True)
+class MemoryCopy:
+    """What persisting a snapshot held in node memory reads, taken where node memory is owned (the worker):
+    its home ``slot`` and ``record``, the items it wrote, and the slots of the ones not in its home."""
+
+    rank: int
+    slot: int
+    record: SlotRecord
+    written: frozenset
+    places: dict[str, int]
+
+    @classmethod
+    def of(cls, memory: NodeMemory, rank: int, slot: int, record: SlotRecord) -> "MemoryCopy":
+        iteration = record.iteration
+        written = frozenset(i for i, v in memory.view(rank, iteration).items.items() if v == iteration)
+        _, places = memory.view_places(rank, iteration)
+        return cls(rank, slot, record, written, dict(places))
+
+
+__all__ = ["Committer", "MemoryCopy"]

@@ -1,15 +1,17 @@
 """The agent's CPU time by what it was doing: the benchmarks' breakdown of what persisting costs.
 
-The worker thread charges each part of its work (``with ledger("committing"): ...``) the process
-CPU time (every thread of it: the checksum thread works for the writes) spent meanwhile; the
-ledger is written to ``<node dir>/agent_cpu.json`` when a trainer flushes. The agent's whole CPU
-time is in it too: the rest (serving messages, replication's threads) is the difference.
+Each part of the agent's work (``with ledger("committing"): ...``) is charged the CPU time of the
+thread that does it (the worker, the writer, the writer's checksum thread: they run at once, so
+process time would count one part's time in another's); the ledger is written to
+``<node dir>/agent_cpu.json`` when a trainer flushes. The agent's whole CPU time is in it too: the
+rest (serving messages, replication's threads) is the difference.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from contextlib import contextmanager
 
@@ -20,20 +22,25 @@ class CpuLedger:
     def __init__(self, directory: str):
         self.path = os.path.join(directory, FILE)
         self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self, name: str):
-        started = time.process_time()
+        started = time.thread_time()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.process_time() - started
+            spent = time.thread_time() - started
+            with self._lock:
+                self.seconds[name] = self.seconds.get(name, 0.0) + spent
 
     def write(self) -> None:
         """The ledger and the process's CPU seconds so far, replaced atomically (node memory is tmpfs)."""
         tmp = f"{self.path}.tmp"
+        with self._lock:
+            phases = dict(self.seconds)
         with open(tmp, "w") as f:
-            json.dump({"phases": self.seconds, "process_s": time.process_time()}, f)
+            json.dump({"phases": phases, "process_s": time.process_time()}, f)
         os.replace(tmp, self.path)
 
 

@@ -1,5 +1,5 @@
-"""The node agent's work, as typed jobs: what the connections queue and the worker loop runs, in
-arrival order (``server.Agent._work``). The loop stops on ``Shutdown``.
+"""The node agent's work, as typed jobs: what the connections (and the writer, ``writer.py``) queue
+and the worker loop runs, in arrival order (``server.Agent._work``). The loop stops on ``Shutdown``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from megatron_pec.protocol import Begin, SnapshotReady
 
 @dataclass(frozen=True)
 class Persist:
-    """Phases 5-6 for an announced snapshot: check it, persist it if asked, record it, commit, release."""
+    """Phase 5 for an announced snapshot: check and record it; release it, or hand its rank file to the
+    writer."""
 
     link: object  # the announcing trainer's ``server.Link``
     msg: SnapshotReady
@@ -47,6 +48,30 @@ class Flush:
 
 
 @dataclass(frozen=True)
+class Written:
+    """The writer is done with a persistent snapshot: release it (with ``error``, if any)."""
+
+    link: object
+    msg: SnapshotReady
+    error: str | None
+
+
+@dataclass(frozen=True)
+class WrittenFromMemory:
+    """The writer is done with a persist from node memory: the regions it read are free to go."""
+
+    rank: int
+    iteration: int
+
+
+@dataclass(frozen=True)
+class Drained:
+    """Every write queued before a ``Flush`` has ended: answer it."""
+
+    link: object
+
+
+@dataclass(frozen=True)
 class Repin:
     """Tell the trainers the regions they must keep now (a replica push ended)."""
 
@@ -56,4 +81,5 @@ class Shutdown:
     """Stop the worker (everything queued before is done)."""
 
 
-__all__ = ["Persist", "Pull", "Settle", "Resume", "Flush", "Repin", "Shutdown"]
+__all__ = ["Persist", "Pull", "Settle", "Resume", "Flush", "Written", "WrittenFromMemory", "Drained", "Repin",
+           "Shutdown"]

@@ -103,6 +103,9 @@ class NodeMemory:
             for slot in slots:
                 self._drop(rank, slot, item)
         records = self.slots.setdefault(rank, {})
+        for slot, record in list(records.items()):  # an earlier snapshot of the same iteration: superseded
+            if slot != home and record.iteration == header.iteration and record.run == header.run:
+                records[slot] = self._without_home(record)
         previous_home = records.get(home)
         if previous_home is not None and previous_home.iteration != NO_HOME:
             # The home's header is replaced: what stays of the old home snapshot keeps its run.

@@ -1,17 +1,19 @@
-"""Agent phase 5: check a snapshot's header and persist its persist-level items as a rank file.
+"""Agent phase 5: check a snapshot's header (the worker) and persist its persist-level items as a rank
+file (the writer).
 
-Runs in the node agent process, one snapshot at a time. The header (in the snapshot's home slot)
-carries each written item's checksum, computed by the trainer where the bytes came from (``sum64``):
-that is the snapshot's record, and a memory-only snapshot is recorded without reading its bytes. A
-persisted item is read once, from the slot its region is in, to write the rank file (a compact
-safetensors file: the non-expert tensors plus the persist-level experts, written atomically), and
-checked against the trainer's checksum on the way: bytes that changed in node memory never become a
-rank file.
+The header (in the snapshot's home slot) carries each written item's checksum, computed by the trainer
+where the bytes came from (``sum64``): that is the snapshot's record, and a memory-only snapshot is
+recorded without reading its bytes. A persisted item is read once, from the slot its region is in, to
+write the rank file (a compact safetensors file: the non-expert tensors plus the persist-level experts,
+written atomically), and checked against the trainer's checksum on the way: bytes that changed in node
+memory never become a rank file.
 """
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from megatron_pec.agent.memory import header_problem
 from megatron_pec.checksum import crc32, item_checks, mismatch
@@ -26,18 +28,26 @@ class SnapshotMismatch(RuntimeError):
     """The slot's header or bytes do not hold the snapshot the trainer announced."""
 
 
-def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_items: set[str] | None,
-                      target: str | None, storage: PosixStorage, slots: SlotCache,
-                      elsewhere: dict[str, str] | None = None) -> tuple[SlotHeader, dict, dict | None]:
-    """Validate the home slot at ``path`` as holding the complete snapshot ``iteration`` of ``run`` and
-    ``job`` (its items there, or in the slot files ``elsewhere`` names); persist it to ``target`` if
-    given (the dense state plus ``persist_items``, None: all it wrote).
+@dataclass(frozen=True)
+class CheckedSnapshot:
+    """A snapshot whose header was checked: what the agent records, and what a persist reads."""
 
-    Returns the snapshot's header, its items' checksums and, when persisted, the rank file's ``size``,
-    ``crc32``, ``items``, ``header_crc32`` and ``item_sums`` (``item_crc32`` for a slot of an older
-    trainer). Raises SnapshotMismatch, FormatError or OSError.
-    """
-    elsewhere = elsewhere or {}
+    path: str                 # its home slot
+    snapshot: SlotHeader      # its header's metadata
+    layout: object            # the slot's tensor table (``stformat.Header``; every slot of the rank shares it)
+    checks: dict              # item -> its checksum (the trainer's sums; crc32 for a trainer of an older release)
+    summed: bool              # ``checks`` are the trainer's sums
+
+    def kept(self, persist_items: set[str] | None) -> set[str]:
+        """What a rank file of it holds: the dense state and ``persist_items`` (None: all it wrote)."""
+        written = set(self.snapshot.items)
+        return written if persist_items is None else {i for i in written if i == NON_EXPERT or i in persist_items}
+
+
+def check_snapshot(path: str, iteration: int, run: str, job: JobKey, slots: SlotCache) -> CheckedSnapshot:
+    """Validate the home slot at ``path`` as holding the complete snapshot ``iteration`` of ``run`` and ``job``;
+    reads its header only (a trainer of an older release: its items too). Raises SnapshotMismatch,
+    FormatError or OSError."""
     mapping, header = slots.open(path)
     try:
         snapshot = SlotHeader.from_metadata(header.metadata)
@@ -51,23 +61,38 @@ def check_and_persist(path: str, iteration: int, run: str, job: JobKey, persist_
         unsummed = sorted(set(written) - set(snapshot.sums))
         if unsummed:
             raise SnapshotMismatch(f"{path} has no checksum for {', '.join(unsummed[:3])}")
-        checks = {i: snapshot.sums[i] for i in written}
-    else:  # a trainer of an older release: its bytes are checked here, as it did
-        checks = item_checksums(mapping, header, set(written))
-    file = None
-    if target is not None:
-        keep = set(written) if persist_items is None else \
-            {i for i in written if i == NON_EXPERT or i in persist_items}
-        expected = {i: checks[i] for i in keep}
-        mappings = {path: mapping, **{p: slots.open(p)[0] for p in set(elsewhere.values())}}
-        where = {i: mappings[elsewhere.get(i, path)] for i in keep}
-        # The persisted items are checked beside the write (both release the GIL), before the rename.
-        with ThreadPoolExecutor(1) as pool:
-            computing = pool.submit(_checks_in, mappings, elsewhere, path, header, expected)
-            file = _write_compact(where, header, snapshot, keep, target, storage,
-                                  lambda: _check(path, computing.result(), expected))
-        file["item_sums" if snapshot.sums else "item_crc32"] = expected
-    return snapshot, checks, file
+        return CheckedSnapshot(path, snapshot, header, {i: snapshot.sums[i] for i in written}, True)
+    # a trainer of an older release: its bytes are checked here, as it did
+    return CheckedSnapshot(path, snapshot, header, item_checksums(mapping, header, set(written)), False)
+
+
+def write_rank_file(checked: CheckedSnapshot, keep: set[str], target: str, storage: PosixStorage, slots: SlotCache,
+                    elsewhere: dict[str, str] | None = None, cpu=None) -> dict:
+    """Persist the items ``keep`` of ``checked`` to ``target`` (``elsewhere``: item -> the slot file its region is
+    in, if not the home), each checked against its checksum before the rename (``cpu``: the agent's ledger,
+    charged for the check).
+
+    Returns the rank file's ``size``, ``crc32``, ``items``, ``header_crc32`` and ``item_sums`` (``item_crc32``
+    for a slot of an older trainer). Raises SnapshotMismatch, FormatError or OSError.
+    """
+    elsewhere = elsewhere or {}
+    path, header = checked.path, checked.layout
+    expected = {i: checked.checks[i] for i in keep}
+    mappings = {p: slots.open(p)[0] for p in {path, *elsewhere.values()}}
+    where = {i: mappings[elsewhere.get(i, path)] for i in keep}
+    charged = cpu("checking persisted items") if cpu is not None else contextlib.nullcontext()
+
+    def checks() -> dict:
+        with charged:
+            return _checks_in(mappings, elsewhere, path, header, expected)
+
+    # The persisted items are checked beside the write (both release the GIL), before the rename.
+    with ThreadPoolExecutor(1) as pool:
+        computing = pool.submit(checks)
+        file = _write_compact(where, header, checked.snapshot, keep, target, storage,
+                              lambda: _check(path, computing.result(), expected))
+    file["item_sums" if checked.summed else "item_crc32"] = expected
+    return file
 
 
 def _checks_in(mappings: dict, elsewhere: dict[str, str], home: str, header, expected: dict) -> dict:
@@ -108,4 +133,4 @@ def _write_compact(where: dict, header, snapshot: SlotHeader, keep: set[str], ta
     return {"size": size, "crc32": crc, "items": sorted(keep), "header_crc32": crc32(head)}
 
 
-__all__ = ["check_and_persist", "SnapshotMismatch"]
+__all__ = ["CheckedSnapshot", "check_snapshot", "write_rank_file", "SnapshotMismatch"]

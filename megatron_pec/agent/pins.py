@@ -9,7 +9,10 @@ recorded version, not in flight and not pinned (``regions.RegionBook``). The age
   storage). With replicas the lost node restores its newest replica instead, which the survivors hold
   as one of their newest snapshots; keeping a third one would leave snapshots no region while a push
   runs;
-* the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it.
+* the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it;
+* a snapshot being written to storage (``writer.py``): what it wrote, or for a persist from node memory
+  each item at its newest version up to it. Its own trainer holds it anyway until it is released; the
+  pin keeps it from a trainer that starts meanwhile.
 
 A trainer hears the pins with every ``Begun`` and ``Released``, and unasked (``Granted``) when they
 shrink while it waits for a region.
@@ -23,10 +26,10 @@ from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Pin
 
 
-def pins(rank: int, job, memory: NodeMemory, storage, replicating: list[int]) -> list[Pin]:
+def pins(rank: int, job, memory: NodeMemory, storage, replicating: list[int], writing: list[Pin]) -> list[Pin]:
     """The rank's pins now (``job``: its ``JobInfo``); ``replicating``: the iterations of its snapshots
-    being sent or to send."""
-    out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))]
+    being sent or to send; ``writing``: the pins of its writes in flight."""
+    out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))] + list(writing)
     if not job.replicas:
         committed = memory.newest(rank, lambda r: storage.exists(manifest.manifest_path(job.save, r.iteration)))
         if committed is not None:

@@ -277,6 +277,7 @@ class Replicator:
         self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
         self.sending: dict[int, int] = {}           # rank -> iteration being read now (pinned)
         self.synced: set[tuple[int, int]] = set()   # (holder, rank) that hold a base replica
+        self.landed: dict[int, int] = {}            # rank -> iteration of its newest replica on every holder
         self.sent = {"snapshots": 0, "whole": 0, "bytes": 0}  # completed pushes (reported at exit)
         self.cond = threading.Condition()
         threading.Thread(target=self._run, daemon=True).start()
@@ -301,6 +302,11 @@ class Replicator:
         with self.cond:
             return not self.pending and not self.sending
 
+    def busy(self, rank: int) -> bool:
+        """A snapshot of ``rank`` is being sent or waits to be."""
+        with self.cond:
+            return rank in self.sending or rank in self.pending
+
     def _run(self) -> None:
         while True:
             with self.cond:
@@ -322,7 +328,9 @@ class Replicator:
         job = self.job
         addresses = peers.read_peers(job.save, job.job_id, job.num_nodes, self.storage)
         domains = {n: a.domain for n, a in addresses.items()}
-        for holder in peers.holders(job.node_rank, job.num_nodes, job.replicas, domains):
+        holders = peers.holders(job.node_rank, job.num_nodes, job.replicas, domains)
+        landed = 0
+        for holder in holders:
             address = addresses.get(holder)
             if address is None:
                 log.info(f"replication: node {holder}'s agent has not published its address yet; its replicas "
@@ -331,10 +339,14 @@ class Replicator:
             try:
                 self._push(address, rank, home, elsewhere, record, lineage, full=(holder, rank) not in self.synced)
                 self.synced.add((holder, rank))
+                landed += 1
             except (OSError, ReplicaError, ProtocolError, FormatError) as exc:
                 self.synced.discard((holder, rank))
                 log.info(f"replication of rank {rank} to node {holder} failed ({exc}); training continues, a "
                          "lost node restores from storage until a replica lands", once=True)
+        if holders and landed == len(holders):
+            with self.cond:
+                self.landed[rank] = record.iteration
 
     def _push(self, address: PeerAddress, rank: int, home: str, elsewhere: dict[str, str], record: SlotRecord,
               lineage: list[Segment], full: bool) -> None:

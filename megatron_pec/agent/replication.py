@@ -28,6 +28,7 @@ class Replication:
         self.address: PeerAddress | None = None
         self.published = False
         self._lock = threading.Lock()
+        self.recorded: dict[int, list[int]] = {}  # rank -> iterations of its recent snapshots on its timeline
 
     @property
     def started(self) -> bool:
@@ -66,11 +67,26 @@ class Replication:
         its newest version up to it, each read from the slot its region is in."""
         if self.replicator is None:
             return
+        self.recorded[rank] = [i for i in self.recorded.get(rank, []) if i < iteration][-63:] + [iteration]
         self.publish(job)
         home, places = memory.view_places(rank, iteration)
         elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in places.items()}
         self.replicator.offer(rank, slot_path(self.directory, rank, home), elsewhere, memory.view(rank, iteration),
                               memory.lineage.get(rank, []))
+
+    def hold(self, rank: int, bound: int) -> str | None:
+        """Why the rank's next snapshot must wait, if it must: its newest replica on every holder lags
+        ``bound`` snapshots or more behind, and a push of a newer one is under way (a push that failed
+        frees it: training goes on, the lost node would restore from storage)."""
+        replicator = self.replicator
+        if replicator is None or not replicator.busy(rank):
+            return None
+        landed = replicator.landed.get(rank, -1)
+        lag = sum(1 for i in self.recorded.get(rank, []) if i > landed)
+        if lag < bound:
+            return None
+        return (f"rank {rank}'s newest replica on its peers is {lag} snapshots behind (--pec-replica-lag {bound}): "
+                "waiting for the push under way")
 
     def replicating(self, rank: int) -> list[int]:
         """The rank's iterations being sent to a peer or waiting to be (pinned on its trainer)."""

@@ -2,27 +2,28 @@
 owns node memory.
 
 Started detached by a trainer (or by hand with ``python -m megatron_pec agent``), it outlives
-trainer crashes so their snapshots stay in node memory. It never imports torch or Megatron. Phases:
+trainer crashes so their snapshots stay in node memory. It never imports torch or Megatron. Two
+threads do its work:
 
-5. record   for each announced snapshot, in arrival order: check its header (the trainer wrote each
-            item's checksum there) and, for persistent saves, write the rank file (tmp, fsync,
-            rename; each persisted item checked on the way); record its regions in node memory
-            (``memory.py``): it is restorable now, every item at its newest version.
-6. commit   when all local ranks of an iteration are persisted, write this node's marker; whichever
-            node completes last writes manifest and tracker (``committer.py``).
-   release  answer the trainer with the regions it must keep (``pins.py``); send the snapshot to the
-            node's replica holders (``replication.py``).
-
-A memory-only snapshot costs the agent its header and its index entry, whatever its size: the bytes
-stay where the trainer's copy put them.
+5. record   the worker, for each announced snapshot in arrival order: check its header (the trainer
+            wrote each item's checksum there) and record its regions in node memory (``memory.py``):
+            it is restorable now, every item at its newest version. A memory-only snapshot is
+            released at once: it costs the agent its header and its index entry, whatever its size.
+6. persist  the writer (``writer.py``), for each persistent snapshot in arrival order: write the rank
+   and     file (tmp, fsync, rename; each persisted item checked on the way); when all local ranks of
+   commit   an iteration are persisted, write this node's marker; whichever node completes last writes
+            manifest and tracker (``committer.py``). Snapshots keep being recorded meanwhile.
+   release  the worker answers the trainer with the regions it must keep (``pins.py``) and sends the
+            snapshot to the node's replica holders (``replication.py``).
 
 Protocol (``protocol.py`` records, newline-delimited JSON over ``<node dir>/agent.sock``):
 a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` with its pins), then
 ``SnapshotReady`` per snapshot (answered ``Released``: recorded or not, an error if persisting
-failed, the pins), ``Flush`` (answered ``Flushed`` once all earlier work is done), ``Settle``
-(answered ``Flushed`` once every earlier snapshot is recorded: what a restore needs), ``Detach`` or
-``Stop``. A trainer waiting for a region hears ``Granted`` when the pins shrink. A failed persist is
-reported and the agent keeps serving.
+failed, the pins; a persistent snapshot once written, so answers may come out of order), ``Flush``
+(answered ``Flushed`` once all earlier work is done), ``Settle`` (answered ``Flushed`` once every
+earlier snapshot is recorded: what a restore needs), ``Detach`` or ``Stop``. A trainer waiting for a
+region hears ``Granted`` when the pins shrink. A failed persist is reported and the agent keeps
+serving.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron_pec import faults, log, manifest
-from megatron_pec.agent import jobs
-from megatron_pec.agent.committer import Committer
+from megatron_pec import faults, log
+from megatron_pec.agent import jobs, writer
+from megatron_pec.agent.committer import MemoryCopy
 from megatron_pec.agent.cpu import FILE as CPU_LEDGER
 from megatron_pec.agent.cpu import CpuLedger
 from megatron_pec.agent.memory import INDEX, NodeMemory
-from megatron_pec.agent.persist import check_and_persist
+from megatron_pec.agent.persist import check_snapshot
 from megatron_pec.agent.pins import pins
 from megatron_pec.agent.replication import Replication
 from megatron_pec.protocol import (
@@ -58,7 +59,6 @@ from megatron_pec.protocol import (
     JobInfo,
     Pin,
     ProtocolError,
-    RankFile,
     Ready,
     Record,
     Released,
@@ -86,20 +86,20 @@ class Link:
     rank: int
     job: JobInfo
     run: str | None = None            # set by Begin
-    pins: list[Pin] = field(default_factory=list)
+    pins: tuple = ((), None)          # (pins, hold) it heard last
     serial: int = field(default_factory=lambda: next(_LINKS))  # unlike id(), never reused
 
     def begin(self, run: str) -> None:
         self.run = run
 
-    def told(self, pins: list[Pin]) -> list[Pin]:
+    def told(self, pins: tuple[list[Pin], str | None]) -> tuple[list[Pin], str | None]:
         self.pins = pins
         return pins
 
 
 class Agent:
     """The server: connections, the worker loop, and the order of phases 5 and 6. What node memory
-    holds is ``memory``'s, commits ``committer``'s, replication ``replication``'s."""
+    holds is ``memory``'s, writes and commits ``writer``'s, replication ``replication``'s."""
 
     def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool):
         self.directory, self.node_rank = directory, node_rank
@@ -117,11 +117,12 @@ class Agent:
         # started once a job asks for it; a push that ends frees the regions it pinned
         self.replication = Replication(directory, self.storage, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
-        self.committer = Committer(directory, self.storage, self.slots)
+        self.writing: dict[int, list[Pin]] = {}         # rank -> pins of its writes in flight (the worker's)
         self.pending_work = False  # a job is queued or running
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
-        self.cpu = CpuLedger(directory)                 # the worker's CPU time by phase (benchmarks)
+        self.cpu = CpuLedger(directory)                 # CPU time by phase (benchmarks)
+        self.writer = writer.Writer(directory, self.storage, self.slots, self.cpu, self.jobs.put)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -155,17 +156,18 @@ class Agent:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self.jobs.put(jobs.Shutdown())
             worker.join(timeout=300)
+            self.writer.stop(timeout=3600)  # every write queued ends (a trainer that flushed waited for them)
             server.close()
             os.unlink(sock_path)  # no longer serving: a trainer must not find a socket to connect to
             if self.planned_exit:
-                self.committer.persist_newest(self.served, self.memory)
+                self.writer.committer.persist_newest(self.served, self.memory)
             self.replication.close()
             self._cleanup()
         return 0
 
     def _check_idle(self) -> None:
         with self.lock:
-            busy = bool(self.links) or not self.jobs.empty() or self.pending_work
+            busy = bool(self.links) or not self.jobs.empty() or self.pending_work or self.writer.busy
             everyone_left = bool(self.served) and set(self.served) <= self.detached and not self.links
         if busy:
             self.last_activity = time.monotonic()
@@ -279,10 +281,17 @@ class Agent:
             if isinstance(job, jobs.Shutdown):
                 return
             if isinstance(job, jobs.Flush):
+                self.writer.put(writer.Drain(job.link))  # answered once the writes before it ended
+            elif isinstance(job, jobs.Drained):
                 self._write_cpu_ledger()
                 self._send(job.link.conn, Flushed())
             elif isinstance(job, jobs.Persist):
-                self._persist(job)
+                self._record(job)
+            elif isinstance(job, jobs.Written):
+                self._written(job.link, job.msg, job.error)
+            elif isinstance(job, jobs.WrittenFromMemory):
+                self.writing[job.rank].remove(Pin(job.iteration, None, newest=True))
+                self._repin()
             elif isinstance(job, jobs.Repin):
                 self._repin()
             elif isinstance(job, jobs.Pull):
@@ -293,68 +302,77 @@ class Agent:
             elif isinstance(job, jobs.Settle):  # every earlier snapshot is recorded
                 self._send(job.link.conn, Flushed())
             elif isinstance(job, jobs.Resume):
-                self._send(job.link.conn, self._begin(job.link, job.msg))
-                if job.msg.resumed_from:
-                    self.committer.persist_resumed(job.link, job.msg.resumed_from, self.memory)
+                self._resume(job.link, job.msg)
             with self.lock:  # after every step: a stale "busy" kept the agent alive forever
                 self.pending_work = not self.jobs.empty()
 
-    def _persist(self, job: jobs.Persist) -> None:
-        """Phases 5 and 6: check the header and, if asked, write the rank file; record the snapshot's
-        regions; report to the committer; release it to the trainer (with the error, if any)."""
+    def _record(self, job: jobs.Persist) -> None:
+        """Phase 5: check the header, record the snapshot's regions, offer it to the replicas; release it,
+        or hand its rank file to the writer (released once written)."""
         link, msg = job.link, job.msg
         rank, root = link.rank, link.job.save
-        target = manifest.rank_file(root, msg.iteration, rank) if msg.persist else None
-        persist_items = set(msg.persist_items) if msg.persist_items is not None else None
-        elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in msg.places.items()}
         try:
-            with self.cpu("checking and writing"):
-                header, checks, file = check_and_persist(
-                    slot_path(self.directory, rank, msg.slot), msg.iteration, link.run or "", link.job.key,
-                    persist_items, target, self.storage, self.slots, elsewhere)
+            with self.cpu("checking"):
+                checked = check_snapshot(slot_path(self.directory, rank, msg.slot), msg.iteration, link.run or "",
+                                         link.job.key, self.slots)
         except Exception as exc:  # reported to the trainer; the agent keeps serving
-            if target is not None:
-                self.committer.failed_persist(root, msg.iteration)
+            if msg.persist:
+                self.writer.put(writer.Failed(root, msg.iteration, msg.generation))
             self._recorded(rank)
             self._release(link, msg, False, f"{type(exc).__name__}: {exc}")
             return
         with self.cpu("node-memory index"):
-            self.memory.record_snapshot(rank, msg.slot, header, checks, msg.places, msg.stale, link.job.key)
+            self.memory.record_snapshot(rank, msg.slot, checked.snapshot, checked.checks, msg.places, msg.stale,
+                                        link.job.key)
             self.memory.write()
         self._recorded(rank)
         faults.point("agent_recorded", iteration=msg.iteration)
-        error = None
-        if target is not None:
-            try:
-                with self.cpu("committing"):
-                    self.committer.persisted(link.job, msg.iteration, rank,
-                                             RankFile(file=manifest.relative(root, target), **file))
-            except Exception as exc:  # the snapshot itself is sound: it still serves node memory
-                error = f"{type(exc).__name__}: {exc}"
         with self.cpu("replicating"):
             self.replication.offer(link.job, rank, msg.iteration, self.memory)
+        if not msg.persist:
+            self._release(link, msg, True, None)
+            return
+        self.writing.setdefault(rank, []).append(Pin(msg.iteration, None))
+        elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in msg.places.items()}
+        self.writer.put(writer.Write(link, msg, checked, elsewhere))
+
+    def _written(self, link: Link, msg: SnapshotReady, error: str | None) -> None:
+        self.writing[link.rank].remove(Pin(msg.iteration, None))
         self._release(link, msg, True, error)
 
     def _release(self, link: Link, msg: SnapshotReady, recorded: bool, error: str | None) -> None:
         if error is not None:
             log.info(f"rank {link.rank} iteration {msg.iteration}: {error}")
-        self._send(link.conn, Released(msg.slot, msg.iteration, error, recorded, link.told(self._pins(link))))
+        self._send(link.conn, Released(msg.slot, msg.iteration, error, recorded, *link.told(self._pins(link))))
 
     def _recorded(self, rank: int) -> None:
         with self.lock:
             self.unrecorded[rank] -= 1
 
     # ---- the timeline and the pins ------------------------------------------------------------------
-    def _begin(self, link: Link, msg: Begin) -> Begun:
+    def _resume(self, link: Link, msg: Begin) -> None:
         """The trainer's timeline: abandon other runs after its resume point; it reads node memory's
-        regions from the index, written here first."""
+        regions from the index, written here first. A snapshot restored from node memory is persisted
+        (if storage lacks it), so a second failure does not fall back further than it: its regions are
+        pinned before the trainer hears ``Begun``."""
         self.memory.begin(link.rank, msg.run, msg.resumed_from, link.job.key)
         self.memory.write()
         link.begin(msg.run)
-        return Begun(link.told(self._pins(link)))
+        resumed = None
+        if msg.resumed_from is not None:
+            resumed = self.memory.newest(link.rank, lambda r: r.iteration == msg.resumed_from)
+        if resumed is not None:
+            self.writing.setdefault(link.rank, []).append(Pin(msg.resumed_from, None, newest=True))
+        self._send(link.conn, Begun(*link.told(self._pins(link))))
+        if resumed is not None:
+            copy = MemoryCopy.of(self.memory, link.rank, *resumed)
+            self.writer.put(writer.WriteFromMemory(link, copy, "resumed", f"{link.job.session}.resumed"))
 
-    def _pins(self, link: Link) -> list[Pin]:
-        return pins(link.rank, link.job, self.memory, self.storage, self.replication.replicating(link.rank))
+    def _pins(self, link: Link) -> tuple[list[Pin], str | None]:
+        """The rank's pins and, if the next snapshot must wait, why."""
+        return (pins(link.rank, link.job, self.memory, self.storage, self.replication.replicating(link.rank),
+                     self.writing.get(link.rank, [])),
+                self.replication.hold(link.rank, link.job.replica_lag))
 
     def _repin(self) -> None:
         """Trainers hear of pins that changed since their last answer (a push ended, a newer iteration
@@ -366,7 +384,7 @@ class Agent:
                 continue
             now = self._pins(link)
             if now != link.pins:
-                self._send(link.conn, Granted(link.told(now)))
+                self._send(link.conn, Granted(*link.told(now)))
 
     def _write_cpu_ledger(self) -> None:
         try:

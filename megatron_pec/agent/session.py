@@ -97,6 +97,8 @@ class AgentSession:
                     or (self.regions.held_by_replicas() and time.monotonic() < started + REPLICA_WAIT_S)):
                 self._collect(block_s=0.05)
                 home = self._home()
+            if home is None and self.regions.hold:
+                return None, f"{self.regions.hold} for {REPLICA_WAIT_S:.0f} s"
             if home is None:
                 return None, ("node memory has no free region for some item (all held by the node agent: being "
                               "persisted or sent to a peer, or kept for recovery); raise the save interval or pass "
@@ -122,14 +124,15 @@ class AgentSession:
             self.regions.skipped(placement)
 
     def announce(self, home: int, iteration: int, persistent: bool, persist_items: list[str] | None,
-                 placement: dict[str, int]) -> bool:
+                 placement: dict[str, int], generation: str = "") -> bool:
         """Hand the complete snapshot of ``iteration`` (header and dense state in ``home``, its items where
         ``placement`` says) to the agent; False when the agent is gone (the snapshot is lost, the caller
         warns)."""
         with self._lock:
             places = {item: slot for item, slot in placement.items() if slot != home}
             stale = self.regions.announced(iteration, placement)
-            if not self.client.send(SnapshotReady(home, iteration, persistent, persist_items, places, stale)):
+            if not self.client.send(SnapshotReady(home, iteration, persistent, persist_items, places, stale,
+                                                  generation)):
                 self.regions.agent_lost()
                 return False
             return True
@@ -173,7 +176,7 @@ class AgentSession:
                 self.begins_unanswered -= 1
                 if not self.begins_unanswered:
                     self.regions.reset(NodeMemory.read(self.node_dir), self.rank)
-                    self.regions.pin(msg.pins)
+                    self.regions.pin(msg.pins, msg.hold)
                 continue
             if isinstance(msg, Released):
                 self.regions.released(msg.iteration, msg.recorded)
@@ -182,7 +185,7 @@ class AgentSession:
                     log.warning(f"snapshot of iteration {msg.iteration} was not persisted: {msg.error}; training "
                                 "continues and the next save tries again", rank=self.rank)
             if isinstance(msg, (Released, Granted)) and not self.begins_unanswered:
-                self.regions.pin(msg.pins)
+                self.regions.pin(msg.pins, msg.hold)
         if not self.client.connected:
             self.regions.agent_lost()
             self.begins_unanswered = 0

@@ -55,7 +55,9 @@ AGENT_POINTS = ("agent_recorded", "persist_write", "before_rename", "before_node
 DAMAGE = ("flip_byte", "truncate", "delete_rank_file", "manifest_missing_file")
 TYPES = ("trainer_kill_point", "trainer_kill_random", "agent_kill_point", "agent_kill_random", "node_loss",
          "storage_error", "storage_full", "corruption", "replica_holder_kill", "replica_link_drop",
-         "replica_corrupt", "two_nodes_lost")
+         "replica_corrupt", "two_nodes_lost", "planned_exit", "relaunch_finished", "restart_during_persist",
+         "slow_replica_node_loss")
+REPLICA_LAG = 2  # --pec-replica-lag's default: how many snapshots a node's newest replica may lag
 
 
 class Failure(AssertionError):
@@ -133,6 +135,16 @@ class Campaign:
             spec["nth"] = self.rng.randrange(2, 8 if spec["point"] == "persist_write" else 5)
         elif kind == "storage_full":
             spec["size_mib"] = self.rng.randrange(6, 40)
+        elif kind == "planned_exit":
+            # Megatron's --exit-interval between persists (every 2), the snapshot partial (K of 4 per rank)
+            spec["exit"] = self.rng.randrange(3, FULL_ITERS, 2)
+            spec["k"] = self.rng.randrange(1, 4)
+        elif kind == "relaunch_finished":
+            spec["k"], spec["relaunch_k"] = self.rng.randrange(1, 4), self.rng.randrange(1, 5)
+        elif kind == "restart_during_persist":
+            spec["nth"] = self.rng.randrange(2, 6)  # the agent's n-th rename stalls; the trainers die meanwhile
+        elif kind == "slow_replica_node_loss":
+            spec["nth"] = self.rng.randrange(2, FULL_ITERS - 4)  # the holder's n-th replica transfer stalls
         elif kind == "corruption":
             newest = range(FULL_ITERS, FULL_ITERS - 2 * self.rng.randrange(1, 3), -2)
             spec["damage"] = [(i, self.rng.choice(DAMAGE)) for i in newest]
@@ -267,7 +279,8 @@ class Campaign:
 
     def _agent_kill_point(self, c: Cluster, spec: dict, result: dict) -> None:
         node, point = spec["node"], spec["point"]
-        scope = f":{node}" if point in ("agent_recorded", "persist_write", "before_rename", "before_node_marker") else ""
+        scoped = ("agent_recorded", "persist_write", "before_rename", "before_node_marker")
+        scope = f":{node}" if point in scoped else ""
         c.launch(FULL, faults=f"{point}=kill@{spec['nth']}{scope}")
         codes = c.wait_exit(TIMEOUT)
         self._agent_outcome(c, result, codes, f"fault injection: kill at {point}")
@@ -436,6 +449,87 @@ class Campaign:
         result.update(resumed_from="continued", iterations_lost=0, failed_iterations=sorted(failed))
         self._common_end_checks(c, result, "storage")
 
+    # ---- planned exits and relaunches (issue 29: nothing lost, nothing committed rewritten) -----------
+    @staticmethod
+    def _pec_args(k: int) -> list[str]:
+        return ["--pec-snapshot-k", str(k), "--pec-persist-k", "1"]
+
+    def _planned_exit(self, c: Cluster, spec: dict, result: dict) -> None:
+        """--exit-interval between persists with partial snapshots: the exit saves its iteration with every
+        expert; the restart restores it from storage with PLT 0 and resumes bit-exactly."""
+        exit_at = spec["exit"]
+        c.launch(FULL + self._pec_args(spec["k"]) + ["--exit-interval", str(exit_at)])
+        codes = c.wait_exit(TIMEOUT)
+        check(codes == {0: 0, 1: 0}, f"the planned exit failed: exit codes {codes}: {c.logs()[-1500:]}")
+        result["fired"] = f"planned exit: iteration {exit_at} saved once more with every expert" in c.logs()
+        c.wait_agents_exited()
+        m = manifest.read_manifest(str(c.save), exit_at)
+        check(set(m.experts.values()) == {exit_at}, f"iteration {exit_at} committed without every expert at it")
+        self._relaunch(c, FULL + self._pec_args(spec["k"]), exit_at, result)
+        check(c.iteration() == FULL_ITERS, "the restart did not finish training")
+        self._common_end_checks(c, result, "full")
+
+    def _relaunch_finished(self, c: Cluster, spec: dict, result: dict) -> None:
+        """A finished job launched again (another PEC K the second time): it restores the last iteration whole
+        from storage, trains nothing and writes none of its files again."""
+        c.launch(FULL + self._pec_args(spec["k"]))
+        codes = c.wait_exit(TIMEOUT)
+        check(codes == {0: 0, 1: 0}, f"training failed: exit codes {codes}: {c.logs()[-1500:]}")
+        c.wait_agents_exited()
+        result["fired"] = True
+        files = {p: p.stat().st_mtime_ns for p in (c.save / f"iter_{FULL_ITERS:07d}" / "pec").iterdir()}
+        self._relaunch(c, FULL + self._pec_args(spec["relaunch_k"]), FULL_ITERS, result)
+        c.wait_agents_exited()
+        check(not [r for r in c.metrics() if "lm loss" in r], "the relaunch trained again")
+        now = {p: p.stat().st_mtime_ns for p in (c.save / f"iter_{FULL_ITERS:07d}" / "pec").iterdir()}
+        check(now == files, f"the committed iteration's files changed: {sorted(set(now.items()) ^ set(files.items()))}")
+        self._common_end_checks(c, result, "full")
+
+    def _relaunch(self, c: Cluster, args: list[str], expected: int, result: dict) -> None:
+        """Launch again after a clean end: every rank restores ``expected`` from storage, PLT 0."""
+        c.launch(args)
+        codes = c.wait_exit(TIMEOUT)
+        check(codes == {0: 0, 1: 0}, f"the relaunch failed: exit codes {codes}: {c.logs()[-1500:]}")
+        restores = c.restores()
+        found = {r: (x.iteration, x.source, bool(x.older)) for r, x in restores.items()}
+        check(found == {0: (expected, "storage", False), 1: (expected, "storage", False)},
+              f"restored {found}, expected iteration {expected} whole from storage")
+        result.update(restored_iteration=expected, reached_iteration=expected, iterations_lost=0,
+                      resumed_from="storage", plt=parse_plt(c.logs()))
+        check(result["plt"] == 0.0, f"PLT {result['plt']} after a planned exit")
+
+    def _restart_during_persist(self, c: Cluster, spec: dict, result: dict) -> None:
+        """The node's trainers die while its agent writes a rank file (the rename stalls 3 s): the write and
+        the commit still end, and the restart restores from node memory."""
+        node = spec["node"]
+        c.launch(FULL, faults={node: f"before_rename=stall@{spec['nth']}:{node}"})
+        c.wait_for(lambda: "fault injection: stall at before_rename" in self._agent_logs(c), TIMEOUT,
+                   "the stalled rename")
+        c.kill_trainers([node])
+        result["fired"] = True
+        c.wait_stopped(TIMEOUT)
+        self._restart_and_finish(c, spec, result, "full")
+        self._check_trainer_kill(c, result, "full")
+        self._common_end_checks(c, result, "full")
+
+    def _slow_replica_node_loss(self, c: Cluster, spec: dict, result: dict) -> None:
+        """The replica holder stalls mid-transfer and the node is lost meanwhile: its ranks restore from the
+        replica in the holder's memory (at most --pec-replica-lag snapshots behind: the trainers waited
+        rather than run further ahead) or, if none landed, from storage."""
+        node, holder = spec["node"], 1 - spec["node"]
+        c.launch(FULL, faults={holder: f"replica_receive=stall@{spec['nth']}:{holder}"})
+        c.wait_for(lambda: "fault injection: stall at replica_receive" in self._agent_logs(c), TIMEOUT,
+                   "the stalled transfer")
+        result["fired"] = True
+        self._lose(c, [node], spec, result)
+        lost_from = result["sources"].get(node) if result.get("sources") else None
+        check(lost_from in (None, "storage", f"peer memory (node {holder})"), f"node {node} restored from {lost_from}")
+        if lost_from == f"peer memory (node {holder})":
+            # the newest snapshot, one iteration past it trained, the replica up to the bound behind
+            check(result["iterations_lost"] <= (REPLICA_LAG + 1) * FULL_SNAPSHOT_INTERVAL,
+                  f"lost {result['iterations_lost']} iterations with --pec-replica-lag {REPLICA_LAG}")
+        self._common_end_checks(c, result, "full")
+
     def _corruption(self, c: Cluster, spec: dict, result: dict) -> None:
         """Invariant 4: damage the newest one or two iterations (and maybe the tracker); the restart
         must fall back past them with a message, never accept them, and resume bit-exactly."""
@@ -576,6 +670,8 @@ def main(argv=None) -> int:
     p.add_argument("--types", default=",".join(TYPES), help="comma-separated subset of: " + ", ".join(TYPES))
     p.add_argument("--script", default=DEFAULT_SCRIPT,
                    help="the training script every run launches (default: %(default)s, from a megatron-pec checkout)")
+    p.add_argument("--cpu-hog", type=int, default=0, metavar="N",
+                   help="N busy-looping processes share the machine for the whole campaign (timing under load)")
     a = p.parse_args(argv)
     types = [t for t in a.types.split(",") if t]
     unknown = set(types) - set(TYPES)
@@ -592,6 +688,7 @@ def main(argv=None) -> int:
     command = "python -m megatron_pec.testing.campaign " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     print(f"megatron-pec fault campaign: {a.runs} runs, seed {a.seed}; reference run ...", flush=True)
     runs: list[dict] = []
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.cpu_hog)]
     try:
         campaign.prepare()
         draws = 0
@@ -606,14 +703,16 @@ def main(argv=None) -> int:
             status = "ok" if r["recovered"] else f"FAILED: {r['failure']}"
             print(f"[{len(runs):4d}/{a.runs}] {spec['type']:<20} {json.dumps(detail)} -> {r['resumed_from']}, "
                   f"lost {r['iterations_lost']}, PLT {r['plt']}, {r['wall_s']}s: {status}", flush=True)
-            _write(a.out, command, a.seed, started, runs)
+            _write(a.out, command, a.seed, started, runs, a.cpu_hog)
     finally:
+        for hog in hogs:
+            hog.kill()
         shutil.rmtree(shm, ignore_errors=True)
     table = summarize(runs)
     print(format_table(table))
     print(format_plt_comparison(plt_comparison(runs)))
     print(format_skips(runs))
-    _write(a.out, command, a.seed, started, runs)
+    _write(a.out, command, a.seed, started, runs, a.cpu_hog)
     print(f"results: {a.out}")
     if a.markdown:
         with open(a.out) as f:
@@ -630,8 +729,8 @@ def markdown(data: dict) -> str:
         "# Fault-injection campaign", "",
         f"Command (from the repository root, `.venv` active, `OMP_NUM_THREADS=1`): `{data['command']}`", "",
         f"Run {data['started']} on {data['machine']}, {data['duration_s'] // 60} min for {len(runs)} runs "
-        f"(seed {data['seed']}). Raw records: `fault_campaign.json` (one per run: the fault drawn, what the "
-        "restart restored from where, iterations lost, PLT, and the failure if any).", "",
+        f"(seed {data['seed']}{_hogs(data.get('cpu_hog', 0))}). Raw records: `fault_campaign.json` (one per run: "
+        "the fault drawn, what the restart restored from where, iterations lost, PLT, and the failure if any).", "",
         data["table"], "",
         format_plt_comparison(data["plt_comparison"]) + ".", "",
         format_skips(runs) + ".", "",
@@ -648,7 +747,14 @@ def markdown(data: dict) -> str:
         "Every snapshot is replicated to the other node's agent (the default on more than one node). Replica "
         "faults: `replica_holder_kill` (the holder's agent SIGKILLed mid-transfer, then the node lost), "
         "`replica_link_drop` (an I/O error on the holder's side of the transfer, then the node lost), "
-        "`replica_corrupt` (the node lost and a byte of its only replica flipped), `two_nodes_lost`.",
+        "`replica_corrupt` (the node lost and a byte of its only replica flipped), `two_nodes_lost`. Planned "
+        "exits and relaunches: `planned_exit` (`--exit-interval` at an odd iteration, between persists, snapshot-K "
+        "1-3 of 4 per rank, persist-K 1: the exit saves that iteration with every expert, the restart restores it "
+        "from storage with PLT 0 and resumes bit-exactly), `relaunch_finished` (the finished job launched again "
+        "with another K: it restores the last iteration whole, trains nothing, and no committed file changes), "
+        "`restart_during_persist` (the node's trainer SIGKILLed while its agent's rename stalls 3 s), "
+        "`slow_replica_node_loss` (the replica holder stalls 3 s mid-transfer and the node is lost meanwhile: "
+        "at most `--pec-replica-lag` + 1 snapshot intervals lost when the replica serves).",
         "* Checks per run: bounded waits (a wait that runs out is a hang); the restart restores the newest "
         "valid iteration on every rank from the expected source; a trainer kill loses at most one snapshot "
         "interval; with every expert saved each loss logged after a resume equals the uninterrupted "
@@ -664,9 +770,14 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: str, command: str, seed: int, started: float, runs: list[dict]) -> None:
+def _hogs(n: int) -> str:
+    return f"; {n} busy-looping process{'es' if n > 1 else ''} sharing the machine throughout" if n else ""
+
+
+def _write(path: str, command: str, seed: int, started: float, runs: list[dict], cpu_hog: int = 0) -> None:
     data = {"command": command, "seed": seed, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
             "duration_s": round(time.time() - started), "machine": f"{os.cpu_count()} CPU cores, CPU-only (gloo)",
+            "cpu_hog": cpu_hog,
             "summary": summarize(runs), "plt_comparison": plt_comparison(runs),
             "table": format_table(summarize(runs)) if runs else "", "runs": runs}
     tmp = f"{path}.tmp"

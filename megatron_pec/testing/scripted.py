@@ -36,7 +36,7 @@ class ScriptedTrainer:
         self.run = run
         answer, _ = self.client.request(Begin(run, resumed_from), Begun, timeout=30)
         self.book.reset(NodeMemory.read(self.directory), self.rank)
-        self.book.pin(answer.pins)
+        self.book.pin(answer.pins, answer.hold)
         return answer
 
     def write(self, iteration, written=None):
@@ -64,7 +64,8 @@ class ScriptedTrainer:
                                   {i for i, s in placement.items() if s == slot}))
         header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank,
                             world_size=2, iteration=iteration, items=dict.fromkeys(written, iteration),
-                            tokens={i: 100 * iteration + n for n, i in enumerate(e for e in self.items if e != "dense")},
+                            tokens={i: 100 * iteration + n
+                                    for n, i in enumerate(e for e in self.items if e != "dense")},
                             small="{}", pec="{}", run=self.run, sums={} if legacy else sums)
         self.files.write_header(home, header.to_metadata())
         places = {i: s for i, s in placement.items() if s != home}
@@ -85,9 +86,8 @@ class ScriptedTrainer:
     def hear(self, msg):
         if isinstance(msg, Released):
             self.book.released(msg.iteration, msg.recorded)
-            self.book.pin(msg.pins)
-        elif isinstance(msg, Granted):
-            self.book.pin(msg.pins)
+        if isinstance(msg, (Released, Granted)):
+            self.book.pin(msg.pins, msg.hold)
 
     def memory(self):
         return NodeMemory.read(self.directory)

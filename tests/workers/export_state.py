@@ -1,7 +1,8 @@
 """Trains the small EP=2 model, commits iteration N, and writes this rank's live model state under
 global names (computed here independently of megatron-pec) as safetensors, for the export test.
 
-argv: SAVE_DIR SHM_DIR [extra example flags...].
+argv: SAVE_DIR SHM_DIR [extra example flags...]. With ``PEC_TEST_END=exit`` the save of N is a memory
+snapshot and training then ends (what commits N is the planned exit).
 """
 
 import re
@@ -46,10 +47,15 @@ def main():
         + sys.argv[3:])
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     data = data_from(0)
+    at_exit = os.environ.get("PEC_TEST_END") == "exit"
     for i in range(1, N + 1):
         train(args, model, optimizer, scheduler, data, 1)
-        megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i != N)
-    api._engine.flush()  # iteration N persisted and committed
+        megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i != N or at_exit)
+    if at_exit:
+        api._engine.close()  # the end of training (atexit): returns once the agent has committed what it saved
+        api._engine = None
+    else:
+        api._engine.flush()  # iteration N persisted and committed
     torch.distributed.barrier()
     rank = torch.distributed.get_rank()
     state = global_state(model)

@@ -1,0 +1,127 @@
+"""The node agent's writer thread: rank files and commits, beside the worker that records snapshots.
+
+A persist takes as long as storage needs for the rank's state (seconds to minutes); memory-only
+snapshots keep arriving every iteration meanwhile. The worker records each snapshot as it arrives and
+hands its rank file to this thread, in arrival order; the regions a write reads stay held until it
+ends (its trainer's own snapshot is in flight until released; the worker pins them for a trainer
+that starts after it). A write's result goes back to the worker as a job (``jobs.Written``): the
+worker owns node memory and every answer to a trainer. Commits are made here only
+(``committer.py``), in the order the writes end.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_pec import manifest
+from megatron_pec.agent import jobs
+from megatron_pec.agent.committer import Committer, MemoryCopy
+from megatron_pec.agent.persist import CheckedSnapshot, write_rank_file
+from megatron_pec.protocol import RankFile, SnapshotReady
+
+
+@dataclass(frozen=True)
+class Write:
+    """The rank file of a persistent snapshot the worker recorded."""
+
+    link: object                 # the announcing trainer's ``server.Link``
+    msg: SnapshotReady
+    checked: CheckedSnapshot
+    elsewhere: dict[str, str]    # item -> the slot file of its region, where not the home
+
+
+@dataclass(frozen=True)
+class WriteFromMemory:
+    """A snapshot held only in node memory, persisted after a restart restored it."""
+
+    link: object
+    copy: MemoryCopy
+    why: str
+    generation: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A persistent snapshot failed its check: that save of the iteration is never committed."""
+
+    root: str
+    iteration: int
+    generation: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Answer (through the worker) once every write queued before has ended."""
+
+    link: object
+
+
+class Writer:
+    def __init__(self, directory: str, storage, slots, cpu, tell_worker: Callable[[object], None]):
+        self.storage, self.slots, self.cpu, self.tell_worker = storage, slots, cpu, tell_worker
+        self.committer = Committer(directory, storage, slots)
+        self.queue: queue.Queue = queue.Queue()
+        self._unfinished = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="writer")
+        self._thread.start()
+
+    def put(self, job) -> None:
+        with self._lock:
+            self._unfinished += 1
+        self.queue.put(job)
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._unfinished > 0
+
+    def stop(self, timeout: float) -> None:
+        """Finish every write queued, then stop (the committer is the caller's afterwards)."""
+        self.queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            try:
+                self._do(job)
+            finally:
+                with self._lock:
+                    self._unfinished -= 1
+
+    def _do(self, job) -> None:
+        if isinstance(job, Write):
+            self.tell_worker(jobs.Written(job.link, job.msg, self._write(job)))
+        elif isinstance(job, WriteFromMemory):
+            self.committer.persist_from_memory(job.link, job.copy, job.why, job.generation)
+            self.tell_worker(jobs.WrittenFromMemory(job.link.rank, job.copy.record.iteration))
+        elif isinstance(job, Failed):
+            self.committer.failed_persist(job.root, job.iteration, job.generation)
+        elif isinstance(job, Drain):
+            self.tell_worker(jobs.Drained(job.link))
+
+    def _write(self, job: Write) -> str | None:
+        """Write and commit; the error a trainer hears, if any."""
+        link, msg = job.link, job.msg
+        root = link.job.save
+        try:
+            target = manifest.fresh_rank_file(root, msg.iteration, link.rank, msg.generation, self.storage)
+            keep = job.checked.kept(set(msg.persist_items) if msg.persist_items is not None else None)
+            with self.cpu("writing"):
+                file = write_rank_file(job.checked, keep, target, self.storage, self.slots, job.elsewhere, self.cpu)
+        except Exception as exc:  # reported to the trainer; the agent keeps serving
+            self.committer.failed_persist(root, msg.iteration, msg.generation)
+            return f"{type(exc).__name__}: {exc}"
+        try:
+            with self.cpu("committing"):
+                self.committer.persisted(link.job, msg.iteration, link.rank,
+                                         RankFile(file=manifest.relative(root, target), **file), msg.generation)
+        except Exception as exc:  # the snapshot itself is sound: it still serves node memory
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+
+__all__ = ["Writer", "Write", "WriteFromMemory", "Failed", "Drain"]

@@ -1,0 +1,74 @@
+"""Saving an iteration that is already committed never changes its files: a persistent save of it after a
+restore from node memory (which holds more experts at it than persist-K wrote) writes every expert under new
+names, the manifest the only switch; a restore reads the new save exactly, and the old files go only once
+nothing references them.
+
+argv: SAVE_DIR SHM_DIR. Snapshot-K 2, persist-K 1 of 8 experts; 4 committed, restored from memory, saved again.
+"""
+
+import hashlib
+import os
+import shutil
+import signal
+import sys
+
+import torch
+
+import megatron_pec
+from common import example, report, setup
+from megatron_pec import api, manifest
+from megatron_pec.megatron import collect
+
+
+def digests(save: str) -> dict[str, str]:
+    pec = manifest.pec_dir(save, 4)
+    return {f: hashlib.sha256(open(os.path.join(pec, f), "rb").read()).hexdigest() for f in sorted(os.listdir(pec))}
+
+
+def main():
+    save, shm = sys.argv[1], sys.argv[2]
+    args, model, optimizer, scheduler, data_from = setup(
+        ["--train-iters", "10", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "resave",
+         "--pec-snapshot-k", "2", "--pec-persist-k", "1", "--pec-keep", "0", "--pec-wait-for-slot"])
+    megatron_pec.load_checkpoint(model, optimizer, scheduler)
+    data = data_from(0)
+    for i in range(1, 5):
+        example.train_step(args, model, optimizer, scheduler, data)
+        args.consumed_train_samples += args.global_batch_size
+        megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i != 4)
+    engine = api._engine
+    engine.flush()
+    torch.distributed.barrier()
+    first = manifest.read_manifest(save, 4)
+    before = digests(save)
+    iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)  # from node memory
+    megatron_pec.save_checkpoint(iteration, model, optimizer, scheduler, 0, non_persistent_ckpt=False)
+    engine.flush()
+    torch.distributed.barrier()
+    second = manifest.read_manifest(save, 4)
+    after = digests(save)
+    live = {k: v.clone() for k, v in collect.live_views(engine.adapter.slices, optimizer).items()}
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:  # node memory gone: the next restore reads storage
+        os.kill(int(open(os.path.join(engine.job.node_dir, "agent.pid")).read()), signal.SIGKILL)
+        shutil.rmtree(engine.job.node_dir)
+    torch.distributed.barrier()
+    megatron_pec.load_checkpoint(model, optimizer, scheduler)
+    restored = collect.live_views(api._engine.adapter.slices, optimizer)
+    report("resave", {
+        "restored_from_memory": iteration, "generations": [first.generation, second.generation],
+        "at_4": [sum(v == 4 for v in m.experts.values()) for m in (first, second)],
+        # every file of the first save that still exists has its bytes; the new save's files are new names
+        "changed": sorted(f for f in before if f in after and after[f] != before[f]),
+        "first_files": sorted({os.path.basename(e.file) for e in first.ranks.values()}),
+        "second_files": sorted({os.path.basename(e.file) for e in second.ranks.values()}),
+        "referenced": sorted({os.path.basename(e.file) for e in second.ranks.values()}
+                             | {os.path.basename(e.file) for files in second.sources.values() for e in files.values()
+                                if os.path.dirname(e.file) == os.path.relpath(manifest.pec_dir(save, 4), save)}),
+        "left": sorted(after),
+        "differences": sorted(k for k, v in live.items() if not torch.equal(restored[k], v))})
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
