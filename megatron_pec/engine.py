@@ -32,6 +32,7 @@ from megatron_pec.loader import LoadContext, Loader, RestoreResult
 from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
+from megatron_pec.save_history import SaveHistory
 from megatron_pec.slots import NUM_SLOTS, SlotFiles, SlotSpaceError
 from megatron_pec.sources import megatron_format
 from megatron_pec.stager import Stager
@@ -64,13 +65,7 @@ class Engine:
         self.stats = {"saves": 0, "skipped": 0}
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
         self.restore_phases = Phases()  # ... and the latest restore's
-        self.stepped = False           # an optimizer step since the last save or restore
-        self.last_save: tuple[int, frozenset] | None = None  # (iteration, items it wrote) of the last save call
-        self.restored: tuple[int, str] | None = None  # (iteration, source) of the restore, until a step
-        self.last_small = ""           # the small state's JSON at the last save
-        self.generations: dict[int, int] = {}  # iteration -> persistent saves of it by this process
-        self.held: set[int] = set()     # iterations this process restored or persisted (a save of one again
-        #                                 writes every expert: its manifest replaces the first one's)
+        self.history = SaveHistory(self.job.session)
         background = torch.cuda.is_available() or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         # A restore from node memory checks its bytes where they land: on the GPU (MEGATRON_PEC_CHECK_ON_DEVICE=1
         # runs the same path on CPU ranks; else they are checked in node memory, before the copy).
@@ -134,8 +129,7 @@ class Engine:
         """Phases 1-4: every rank snapshots or none does (the PEC bookkeeping must stay identical)."""
         if not self.config.save:
             raise CheckpointError("save_checkpoint was called but --save is not set")
-        if persistent and not self.stepped and self.restored == (iteration, "storage"):
-            # (a relaunched finished job: the state is the committed iteration, written again it would be the same)
+        if persistent and self.history.unchanged_since_storage_restore(iteration):
             log.info(f"iteration {iteration} is committed and unchanged since it was restored: nothing to save",
                      rank0=True, once=True)
             return
@@ -151,39 +145,29 @@ class Engine:
         for step in (save.plan, save.agree) if self.book.plans_without_counts else (save.agree, save.plan):
             step()
         with phases("metadata"):
-            self.last_small = smallstate.dumps(self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix))
-        # A skipped save wrote nothing: a clean exit right after it still saves this state (``_final_snapshot``).
-        self.stepped, self.restored = False, None
+            # (a skipped save too: a clean exit right after it still saves this state, ``_final_snapshot``)
+            self.history.called(iteration, smallstate.dumps(
+                self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)))
         if save.why_not is not None:
-            self.last_save = (iteration, frozenset())
             self.session.skipped(save.placement)
             self._skip(iteration, save.why_not)
             return
         faults.point("snapshot_end", iteration=iteration)
         with phases("metadata"):
-            pending = save.describe(self.last_small, self._generation(iteration, persistent))
+            pending = save.describe(self.history.small, self.history.generation(iteration) if persistent else "")
         with phases("hand-off") if not self.handover.background else contextlib.nullcontext():
             self.handover.submit(pending)
-        self.last_save = (iteration, frozenset(save.placement))
-
-    def _generation(self, iteration: int, persistent: bool) -> str:
-        """A persistent save's generation: the launch's session, and which of its saves of the iteration
-        (the same on every rank: every rank saves the same)."""
-        if not persistent:
-            return ""
-        self.held.add(iteration)
-        n = self.generations[iteration] = self.generations.get(iteration, 0) + 1
-        return self.job.session if n == 1 else f"{self.job.session}.{n}"
+        self.history.wrote(iteration, save.placement)
 
     def _final_snapshot(self) -> None:
         """A clean exit right after a save (nothing trained since) that left experts out, or was skipped:
         save that iteration once more with every expert and persist it (a planned exit loses nothing: the
         restart restores every expert at it). No collective: every rank does the same, so the PEC
         bookkeeping stays identical; the agents commit it as its own save (``<session>.exit``)."""
-        if self.last_save is None or self.stepped or self.stager is None or not self.session.connected:
+        if self.stager is None or not self.session.connected:
             return
-        iteration, written = self.last_save
-        if set(self.job.held_names.values()) | {NON_EXPERT} <= written:
+        iteration = self.history.owed_at_exit(set(self.job.held_names.values()))
+        if iteration is None:
             return
         save = Save(self, iteration, persistent=True)  # (waits for regions, as a persistent save)
         save.lease()
@@ -193,8 +177,8 @@ class Engine:
             return
         save.copy({NON_EXPERT})
         save.plan_all()
-        self.handover.submit(save.describe(self.last_small, f"{self.job.session}.exit"))
-        self.last_save = (iteration, frozenset(save.placement))
+        self.handover.submit(save.describe(self.history.small, self.history.exit_generation))
+        self.history.wrote(iteration, save.placement)
         log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
 
     def _complete(self, pending: PendingSnapshot) -> None:
@@ -209,7 +193,7 @@ class Engine:
         self.stats["saves"] += 1
 
     def _before_step(self) -> None:
-        self.stepped = True
+        self.history.step()
         self.handover.before_step(torch.cuda.current_stream() if torch.cuda.is_available() else None)
 
     def _skip(self, iteration: int, why: str) -> None:
@@ -324,8 +308,7 @@ class Engine:
     def _restored(self, result: RestoreResult, phases: Phases) -> tuple[int, float]:
         """The restore is done: say so (where the time went included) and start the new timeline."""
         config = self.config
-        self.restored, self.stepped, self.last_save = (result.iteration, result.source), False, None
-        self.held.add(result.iteration)
+        self.history.restore(result.iteration, result.source)
         result.log(self.rank)
         iteration = 0 if config.finetune else result.iteration
         with phases("telling the agent the new timeline"):
@@ -402,7 +385,7 @@ class Save:
         replaces the earlier one's, whose experts at that iteration it would otherwise drop."""
         if self.slot is None or self.why_not is not None:
             return
-        if self.persistent and self.iteration in self.engine.held:
+        if self.persistent and self.engine.history.writes_every_expert(self.iteration):
             self.plan_all()
             return
         with self.phases("plan"):

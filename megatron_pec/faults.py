@@ -2,7 +2,8 @@
 
 ``MEGATRON_PEC_FAULT`` arms points, comma-separated, each ``point=action[@n][:rank]``:
 ``action`` is ``kill`` (SIGKILL this process), ``enospc`` or ``eio`` (raise that
-OSError) or ``stall`` (sleep ``STALL_S``: slow storage, a stuck write); ``@n`` fires on
+OSError) or ``stall`` (sleep ``MEGATRON_PEC_FAULT_STALL_S``, default 3 s: slow storage, a
+stuck write, a rank held at a known point); ``@n`` fires on
 the n-th time the point is reached (default 1);
 ``:rank`` limits it to one global rank (trainer points) or node (agent points).
 When the variable is unset, ``point()`` is a single dictionary lookup on an
@@ -32,7 +33,7 @@ import sys
 import time
 
 _ACTIONS = {"kill", "enospc", "eio", "stall"}
-STALL_S = 3.0
+STALL_S = float(os.environ.get("MEGATRON_PEC_FAULT_STALL_S", "3"))
 
 
 def _parse(spec: str) -> dict[str, list]:

@@ -14,7 +14,9 @@ Layout under ``--save``::
     latest_checkpointed_iteration.txt         Megatron's tracker
 
 Committed files are never written again. Every save has a generation (the launch's session id, and
-what saved: ``<session>`` for the trainers' saves, ``<session>.exit`` for a planned exit's persist);
+what saved: ``<session>`` for the trainers' first save of an iteration, ``<session>.2`` ... for later
+ones, ``<session>.exit`` for a planned exit's, ``<session>.resumed`` for a restored iteration the
+agent persists from node memory);
 a save of an iteration that already has files names its own after its generation
 (``rank_00003.<generation>.safetensors``, ``node_0001.<generation>.json``), and only its commit -
 the manifest replaced atomically - switches what the iteration holds. The replaced commit's files

@@ -497,9 +497,9 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
     The survivor restores 5 from memory, the lost node from storage, and training continues exactly."""
     c = clusters(tmp_path, "frare")
     no_replicas = RARE + ["--pec-replicas", "0"]  # the lost node then has storage only
-    c.launch(no_replicas)
-    c.wait_file(manifest.manifest_path(str(c.save), 5), timeout=LAUNCH_TIMEOUT)
-    c.wait_iteration(8)
+    # Node 1 is held in its 9th optimizer step, so the loss comes after 8 however loaded the machine is.
+    c.launch(no_replicas, faults={1: "optimizer_step=stall@9:1"}, node_env={1: {"MEGATRON_PEC_FAULT_STALL_S": "120"}})
+    c.wait_log("fault injection: stall at optimizer_step", node=1, timeout=LAUNCH_TIMEOUT)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
     assert committed(c.save) == [5]
@@ -569,7 +569,10 @@ def test_planned_exit_between_persists_loses_nothing(clusters, reference, tmp_pa
     assert "exiting program at iteration 7" in c.log(0)
     c.wait_agents_exited()
     for node in (0, 1):
-        assert f"planned exit: persisted rank {node}'s snapshot of iteration 7" in agent_logs(c)
+        # the agent persists the snapshot of 7 - or, when it was skipped (no free region on a loaded
+        # machine), the trainers saved 7 once more at the exit, persisted
+        assert f"planned exit: persisted rank {node}'s snapshot of iteration 7" in agent_logs(c) or \
+            "planned exit: iteration 7 saved once more with every expert" in c.logs(), agent_logs(c)
         assert not list(c.node_dir(node).glob("rank*.slot*")), "a planned exit leaves no node memory behind"
     assert committed(c.save) == [5, 7] and tracker(c.save) == "7"
     assert_sound(c.save)

@@ -6,9 +6,10 @@ recorded version, not in flight and not pinned (``regions.RegionBook``). The age
 * without replicas: the dense state of the rank's newest committed snapshot, so that after a node
   loss the survivors restore from memory the iteration the lost node restores from storage, whatever
   the ratio of snapshot and persist intervals (its experts are at their newest versions anyway, or on
-  storage). With replicas the lost node restores its newest replica instead, which the survivors hold
-  as one of their newest snapshots; keeping a third one would leave snapshots no region while a push
-  runs;
+  storage) - or of the newest one this agent persisted, from its write on (pinned only once the other
+  nodes' agents commit it, it could be overwritten before). With replicas the lost node restores its
+  newest replica instead, which the survivors hold as one of their newest snapshots; keeping a third
+  one would leave snapshots no region while a push runs;
 * the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it;
 * a snapshot being written to storage (``writer.py``): what it wrote, or for a persist from node memory
   each item at its newest version up to it. Its own trainer holds it anyway until it is released; the
@@ -26,12 +27,15 @@ from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Pin
 
 
-def pins(rank: int, job, memory: NodeMemory, storage, replicating: list[int], writing: list[Pin]) -> list[Pin]:
+def pins(rank: int, job, memory: NodeMemory, storage, replicating: list[int], writing: list[Pin],
+         persisted: int | None) -> list[Pin]:
     """The rank's pins now (``job``: its ``JobInfo``); ``replicating``: the iterations of its snapshots
-    being sent or to send; ``writing``: the pins of its writes in flight."""
+    being sent or to send; ``writing``: the pins of its writes in flight; ``persisted``: the newest
+    iteration this agent wrote the rank's file of."""
     out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))] + list(writing)
     if not job.replicas:
-        committed = memory.newest(rank, lambda r: storage.exists(manifest.manifest_path(job.save, r.iteration)))
+        committed = memory.newest(rank, lambda r: r.iteration == persisted or
+                                  storage.exists(manifest.manifest_path(job.save, r.iteration)))
         if committed is not None:
             out.append(Pin(committed[1].iteration, [NON_EXPERT]))
     return out

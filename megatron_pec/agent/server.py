@@ -118,6 +118,7 @@ class Agent:
         self.replication = Replication(directory, self.storage, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
         self.writing: dict[int, list[Pin]] = {}         # rank -> pins of its writes in flight (the worker's)
+        self.persisted: dict[int, int] = {}             # rank -> the newest iteration its file was written of
         self.pending_work = False  # a job is queued or running
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
@@ -338,6 +339,8 @@ class Agent:
 
     def _written(self, link: Link, msg: SnapshotReady, error: str | None) -> None:
         self.writing[link.rank].remove(Pin(msg.iteration, None))
+        if error is None:
+            self.persisted[link.rank] = max(self.persisted.get(link.rank, -1), msg.iteration)
         self._release(link, msg, True, error)
 
     def _release(self, link: Link, msg: SnapshotReady, recorded: bool, error: str | None) -> None:
@@ -371,7 +374,7 @@ class Agent:
     def _pins(self, link: Link) -> tuple[list[Pin], str | None]:
         """The rank's pins and, if the next snapshot must wait, why."""
         return (pins(link.rank, link.job, self.memory, self.storage, self.replication.replicating(link.rank),
-                     self.writing.get(link.rank, [])),
+                     self.writing.get(link.rank, []), self.persisted.get(link.rank)),
                 self.replication.hold(link.rank, link.job.replica_lag))
 
     def _repin(self) -> None:
