@@ -1,7 +1,7 @@
 """Runs of adjacent byte ranges: one read, write, send or checksum call per run instead of one per tensor.
 
 A rank's slot holds tens of thousands of tensor entries, most of them next to each other; every
-reader of a slot or rank file (checksums, ranged reads, replica transfers, carries) walks them in
+reader of a slot or rank file (checksums, ranged reads, replica transfers) walks them in
 header order and joins neighbours first.
 """
 

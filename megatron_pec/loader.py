@@ -300,7 +300,8 @@ class Loader:
         if target is None or listing_error is not None:
             plan, error = {NON_EXPERT: None}, listing_error or "no checkpoint to restore"
             with phases("agreeing"):
-                return plan, error, self._vote(target, plan, error, failed=listing_error is not None)
+                # (``planned={}``: the same vote as a rank that planned, so the all-reduce's sizes match)
+                return plan, error, self._vote(target, plan, error, planned={}, failed=listing_error is not None)
         with phases("reading and checking"):
             dense, dense_error = self._dense_source(target, memory, stored)
         manifest_t = manifests.get(max((i for i in manifests if i <= target), default=None))

@@ -294,7 +294,7 @@ class Flush(Record):
 @dataclass(frozen=True, slots=True)
 class Settle(Record):
     """A restore is about to read node memory: answer ``Flushed`` once every snapshot announced before
-    is recorded (checked, persisted if asked), without waiting for carries."""
+    is recorded (its header checked), without waiting for rank files being written."""
 
     KIND: ClassVar[str] = "settle"
 

@@ -149,8 +149,8 @@ class SlotFiles:
                 stats = os.statvfs(self.directory)
                 raise SlotSpaceError(_space_message(self.directory, stats.f_bavail * stats.f_frsize,
                                                    NUM_SLOTS * self.file_len, 1) + f" ({exc.strerror})") from None
-            # Map every page now: a page first touched during a save costs a fault (the experts the
-            # agent carried in were never touched by this process).
+            # Map every page now: a page first touched during a save costs a fault (regions this
+            # process has not written yet, e.g. those a restart restores from).
             return mmap.mmap(fd, self.file_len, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)

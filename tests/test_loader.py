@@ -39,3 +39,35 @@ def test_training_from_scratch_retires_node_markers_of_an_abandoned_run(tmp_path
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no checkpoint found" in result.stdout and "stale marker retired" in result.stdout, result.stdout
+
+
+def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_planned(tmp_path):
+    """The plan's MAX all-reduce must have the same size on every rank: a lost node whose replica was
+    damaged has no iteration to plan while the survivor plans one from its memory (the fault campaign's
+    replica_corrupt at iteration 2 aborted in gloo: 'Received data size doesn't match expected size')."""
+    import argparse
+    from types import SimpleNamespace
+
+    from megatron_pec.config import PecConfig
+    from megatron_pec.items import NON_EXPERT, ExpertId, item_name
+    from megatron_pec.loader import LoadContext, Loader
+
+    class Recording:
+        def __init__(self):
+            self.sizes = []
+
+        def reduce(self, values, op):
+            self.sizes.append(len(values))
+            return list(values)
+
+    experts = tuple(ExpertId(1, e) for e in range(4))
+    job = SimpleNamespace(rank=0, node_dir=str(tmp_path / "none"), fingerprint="f", topology={},
+                          held_names={x: item_name(x) for x in experts[:2]}, all_experts=experts,
+                          expert_layout=None, layout=None)
+    config = PecConfig.from_args(argparse.Namespace(save=str(tmp_path), load=str(tmp_path), pec_job_id="j"))
+    nothing, planned = Recording(), Recording()
+    Loader(LoadContext(job=job, config=config, collectives=nothing, slice_items={}), str(tmp_path))._plan(
+        None, [], {}, {})
+    Loader(LoadContext(job=job, config=config, collectives=planned, slice_items={}), str(tmp_path))._vote(
+        2, {NON_EXPERT: None, "L1.E0": None, "L1.E1": None}, "cannot", planned={"L1.E0": 2, "L1.E1": 1})
+    assert nothing.sizes == planned.sizes[:1], (nothing.sizes, planned.sizes)

@@ -34,7 +34,7 @@ class Settle:
 
 @dataclass(frozen=True)
 class Resume:
-    """The trainer's ``Begin``: its new timeline, its first grants."""
+    """The trainer's ``Begin``: its new timeline, answered with its pins."""
 
     link: object
     msg: Begin

@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,18 +84,40 @@ def parse_plt(text: str) -> float | None:
     return float(found[-1][0]) / 100 if found else None
 
 
+PORT_HOLD_S = 60.0  # how long a port handed out stays reserved for the launch that asked (it binds it by then)
+
+
 def free_port(start: int | None = None) -> int:
-    """A master port in this harness's range that nothing listens on (or lingers on) right now."""
+    """A master port in this harness's range that nothing listens on (or lingers on) right now, and that
+    no other harness process (a test run beside a campaign) handed out in the last ``PORT_HOLD_S``: both
+    would otherwise pick a free port at once and one launch fail to bind it."""
     offset = (start if start is not None else os.getpid() * 7 + int(time.monotonic() * 1000)) % len(PORTS)
+    reservations = Path(tempfile.gettempdir()) / "megatron_pec_ports"
+    reservations.mkdir(exist_ok=True)
     for i in range(len(PORTS)):
         port = PORTS[(offset + i) % len(PORTS)]
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
-                return port
             except OSError:
                 continue
+        if _reserve(reservations / str(port)):
+            return port
     raise RuntimeError(f"no free master port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def _reserve(path: Path) -> bool:
+    try:
+        if time.time() - path.stat().st_mtime < PORT_HOLD_S:
+            return False
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False  # another process reserved it just now
 
 
 def _ppid_map() -> dict[int, int]:
