@@ -129,9 +129,9 @@ class Engine:
         """Phases 1-4: every rank snapshots or none does (the PEC bookkeeping must stay identical)."""
         if not self.config.save:
             raise CheckpointError("save_checkpoint was called but --save is not set")
-        if persistent and self.history.unchanged_since_storage_restore(iteration):
-            log.info(f"iteration {iteration} is committed and unchanged since it was restored: nothing to save",
-                     rank0=True, once=True)
+        if persistent and self.history.unchanged_since_restore(iteration):
+            log.info(f"iteration {iteration} is unchanged since it was restored: nothing to save", rank0=True,
+                     once=True)
             return
         save = Save(self, iteration, persistent)
         self.save_phases = phases = save.phases
@@ -157,7 +157,7 @@ class Engine:
             pending = save.describe(self.history.small, self.history.generation(iteration) if persistent else "")
         with phases("hand-off") if not self.handover.background else contextlib.nullcontext():
             self.handover.submit(pending)
-        self.history.wrote(iteration, save.placement)
+        self.history.wrote(iteration, save.writes_every_expert)
 
     def _final_snapshot(self) -> None:
         """A clean exit right after a save (nothing trained since) that left experts out, or was skipped:
@@ -166,7 +166,7 @@ class Engine:
         bookkeeping stays identical; the agents commit it as its own save (``<session>.exit``)."""
         if self.stager is None or not self.session.connected:
             return
-        iteration = self.history.owed_at_exit(set(self.job.held_names.values()))
+        iteration = self.history.owed_at_exit()
         if iteration is None:
             return
         save = Save(self, iteration, persistent=True)  # (waits for regions, as a persistent save)
@@ -178,7 +178,7 @@ class Engine:
         save.copy({NON_EXPERT})
         save.plan_all()
         self.handover.submit(save.describe(self.history.small, self.history.exit_generation))
-        self.history.wrote(iteration, save.placement)
+        self.history.wrote(iteration, True)
         log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
 
     def _complete(self, pending: PendingSnapshot) -> None:
@@ -308,7 +308,7 @@ class Engine:
     def _restored(self, result: RestoreResult, phases: Phases) -> tuple[int, float]:
         """The restore is done: say so (where the time went included) and start the new timeline."""
         config = self.config
-        self.history.restore(result.iteration, result.source)
+        self.history.restore(0 if self.config.finetune else result.iteration)
         result.log(self.rank)
         iteration = 0 if config.finetune else result.iteration
         with phases("telling the agent the new timeline"):
@@ -371,6 +371,12 @@ class Save:
             everyone_can = self.engine.book.agreed(self.vote.reduced())
         if not everyone_can and self.why_not is None:
             self.why_not = "another rank cannot snapshot (see its warning)"
+
+    @property
+    def writes_every_expert(self) -> bool:
+        """The agreed plan writes every expert of the model (the same on every rank)."""
+        layout = self.engine.job.expert_layout
+        return layout is None or len(self.experts[0]) == len(layout.all_experts())
 
     def plan_all(self) -> None:
         """Every expert, snapshot and persisted (a planned exit), and its copy."""

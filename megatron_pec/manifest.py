@@ -187,6 +187,13 @@ def try_commit(root: str, iteration: int, num_nodes: int, keep: int, generation:
         ranks: dict[str, RankFile] = {}
         for node in nodes:
             ranks.update(node.ranks)
+        if replaced is not None and _files(replaced.ranks) == _files(ranks):
+            # every rank's part of this save is the committed file (a persist from node memory that found
+            # storage complete): the commit stands as it is; this save's markers go
+            for path in node_markers(root, iteration, storage):
+                if _generation_of(path, storage) == generation:
+                    storage.remove(path)
+            return True
         first = nodes[0]
         experts, sources = _expert_versions(root, iteration, ranks, first.fingerprint, storage)
         manifest = Manifest(iteration=iteration, job_id=first.job_id, fingerprint=first.fingerprint,
@@ -203,6 +210,10 @@ def try_commit(root: str, iteration: int, num_nodes: int, keep: int, generation:
         if keep:
             apply_retention(root, keep, storage)
     return True
+
+
+def _files(ranks: dict[str, RankFile]) -> dict[str, str]:
+    return {rank: entry.file for rank, entry in ranks.items()}
 
 
 def persisted_nodes(root: str, iteration: int, generation: str, storage=PosixStorage()) -> set[int]:

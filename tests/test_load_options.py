@@ -48,3 +48,27 @@ def test_finetune_loads_weights_only_and_foreign_dirs_are_refused(tmp_path, shm_
     assert "it is not a megatron-pec checkpoint" in proc.stderr + proc.stdout
     # A user error: the message, not a stack trace from the trainer processes.
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+
+
+def test_a_finetune_that_saves_an_iteration_the_directory_holds_commits_it_under_new_names(tmp_path, shm_dir):
+    """Issue 29: --finetune into the directory it loads starts again at 0 and saves 4, which the first run
+    committed: the first run's files of 4 are never written again, the finetune's save of 4 goes to files
+    of its own and replaces the commit atomically (the first run's files go once unreferenced), and
+    ``verify`` passes."""
+    from megatron_pec import manifest
+    from megatron_pec.testing.cluster import run_megatron_pec
+
+    ckpt = tmp_path / "ckpt"
+    common = SMALL + ["--save", str(ckpt), "--load", str(ckpt), "--pec-shm-dir", shm_dir, "--save-interval", "4"]
+    torchrun(PRETRAIN, *common, "--train-iters", "6", "--pec-job-id", "a")
+    first = {p.name: p.stat().st_mtime_ns for p in (ckpt / "iter_0000004" / "pec").iterdir()
+             if p.name.startswith("rank_")}
+    generation = manifest.read_manifest(str(ckpt), 4).generation
+    torchrun(PRETRAIN, *common, "--train-iters", "4", "--finetune", "--no-load-optim", "--pec-job-id", "b")
+    m = manifest.read_manifest(str(ckpt), 4)
+    assert m.generation != generation and m.job_id == "b", m
+    files = {p.name for p in (ckpt / "iter_0000004" / "pec").iterdir() if p.name.startswith("rank_")}
+    assert not set(first) & {e.file.rsplit("/", 1)[-1] for e in m.ranks.values()}, (first, m.ranks)
+    assert files == {e.file.rsplit("/", 1)[-1] for e in m.ranks.values()}  # the first run's files of 4 went
+    verify = run_megatron_pec("verify", ckpt)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

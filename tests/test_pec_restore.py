@@ -54,15 +54,15 @@ def test_a_planned_exit_right_after_a_skipped_snapshot_saves_that_iteration_whol
 
 
 def test_a_committed_iteration_saved_again_is_committed_under_new_names(tmp_path, shm_dir):
-    """Issue 29: 4 is committed (persist-K 1), restored from node memory (every expert at its snapshot
-    version) and saved again: the first save's files are never written again, the second save writes every
-    expert (its commit replaces the first's) into new files its manifest switches to, the first's go once
-    unreferenced, ``verify`` passes, and a restore from storage reads exactly the state saved."""
+    """Issue 29: 4 is committed (persist-K 1) and saved again by the same process: the first save's files are
+    never written again, the second save writes every expert (its commit replaces the first's) into new files
+    its manifest switches to, and the first's go once unreferenced. Restored from node memory and saved once
+    more, nothing is written. ``verify`` passes, and a restore from storage reads exactly the state saved."""
     save = tmp_path / "ckpt"
     proc = torchrun("resave.py", str(save), shm_dir, env={"PEC_TEST_OUT": str(tmp_path)})
     for rank in (0, 1):
         r = json.loads((tmp_path / f"resave.rank{rank}.json").read_text())
-        assert r["restored_from_memory"] == 4
+        assert r["restored_from_memory"] == 4 and r["saved_nothing_after_the_restore"], r
         first, second = r["generations"]
         assert first != second and second, r
         assert r["at_4"][1] == 16, r  # saved again: every expert (2 layers x 8), not persist-K

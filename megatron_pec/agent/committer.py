@@ -1,6 +1,7 @@
 """Agent phase 6, commit - and the persists a restart relies on.
 
-Runs in the node agent's writer thread (``writer.py``). A node's part of an iteration is done when every local
+Runs in the node agent's writer thread (``writer.py``; at a planned exit, once the writer stopped, in
+the agent's main thread). A node's part of an iteration is done when every local
 rank's file of it is durable: then the node marker is written, and whichever node's agent sees
 every marker writes the manifest and the tracker (``manifest.try_commit``). An iteration any of
 whose rank files failed is never committed. A snapshot held only in node memory is persisted
@@ -29,16 +30,17 @@ class Committer:
     def failed_persist(self, root: str, iteration: int, generation: str) -> None:
         self.failed.add((root, iteration, generation))
 
-    def persisted(self, job: JobInfo, iteration: int, rank: int, entry: RankFile, generation: str) -> None:
-        """Rank ``rank``'s file of save ``generation`` of ``iteration`` is durable; raises OSError when the
+    def persisted(self, job: JobInfo, iteration: int, rank: int, entry: RankFile, generation: str) -> bool:
+        """Rank ``rank``'s file of save ``generation`` of ``iteration`` is durable; False when that save can
+        no longer commit (another local rank's file of it failed). Raises OSError or ManifestError when the
         marker or the commit cannot be written."""
         key = (job.save, iteration, generation)
         if key in self.failed:
-            return
+            return False
         done = self.pending.setdefault(key, {})
         done[str(rank)] = entry
         if len(done) < job.local_world_size:
-            return
+            return True
         del self.pending[key]
         marker = NodeMarker(iteration=iteration, node=job.node_rank, job_id=job.job_id,
                             fingerprint=job.fingerprint, topology=job.topology, ranks=done, generation=generation)
@@ -46,13 +48,21 @@ class Committer:
         try:
             committed = manifest.try_commit(job.save, iteration, job.num_nodes, job.keep, generation, self.storage)
         except OSError as exc:
-            if not self.storage.exists(manifest.manifest_path(job.save, iteration)):
+            if not self._committed_as(job.save, iteration, generation):
                 raise
             # every node's marker was durable and another node's agent wrote the same manifest
             log.info(f"could not write the commit of iteration {iteration} ({exc}); another node's agent did")
-            return
+            return True
         if committed:
             log.info(f"committed iteration {iteration}")
+        return True
+
+    def _committed_as(self, root: str, iteration: int, generation: str) -> bool:
+        """The manifest of ``iteration`` is this save's (not an earlier save's it was to replace)."""
+        try:
+            return manifest.read_manifest(root, iteration, self.storage).generation == generation
+        except (OSError, manifest.ManifestError):
+            return False
 
     def persist_newest(self, served: dict, memory: NodeMemory) -> None:
         """A planned exit (every trainer detached cleanly): persist and commit each rank's newest snapshot
@@ -67,26 +77,29 @@ class Committer:
 
     def persist_from_memory(self, link, copy: "MemoryCopy", why: str, generation: str) -> None:
         """Persist and commit the items snapshot ``copy`` wrote (a rank file holds one iteration's items) as
-        save ``generation``, unless storage holds a newer iteration, or this one with every one of them."""
+        save ``generation``, unless storage holds a newer iteration or this save already. Where the
+        committed file of the iteration holds every item the snapshot wrote, that file (never written
+        again) is this rank's part of the save: every rank takes part, so the save can commit."""
         rank, job, iteration = link.rank, link.job, copy.record.iteration
         root = job.save
-        committed = manifest.committed_iterations(root, self.storage)
-        if committed and committed[0] > iteration:
-            return
-        if committed and committed[0] == iteration:
-            try:
-                held = manifest.read_manifest(root, iteration, self.storage)
-            except manifest.ManifestError:
-                held = None
-            entry = held.ranks.get(str(rank)) if held is not None else None
-            if entry is not None and (copy.written <= set(entry.items) or held.generation == generation):
-                return  # storage holds it as completely
-        if job.node_rank in manifest.persisted_nodes(root, iteration, generation, self.storage):
-            return  # persisted by this node already; another node's agent has yet to commit it
-        self.failed.discard((root, iteration, generation))  # a failed persist of it is retried now
-        target = manifest.fresh_rank_file(root, iteration, rank, generation, self.storage)
-        elsewhere = {item: slot_path(self.directory, rank, place) for item, place in copy.places.items()}
         try:
+            committed = manifest.committed_iterations(root, self.storage)
+            if committed and committed[0] > iteration:
+                return
+            entry = None
+            if committed and committed[0] == iteration:
+                held = manifest.read_manifest(root, iteration, self.storage)
+                if held.generation == generation:
+                    return  # this save is committed
+                entry = held.ranks.get(str(rank))
+            if job.node_rank in manifest.persisted_nodes(root, iteration, generation, self.storage):
+                return  # persisted by this node already; another node's agent has yet to commit it
+            self.failed.discard((root, iteration, generation))  # a failed persist of it is retried now
+            if entry is not None and copy.written <= set(entry.items):
+                self.persisted(job, iteration, rank, entry, generation)
+                return
+            target = manifest.fresh_rank_file(root, iteration, rank, generation, self.storage)
+            elsewhere = {item: slot_path(self.directory, rank, place) for item, place in copy.places.items()}
             checked = check_snapshot(slot_path(self.directory, rank, copy.slot), iteration, copy.record.run, job.key,
                                      self.slots)
             file = write_rank_file(checked, set(checked.snapshot.items), target, self.storage, self.slots, elsewhere)

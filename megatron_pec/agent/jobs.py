@@ -54,6 +54,7 @@ class Written:
     link: object
     msg: SnapshotReady
     error: str | None
+    committable: bool = True  # no other rank file of its save failed
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class Agent:
         self.replication = Replication(directory, self.storage, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
         self.writing: dict[int, list[Pin]] = {}         # rank -> pins of its writes in flight (the worker's)
-        self.persisted: dict[int, int] = {}             # rank -> the newest iteration its file was written of
+        self.persisted: dict[int, tuple] = {}           # rank -> (run, iteration) of the newest file written
         self.pending_work = False  # a job is queued or running
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
@@ -281,31 +281,38 @@ class Agent:
                 continue
             if isinstance(job, jobs.Shutdown):
                 return
-            if isinstance(job, jobs.Flush):
-                self.writer.put(writer.Drain(job.link))  # answered once the writes before it ended
-            elif isinstance(job, jobs.Drained):
-                self._write_cpu_ledger()
-                self._send(job.link.conn, Flushed())
-            elif isinstance(job, jobs.Persist):
-                self._record(job)
-            elif isinstance(job, jobs.Written):
-                self._written(job.link, job.msg, job.error)
-            elif isinstance(job, jobs.WrittenFromMemory):
-                self.writing[job.rank].remove(Pin(job.iteration, None, newest=True))
-                self._repin()
-            elif isinstance(job, jobs.Repin):
-                self._repin()
-            elif isinstance(job, jobs.Pull):
-                try:
-                    self.replication.pull(job.link.job, job.link.rank, self.memory)
-                finally:
-                    self._recorded(job.link.rank)
-            elif isinstance(job, jobs.Settle):  # every earlier snapshot is recorded
-                self._send(job.link.conn, Flushed())
-            elif isinstance(job, jobs.Resume):
-                self._resume(job.link, job.msg)
+            try:
+                self._do(job)
+            except Exception as exc:  # (node memory full, storage unreachable): said, and the agent keeps serving
+                log.info(f"{type(job).__name__} failed: {type(exc).__name__}: {exc}")
             with self.lock:  # after every step: a stale "busy" kept the agent alive forever
                 self.pending_work = not self.jobs.empty()
+
+    def _do(self, job) -> None:
+        """One job; each is answered even when it fails (a trainer waits for the answer)."""
+        if isinstance(job, jobs.Flush):
+            self.writer.put(writer.Drain(job.link))  # answered once the writes before it ended
+        elif isinstance(job, jobs.Drained):
+            self._write_cpu_ledger()
+            self._send(job.link.conn, Flushed())
+        elif isinstance(job, jobs.Persist):
+            self._record(job)
+        elif isinstance(job, jobs.Written):
+            self._written(job.link, job.msg, job.error, job.committable)
+        elif isinstance(job, jobs.WrittenFromMemory):
+            self.writing[job.rank].remove(Pin(job.iteration, None, newest=True))
+            self._repin()
+        elif isinstance(job, jobs.Repin):
+            self._repin()
+        elif isinstance(job, jobs.Pull):
+            try:
+                self.replication.pull(job.link.job, job.link.rank, self.memory)
+            finally:
+                self._recorded(job.link.rank)
+        elif isinstance(job, jobs.Settle):  # every earlier snapshot is recorded
+            self._send(job.link.conn, Flushed())
+        elif isinstance(job, jobs.Resume):
+            self._resume(job.link, job.msg)
 
     def _record(self, job: jobs.Persist) -> None:
         """Phase 5: check the header, record the snapshot's regions, offer it to the replicas; release it,
@@ -322,10 +329,17 @@ class Agent:
             self._recorded(rank)
             self._release(link, msg, False, f"{type(exc).__name__}: {exc}")
             return
-        with self.cpu("node-memory index"):
-            self.memory.record_snapshot(rank, msg.slot, checked.snapshot, checked.checks, msg.places, msg.stale,
-                                        link.job.key)
-            self.memory.write()
+        try:
+            with self.cpu("node-memory index"):
+                self.memory.record_snapshot(rank, msg.slot, checked.snapshot, checked.checks, msg.places, msg.stale,
+                                            link.job.key)
+                self.memory.write()
+        except Exception as exc:  # e.g. node memory full: not restorable, said; training goes on
+            if msg.persist:
+                self.writer.put(writer.Failed(root, msg.iteration, msg.generation))
+            self._recorded(rank)
+            self._release(link, msg, False, f"cannot record it in node memory: {type(exc).__name__}: {exc}")
+            return
         self._recorded(rank)
         faults.point("agent_recorded", iteration=msg.iteration)
         with self.cpu("replicating"):
@@ -337,10 +351,12 @@ class Agent:
         elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in msg.places.items()}
         self.writer.put(writer.Write(link, msg, checked, elsewhere))
 
-    def _written(self, link: Link, msg: SnapshotReady, error: str | None) -> None:
+    def _written(self, link: Link, msg: SnapshotReady, error: str | None, committable: bool) -> None:
         self.writing[link.rank].remove(Pin(msg.iteration, None))
-        if error is None:
-            self.persisted[link.rank] = max(self.persisted.get(link.rank, -1), msg.iteration)
+        if error is None and committable:
+            newest = self.persisted.get(link.rank)
+            if newest is None or newest[1] < msg.iteration:
+                self.persisted[link.rank] = (link.run, msg.iteration)
         self._release(link, msg, True, error)
 
     def _release(self, link: Link, msg: SnapshotReady, recorded: bool, error: str | None) -> None:
@@ -355,20 +371,24 @@ class Agent:
     # ---- the timeline and the pins ------------------------------------------------------------------
     def _resume(self, link: Link, msg: Begin) -> None:
         """The trainer's timeline: abandon other runs after its resume point; it reads node memory's
-        regions from the index, written here first. A snapshot restored from node memory is persisted
-        (if storage lacks it), so a second failure does not fall back further than it: its regions are
-        pinned before the trainer hears ``Begun``."""
-        self.memory.begin(link.rank, msg.run, msg.resumed_from, link.job.key)
-        self.memory.write()
+        regions from the index, written here first. The snapshot it resumed from, if node memory holds
+        it, is persisted where storage lacks it (the restore may have read it from memory), so a second
+        failure does not fall back further than it: its regions are pinned before the trainer hears
+        ``Begun``."""
         link.begin(msg.run)
-        resumed = None
-        if msg.resumed_from is not None:
-            resumed = self.memory.newest(link.rank, lambda r: r.iteration == msg.resumed_from)
-        if resumed is not None:
-            self.writing.setdefault(link.rank, []).append(Pin(msg.resumed_from, None, newest=True))
-        self._send(link.conn, Begun(*link.told(self._pins(link))))
-        if resumed is not None:
-            copy = MemoryCopy.of(self.memory, link.rank, *resumed)
+        copy = None
+        try:
+            self.memory.begin(link.rank, msg.run, msg.resumed_from, link.job.key)
+            self.memory.write()
+            resumed = None
+            if msg.resumed_from is not None:
+                resumed = self.memory.newest(link.rank, lambda r: r.iteration == msg.resumed_from)
+            if resumed is not None:
+                copy = MemoryCopy.of(self.memory, link.rank, *resumed)
+                self.writing.setdefault(link.rank, []).append(Pin(msg.resumed_from, None, newest=True))
+        finally:  # answered whatever failed: the trainer waits for it
+            self._send(link.conn, Begun(*link.told(self._pins(link))))
+        if copy is not None:
             self.writer.put(writer.WriteFromMemory(link, copy, "resumed", f"{link.job.session}.resumed"))
 
     def _pins(self, link: Link) -> tuple[list[Pin], str | None]:

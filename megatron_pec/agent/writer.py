@@ -5,8 +5,9 @@ snapshots keep arriving every iteration meanwhile. The worker records each snaps
 hands its rank file to this thread, in arrival order; the regions a write reads stay held until it
 ends (its trainer's own snapshot is in flight until released; the worker pins them for a trainer
 that starts after it). A write's result goes back to the worker as a job (``jobs.Written``): the
-worker owns node memory and every answer to a trainer. Commits are made here only
-(``committer.py``), in the order the writes end.
+worker owns node memory and every answer to a trainer. While the agent serves, commits are made here
+only (``committer.py``), in the order the writes end; at a planned exit, after both threads stopped,
+the agent's own thread persists what storage still lacks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_pec import manifest
+from megatron_pec import log, manifest
 from megatron_pec.agent import jobs
 from megatron_pec.agent.committer import Committer, MemoryCopy
 from megatron_pec.agent.persist import CheckedSnapshot, write_rank_file
@@ -88,23 +89,32 @@ class Writer:
         while (job := self.queue.get()) is not None:
             try:
                 self._do(job)
+            except Exception as exc:  # said; the writer goes on with the next job
+                log.info(f"writer: {type(job).__name__} failed: {type(exc).__name__}: {exc}")
             finally:
                 with self._lock:
                     self._unfinished -= 1
 
     def _do(self, job) -> None:
+        """One job; a write's result always goes back to the worker (a trainer waits for its release)."""
         if isinstance(job, Write):
-            self.tell_worker(jobs.Written(job.link, job.msg, self._write(job)))
+            error, committable = "the writer failed (see the node agent's log)", False
+            try:
+                error, committable = self._write(job)
+            finally:
+                self.tell_worker(jobs.Written(job.link, job.msg, error, committable))
         elif isinstance(job, WriteFromMemory):
-            self.committer.persist_from_memory(job.link, job.copy, job.why, job.generation)
-            self.tell_worker(jobs.WrittenFromMemory(job.link.rank, job.copy.record.iteration))
+            try:
+                self.committer.persist_from_memory(job.link, job.copy, job.why, job.generation)
+            finally:
+                self.tell_worker(jobs.WrittenFromMemory(job.link.rank, job.copy.record.iteration))
         elif isinstance(job, Failed):
             self.committer.failed_persist(job.root, job.iteration, job.generation)
         elif isinstance(job, Drain):
             self.tell_worker(jobs.Drained(job.link))
 
-    def _write(self, job: Write) -> str | None:
-        """Write and commit; the error a trainer hears, if any."""
+    def _write(self, job: Write) -> tuple[str | None, bool]:
+        """Write and commit: (the error a trainer hears, if any; whether the save may still commit)."""
         link, msg = job.link, job.msg
         root = link.job.save
         try:
@@ -114,14 +124,15 @@ class Writer:
                 file = write_rank_file(job.checked, keep, target, self.storage, self.slots, job.elsewhere, self.cpu)
         except Exception as exc:  # reported to the trainer; the agent keeps serving
             self.committer.failed_persist(root, msg.iteration, msg.generation)
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}", False
         try:
             with self.cpu("committing"):
-                self.committer.persisted(link.job, msg.iteration, link.rank,
-                                         RankFile(file=manifest.relative(root, target), **file), msg.generation)
+                committable = self.committer.persisted(link.job, msg.iteration, link.rank,
+                                                       RankFile(file=manifest.relative(root, target), **file),
+                                                       msg.generation)
         except Exception as exc:  # the snapshot itself is sound: it still serves node memory
-            return f"{type(exc).__name__}: {exc}"
-        return None
+            return f"{type(exc).__name__}: {exc}", False
+        return None, committable
 
 
 __all__ = ["Writer", "Write", "WriteFromMemory", "Failed", "Drain"]

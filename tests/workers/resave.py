@@ -1,9 +1,10 @@
-"""Saving an iteration that is already committed never changes its files: a persistent save of it after a
-restore from node memory (which holds more experts at it than persist-K wrote) writes every expert under new
-names, the manifest the only switch; a restore reads the new save exactly, and the old files go only once
-nothing references them.
+"""Saving an iteration that is already committed never changes its files: a second persistent save of it
+by the same process writes every expert under new names, the manifest the only switch; the old files go once
+nothing references them; a save right after a restore of it saves nothing; a restore reads the last save
+exactly.
 
-argv: SAVE_DIR SHM_DIR. Snapshot-K 2, persist-K 1 of 8 experts; 4 committed, restored from memory, saved again.
+argv: SAVE_DIR SHM_DIR. Snapshot-K 2, persist-K 1 of 8 experts; 4 committed, saved again, restored from memory
+and saved once more.
 """
 
 import hashlib
@@ -41,12 +42,16 @@ def main():
     torch.distributed.barrier()
     first = manifest.read_manifest(save, 4)
     before = digests(save)
-    iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)  # from node memory
-    megatron_pec.save_checkpoint(iteration, model, optimizer, scheduler, 0, non_persistent_ckpt=False)
+    megatron_pec.save_checkpoint(4, model, optimizer, scheduler, 0, non_persistent_ckpt=False)  # (no step since)
     engine.flush()
     torch.distributed.barrier()
     second = manifest.read_manifest(save, 4)
     after = digests(save)
+    iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)  # from node memory
+    megatron_pec.save_checkpoint(iteration, model, optimizer, scheduler, 0, non_persistent_ckpt=False)
+    engine.flush()
+    torch.distributed.barrier()
+    untouched = digests(save) == after and manifest.read_manifest(save, 4).generation == second.generation
     live = {k: v.clone() for k, v in collect.live_views(engine.adapter.slices, optimizer).items()}
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # node memory gone: the next restore reads storage
@@ -57,6 +62,7 @@ def main():
     restored = collect.live_views(api._engine.adapter.slices, optimizer)
     report("resave", {
         "restored_from_memory": iteration, "generations": [first.generation, second.generation],
+        "saved_nothing_after_the_restore": untouched,
         "at_4": [sum(v == 4 for v in m.experts.values()) for m in (first, second)],
         # every file of the first save that still exists has its bytes; the new save's files are new names
         "changed": sorted(f for f in before if f in after and after[f] != before[f]),
