@@ -254,6 +254,12 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     c.launch(FULL, faults={0: "before_node_marker=kill@1:0,before_manifest=kill,before_tracker=kill",
                            1: "persist_write=kill@3:1,before_manifest=kill,before_tracker=kill"})
     c.wait_file(manifest.manifest_path(str(c.save), 8), timeout=LAUNCH_TIMEOUT)
+    # Every armed point has fired, and node 0 runs an agent again (one killed by a point is replaced at
+    # its trainer's next save): the kill below hits a live agent, however the points fell.
+    points = ("before_node_marker", "persist_write", "before_manifest", "before_tracker")
+    c.wait_for(lambda: all(f"fault injection: kill at {p}" in agent_logs(c) for p in points), LAUNCH_TIMEOUT,
+               "every fault point fired")
+    c.wait_for(lambda: c.agent_pid(0) is not None, LAUNCH_TIMEOUT, "node 0's agent running")
     # Idle: between persists (the agent only checks a memory snapshot per iteration).
     c.pause()  # so that saves remain to notice the loss, however slow the agents were
     before = c.log(0).count("connected to a new node agent")
