@@ -71,3 +71,22 @@ def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_pl
     Loader(LoadContext(job=job, config=config, collectives=planned, slice_items={}), str(tmp_path))._vote(
         2, {NON_EXPERT: None, "L1.E0": None, "L1.E1": None}, "cannot", planned={"L1.E0": 2, "L1.E1": 1})
     assert nothing.sizes == planned.sizes[:1], (nothing.sizes, planned.sizes)
+
+
+def test_the_fault_harness_reads_the_restore_line_the_loader_logs(capsys):
+    """The campaign and the fault tests judge every restore from this line: a suffix the harness does not
+    know (the peer-memory lag) made it read no restore at all."""
+    from megatron_pec.items import NON_EXPERT
+    from megatron_pec.loader import RestoreResult
+    from megatron_pec.testing.cluster import parse_restores
+
+    def logged(source, newest):
+        RestoreResult(iteration=6, source=source, versions={NON_EXPERT: 6, "L1.E0": 6, "L1.E1": 4}, tensors={},
+                      small={}, pec=None, tokens_at_target={}, report=None, newest=newest).log(rank=1)
+        return parse_restores(capsys.readouterr().out)[1]
+
+    from_peer = logged("peer memory (node 0)", newest=8)
+    assert (from_peer.iteration, from_peer.source, from_peer.older, from_peer.behind) == (
+        6, "peer memory (node 0)", {"L1.E1": 4}, 2)
+    own = logged("memory", newest=8)
+    assert (own.source, own.older, own.behind) == ("memory", {"L1.E1": 4}, 0)

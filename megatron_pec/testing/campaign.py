@@ -367,12 +367,21 @@ class Campaign:
         from megatron_pec.protocol import ReplicaIndex
 
         node, holder = spec["node"], 1 - spec["node"]
+        directory = c.node_dir(holder) / REPLICA_DIR
+
+        def replica():
+            try:
+                return ReplicaIndex.loads((directory / INDEX).read_bytes()).entries.get(f"{node}.{node}")
+            except OSError:
+                return None  # no replica landed yet
+
         c.launch(FULL)
         c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
+        # (early iterations on a loaded machine: the first replica may still be on its way)
+        c.wait_for(replica, TIMEOUT, f"a replica of node {node} on node {holder}")
 
         def damage() -> None:
-            directory = c.node_dir(holder) / REPLICA_DIR
-            entry = ReplicaIndex.loads((directory / INDEX).read_bytes()).entries.get(f"{node}.{node}")
+            entry = replica()
             check(entry is not None, f"node {holder} holds no replica of node {node}")
             path = directory / f"node{node}.rank{node}.slot{entry.slot}"
             offset = int(spec["offset_fraction"] * (path.stat().st_size - 1))

@@ -49,7 +49,9 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--eval-iters", "1", "--lr-warmup-iters", "2"]
 
 _RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from "
-                       r"(memory|storage|peer memory \(node \d+\))(?:; experts from older versions: (.*))?$", re.M)
+                       r"(memory|storage|peer memory \(node \d+\))"
+                       r"(?:, (\d+) iteration\(s\) behind the newest snapshot of any rank)?"
+                       r"(?:; experts from older versions: (.*))?$", re.M)
 _PLT = re.compile(r"megatron-pec: PLT ([0-9.]+)% \((\d+) of (\d+) expert-tokens lost", re.M)
 
 
@@ -63,18 +65,19 @@ class Restore:
 
     rank: int
     iteration: int
-    source: str                                             # "memory" or "storage"
+    source: str                                             # "memory", "storage" or "peer memory (node K)"
     older: dict[str, int] = field(default_factory=dict)     # expert item -> restored version (< iteration)
+    behind: int = 0  # a peer-memory restore: iterations behind the newest snapshot of any rank
 
 
 def parse_restores(text: str) -> dict[int, Restore]:
     out = {}
     for m in _RESTORED.finditer(text):
         older = {}
-        for part in filter(None, (p.strip() for p in (m.group(4) or "").split(","))):
+        for part in filter(None, (p.strip() for p in (m.group(5) or "").split(","))):
             item, version = part.rsplit("@", 1)
             older[item] = int(version)
-        out[int(m.group(1))] = Restore(int(m.group(1)), int(m.group(2)), m.group(3), older)
+        out[int(m.group(1))] = Restore(int(m.group(1)), int(m.group(2)), m.group(3), older, int(m.group(4) or 0))
     return out
 
 
