@@ -18,13 +18,9 @@ import time
 
 import torch
 
+from benchmarks.collective import reduce_max
+
 CHUNK = 8 << 20
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _tmpfs_map(path: str, nbytes: int) -> mmap.mmap:
@@ -53,12 +49,12 @@ def memcpy_floor(shm_dir: str, rank: int, nbytes: int, reps: int = 5) -> dict:
         torch.distributed.barrier()
         t = time.perf_counter()
         dst.copy_(src)
-        times.append(_max(time.perf_counter() - t))
+        times.append(reduce_max(time.perf_counter() - t))
     for _ in range(reps):  # the other direction: what a restore from node memory copies
         torch.distributed.barrier()
         t = time.perf_counter()
         src.copy_(dst)
-        back.append(_max(time.perf_counter() - t))
+        back.append(reduce_max(time.perf_counter() - t))
     del dst
     median, back_median = sorted(times)[len(times) // 2], sorted(back)[len(back) // 2]
     return {"memcpy_s": median, "memcpy_bytes_per_rank": numel * 4,
@@ -84,7 +80,7 @@ def slices_memcpy(m: mmap.mmap, tensors: list, reps: int = 5) -> float:
         t0 = time.perf_counter()
         for d, t in zip(dsts, tensors):
             d.copy_(t)
-        times.append(_max(time.perf_counter() - t0))
+        times.append(reduce_max(time.perf_counter() - t0))
     del dsts, flat
     return sorted(times)[len(times) // 2]
 
@@ -129,7 +125,7 @@ def write_floor(storage_dir: str, rank: int, world: int, shm_paths: list[str], r
         torch.distributed.barrier()
         t = time.perf_counter()
         _write_file(target, [mine])
-        elapsed = _max(time.perf_counter() - t)
+        elapsed = reduce_max(time.perf_counter() - t)
         mine.close()
         os.unlink(target)
         parallel.append(total / elapsed / 1e6)

@@ -12,7 +12,12 @@ snapshot that finds no free region is skipped and counted. Per run: snapshots sk
 time and its overhead over ``base``, the median time a save blocks training, the first save's blocking
 against the median of the later ones, and the node agent's CPU per memory-only snapshot (its own
 ledger). The restart's restore time is compared with the host-to-device floor of the bytes it reads.
-Peers (DLRover, torch_dist) are measured side by side by ``benchmarks.checkpoint``, on CPU ranks.
+
+Peers, side by side in the same run: the benchmark worker (``benchmarks.worker``, one rank, the same
+model) drives megatron-pec (every expert), DLRover's flash checkpoint and Megatron's ``torch_dist``
+async save the way each framework is driven, a checkpoint every iteration: skipped snapshots, step
+overhead, blocking, restores from memory and storage (``--peers ""`` leaves them out; DLRover must be
+installed, ``pip install -e .[bench]``, or its row is an error).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ COMMON = ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iter
 SNAPSHOTS = ["--non-persistent-save-interval", "1", "--save-interval", "20"]
 RESTORE = re.compile(r"rank 0: restore took ([0-9.]+) s")
 SKIPPED = re.compile(r"skipped the snapshot of iteration (\d+)")
+PEERS = "pec_all,dlrover,torch_dist_async"
 
 
 def floors(nbytes: int, cuda: bool) -> dict:
@@ -110,6 +116,34 @@ def summary(r: dict, base_step: float | None, warmup: int) -> dict:
             "first_over_later": saves[0] / statistics.median(saves[1:]) if len(saves) > 1 else None}
 
 
+def peers(workdir: Path, model: list[str], iters: int, env: dict, methods: str, floor: dict) -> tuple[dict, dict]:
+    """Every method in ``methods`` measured by the benchmark worker on one rank: (rows by method, errors)."""
+    result, log = workdir / "peers.json", workdir / "peers.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+           "--master-port", str(29000 + os.getpid() % 500), "-m", "benchmarks.worker", "--run-id",
+           f"gpu{os.getpid()}", "--out", str(result), "--methods", methods, "--iters", str(iters), "--intervals",
+           "1", "--", *model, *COMMON, "--train-iters", "5000"]
+    env = dict(os.environ, **env, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=3600).returncode
+    print(f"[gpu] peers: exit {code} ({log})", flush=True)
+    if code or not result.exists():
+        return {}, {"worker": f"exit code {code}, see {log}"}
+    measured = json.loads(result.read_text())
+    rows = {}
+    for name, m in measured["methods"].items():
+        ratio = (m.get("throughput_ratio_by_interval") or {}).get("1")
+        nbytes = m.get("snapshot_bytes_per_rank") or m.get("bytes_per_rank")
+        rows[name] = {"skipped_snapshots": m.get("skipped_saves_in_throughput_runs"),
+                      "step_overhead": 1 / ratio - 1 if ratio else None,
+                      "blocking_s_median": m.get("blocking_s_median"),
+                      "restore_memory_s": m.get("restore_memory_s"),
+                      "restore_storage_s": m.get("restore_storage_s"),
+                      "h2d_floor_s": floor["h2d_s"] * nbytes / floor["bytes"] if nbytes else None,
+                      "agent_cpu_s_per_snapshot": None, "bytes_per_rank": nbytes, "harness": "benchmarks.worker"}
+    return rows, measured.get("errors", {})
+
+
 def agent_cpu_per_snapshot(node_dir: Path, snapshots: int) -> float | None:
     """The agent's CPU per snapshot for recording it (header check, node-memory index), from its ledger."""
     try:
@@ -126,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-standin", action="store_true", help="CPU ranks and a small model (no GPU needed)")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--json", default=None, help="default: benchmarks/results/gpu.json (gpu_cpu_standin.json)")
+    p.add_argument("--peers", default=PEERS, help=f"methods of benchmarks.worker to run side by side (default "
+                   f"{PEERS}; empty: none)")
     args = p.parse_args(argv)
     import torch
 
@@ -162,19 +198,32 @@ def main(argv=None) -> int:
                           "restore_memory_s": float(restore.group(1)) if restore else None,
                           "bytes": restored_bytes,
                           "over_h2d_floor": float(restore.group(1)) / out["floors"]["h2d_s"] if restore else None}
+        out["methods"]["all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
+                                     h2d_floor_s=out["floors"]["h2d_s"])
+        if args.peers:
+            rows, out["peer_errors"] = peers(workdir, model, args.iters, env, args.peers, out["floors"])
+            out["methods"].update(rows)
     finally:
         subprocess.run(["pkill", "-f", str(shm)], check=False)
         shutil.rmtree(shm, ignore_errors=True)
     path = Path(args.json or RESULTS / ("gpu.json" if cuda else "gpu_cpu_standin.json"))
     path.write_text(json.dumps(out, indent=1))
-    print("| run | skipped | step (ms) | overhead | blocking median (ms) | first save ÷ later | agent CPU per "
-          "snapshot (ms) |\n|---|---|---|---|---|---|---|")
+    ms = lambda v: f"{v * 1e3:.2f}" if v is not None else "-"  # noqa: E731
+    command = "python -m benchmarks.gpu" + ("" if cuda else " --cpu-standin")
+    lines = [f"# The node tier on {out['device']}", "",
+             f"`{command}`, {args.iters} iterations per run; model `{' '.join(model)}`.", "",
+             "| run | skipped | step overhead | blocking median (ms) | first save ÷ later | restore from memory (ms) "
+             "| H2D floor (ms) | agent CPU per snapshot (ms) |", "|---|---|---|---|---|---|---|---|"]
     for name, s in out["methods"].items():
-        ms = lambda v: f"{v * 1e3:.2f}" if v is not None else "-"  # noqa: E731
-        print(f"| {name} | {s['skipped_snapshots']} | {ms(s['step_s_median'])} | "
-              f"{(s['step_overhead'] or 0) * 100:+.1f}% | {ms(s['blocking_s_median'])} | "
-              f"{s['first_over_later'] or float('nan'):.1f} | {ms(s['agent_cpu_s_per_snapshot'])} |")
-    print(f"restore: {out['restore']}; floors: {out['floors']}\nwritten: {path} (logs: {workdir})")
+        overhead = f"{s['step_overhead'] * 100:+.1f}%" if s.get("step_overhead") is not None else "-"
+        first = f"{s['first_over_later']:.1f}" if s.get("first_over_later") is not None else "-"
+        lines.append(f"| {name} | {s['skipped_snapshots']} | {overhead} | {ms(s['blocking_s_median'])} | {first} | "
+                     f"{ms(s.get('restore_memory_s'))} | {ms(s.get('h2d_floor_s'))} | "
+                     f"{ms(s['agent_cpu_s_per_snapshot'])} |")
+    lines += ["", f"Restart after a kill in optimizer step 31: {out['restore']}.", f"Floors: {out['floors']}."]
+    lines += [f"{name}: {error}" for name, error in out.get("peer_errors", {}).items()]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines) + f"\nwritten: {path} and {path.with_suffix('.md')} (logs: {workdir})")
     return 0
 
 

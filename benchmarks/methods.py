@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from benchmarks.collective import reduce_max
 from benchmarks.common import drop_file_cache, files_under
 
 FSYNC = {"pec": True, "torch_dist": True, "legacy": False, "dlrover": False}
@@ -58,12 +59,6 @@ def process_cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t.item())
 
 
 class Method:
@@ -225,7 +220,7 @@ class Pec(Method):
         barrier()
         t = time.perf_counter()
         self.engine.load(self.root, c.scheduler)
-        return _max(time.perf_counter() - t)
+        return reduce_max(time.perf_counter() - t)
 
     def restore_storage(self):
         """A fresh engine whose node memory is empty (as after node loss) restores from storage;
@@ -244,7 +239,7 @@ class Pec(Method):
         barrier()
         t = time.perf_counter()
         fresh.load(self.root, c.scheduler)
-        elapsed = _max(time.perf_counter() - t)
+        elapsed = reduce_max(time.perf_counter() - t)
         self._storage_phases = dict(fresh.restore_phases.seconds)
         node = fresh.job.node_dir
         fresh.close()
@@ -385,7 +380,7 @@ class TorchDist(Method):
             c.optimizer.load_state_dict(loaded["optimizer"])
             c.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         unshare_adam_steps(c.optimizer)
-        return _max(time.perf_counter() - t)
+        return reduce_max(time.perf_counter() - t)
 
     def close(self):
         if self.queue is not None:
@@ -454,7 +449,7 @@ class Legacy(Method):
             _push_steps(hidden)
             c.scheduler.load_state_dict(state["opt_param_scheduler"])
         unshare_adam_steps(c.optimizer)
-        return _max(time.perf_counter() - t)
+        return reduce_max(time.perf_counter() - t)
 
 
 def _pop_steps(optimizer):
@@ -574,7 +569,7 @@ class DLRover(Method):
         loaded = time.perf_counter() - t
         copy, sync = self._apply(state)
         self._phases = {"reading node memory": loaded, "copy": copy, "param sync": sync}
-        return _max(time.perf_counter() - t)
+        return reduce_max(time.perf_counter() - t)
 
     def restore_storage(self):
         path = os.path.join(self.root, str(self.last), f"rank_{self.ctx.rank}.pt")
@@ -583,7 +578,7 @@ class DLRover(Method):
         loaded = time.perf_counter() - t
         copy, sync = self._apply(state)
         self._storage_phases = {"reading storage": loaded, "copy": copy, "param sync": sync}
-        return _max(time.perf_counter() - t)
+        return reduce_max(time.perf_counter() - t)
 
     def close(self):
         try:

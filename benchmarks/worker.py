@@ -1,6 +1,7 @@
-"""The benchmark worker, run under torchrun (2 ranks, gloo on CPU): builds the real megatron-core
-GPT-MoE of ``examples/gpt_moe``, trains it a few iterations, and measures every checkpoint
-method on it in one run. Launched by ``python -m benchmarks.checkpoint``; writes one JSON file.
+"""The benchmark worker, run under torchrun: builds the real megatron-core GPT-MoE of
+``examples/gpt_moe``, trains it a few iterations, and measures every checkpoint method on it in one
+run. Launched by ``python -m benchmarks.checkpoint`` (2 gloo ranks on CPU) and ``python -m
+benchmarks.gpu`` (one NCCL rank on a GPU); writes one JSON file.
 
     torchrun --nproc-per-node 2 -m benchmarks.worker --mode main --out part.json -- <model flags>
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks import floors  # noqa: E402
+from benchmarks.collective import reduce_max  # noqa: E402
 from benchmarks.common import SHM_ROOT, STORAGE_ROOT, loadavg, median, p90  # noqa: E402
 
 MEMORY_RESTORES = 7  # per method, the median reported (a restore is ~20 ms: scheduling noise matters)
@@ -35,12 +37,6 @@ STORAGE_SETTLE_S = 3.0  # pause before them, after syncing the method's writes
 def log(msg: str) -> None:
     if torch.distributed.get_rank() == 0:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _gather(x):
@@ -128,7 +124,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     out = {"family": method.family, "load_1min_at_start": loadavg()}
     t_setup = time.perf_counter()
     method.setup()
-    out["setup_s"] = _max(time.perf_counter() - t_setup)
+    out["setup_s"] = reduce_max(time.perf_counter() - t_setup)
     blocking, persist, node_bytes, rank_bytes, save_phases = [], [], [], [], []
     ledger_before = method.background_cpu_phases()
     cpu_before = method.background_cpu_s()
@@ -143,7 +139,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
         method.wait_persisted(it)
         tp = time.perf_counter() - t0
         phases = slowest_phases(phases_here)
-        tb, tp = _max(tb), _max(tp)
+        tb, tp = reduce_max(tb), reduce_max(tp)
         mine = method.written_bytes(it) if ok else 0
         everyone = _gather(mine)
         if ok:
@@ -191,7 +187,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
             if k % interval == 0:
                 last = ctx.next_iteration()
                 method.save(last)
-        elapsed = _max(time.perf_counter() - t0)
+        elapsed = reduce_max(time.perf_counter() - t0)
         if last is not None:
             method.wait_persisted(last)
         elapsed_by_interval[interval] = elapsed
@@ -265,7 +261,7 @@ def baseline(ctx: Ctx, iters: int) -> float:
     torch.distributed.barrier()
     t0 = time.perf_counter()
     ctx.train(iters)
-    return _max(time.perf_counter() - t0)
+    return reduce_max(time.perf_counter() - t0)
 
 
 def build_methods(ctx: Ctx, names: list[str]):
@@ -366,9 +362,9 @@ def run_scaling(ctx: Ctx, b) -> dict:
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
                 m.save(it)
-                tb = _max(time.perf_counter() - t0)
+                tb = reduce_max(time.perf_counter() - t0)
                 m.wait_persisted(it)
-                tp = _max(time.perf_counter() - t0)
+                tp = reduce_max(time.perf_counter() - t0)
                 blocking.append(tb)
                 persist.append(tp)
                 nb.append(max(_gather(m.written_bytes(it))))

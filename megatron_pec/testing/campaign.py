@@ -355,8 +355,11 @@ class Campaign:
         node, holder = spec["node"], 1 - spec["node"]
         c.launch(FULL, faults={holder: f"replica_receive={action}@{spec['nth']}:{holder}"})
         c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
-        result["fired"] = f"fault injection: {action} at replica_receive" in self._agent_logs(c)
-        self._lose(c, [node], spec, result)
+
+        def fired() -> None:  # (after the loss: a transfer under way at the iteration may still hit it)
+            result["fired"] = f"fault injection: {action} at replica_receive" in self._agent_logs(c)
+
+        self._lose(c, [node], spec, result, before_restart=fired)
         lost_from = result["sources"].get(node) if result.get("sources") else None
         check(lost_from in (None, "storage", f"peer memory (node {holder})"), f"node {node} restored from {lost_from}")
         self._common_end_checks(c, result, "full")
@@ -375,9 +378,11 @@ class Campaign:
             except OSError:
                 return None  # no replica landed yet
 
-        c.launch(FULL)
+        # The node is held in its next optimizer step until it is lost: training must not end (and free
+        # node memory, the replica included) while the replica is awaited on a loaded machine.
+        c.launch(FULL, faults={node: f"optimizer_step=stall@{spec['iteration'] + 1}:{node}"},
+                 node_env={node: {"MEGATRON_PEC_FAULT_STALL_S": str(TIMEOUT)}})
         c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
-        # (early iterations on a loaded machine: the first replica may still be on its way)
         c.wait_for(replica, TIMEOUT, f"a replica of node {node} on node {holder}")
 
         def damage() -> None:
