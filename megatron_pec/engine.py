@@ -308,9 +308,9 @@ class Engine:
     def _restored(self, result: RestoreResult, phases: Phases) -> tuple[int, float]:
         """The restore is done: say so (where the time went included) and start the new timeline."""
         config = self.config
-        self.history.restore(0 if self.config.finetune else result.iteration)
-        result.log(self.rank)
         iteration = 0 if config.finetune else result.iteration
+        self.history.restore(iteration)
+        result.log(self.rank)
         with phases("telling the agent the new timeline"):
             self.session.begin(iteration)
         log.info(f"restore took {phases.total():.3f} s ({phases.describe()})", rank=self.rank)

@@ -355,7 +355,8 @@ class Agent:
         self.writing[link.rank].remove(Pin(msg.iteration, None))
         if error is None and committable:
             newest = self.persisted.get(link.rank)
-            if newest is None or newest[1] < msg.iteration:
+            # (a restart's new run resumes below the old run's iterations: its own writes count from then)
+            if newest is None or newest[0] != link.run or newest[1] < msg.iteration:
                 self.persisted[link.rank] = (link.run, msg.iteration)
         self._release(link, msg, True, error)
 
