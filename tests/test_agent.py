@@ -338,6 +338,24 @@ def test_a_restart_resumes_the_regions_of_its_timeline_only(trainers):
         other.close()
 
 
+def test_a_restarts_uncommitted_persist_keeps_its_dense_state_pinned(trainers):
+    """Node 1 never commits, so every persist here stays uncommitted. The old run persisted 20; the
+    restart resumes at 10 and persists 12: the agent pins 12's dense state (the old run's higher
+    iteration must not count as the newest write), so later snapshots keep off it until 12 commits."""
+    t = trainers(0)                                           # two nodes; the second never reports
+    t.snapshot(10)
+    t.snapshot(20)
+    t.begin("run-2", 10)
+    t.snapshot(11, written=("dense", "L1.E0"), persist=False)
+    _, released = t.snapshot(12, written=("dense", "L1.E1"))
+    assert released.error is None and manifest.committed_iterations(t.root) == []
+    assert Pin(12, ["dense"]) in released.pins
+    for iteration in (13, 14):                                # each needs a region for the dense state
+        _, released = t.snapshot(iteration, written=("dense",), persist=False)
+        assert Pin(12, ["dense"]) in released.pins
+    assert regions_of(t)["dense"][1] == 14 and t.memory().regions(0, upto=12)["dense"][1] == 12
+
+
 def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
     """A restore reading the trainer's own slot through its mapping takes the views the trainer
     already has of it (no 90k new ones on a large rank): the same objects, the verified bytes."""
