@@ -201,6 +201,7 @@ class Loader:
             if agreed.every_rank_can:
                 with phases("listing sources"):  # (the directory's bookkeeping)
                     self._retire_newer(target)
+                    self._warn_finetune_into_loaded(target)
                 with phases("deciding"):
                     return self._decide(target, plan, agreed.accounted, agreed.state, newest)
             if agreed.same_iteration:
@@ -251,6 +252,7 @@ class Loader:
         if done.pec is not None:
             self._choose_k(done.pec)
         self._retire_newer(m.iteration)
+        self._warn_finetune_into_loaded(m.iteration)
         return RestoreResult(m.iteration, f"storage (resharded: {reshard.change(m.topology, topology)})",
                              done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
                              resharded=True)
@@ -270,6 +272,15 @@ class Loader:
         if retired:
             log.info(f"iterations {retired} under {self.root} belong to an abandoned run after the restored iteration "
                      f"{target}; removed their manifests and node markers (training saves them again)")
+
+    def _warn_finetune_into_loaded(self, target: int) -> None:
+        """Rank 0: a fine-tune saving into the directory it loaded starts at iteration 0 beside the loaded
+        run's committed iterations (never written over: generations), which a restart may resume from."""
+        config = self.ctx.config
+        if self.rank == 0 and config.finetune and config.save and os.path.abspath(config.save) == self.root:
+            log.warning(f"--finetune saves into {self.root}, the directory it loaded iteration {target} from: the "
+                        "loaded run's checkpoints stay committed beside the fine-tune's, and a restart resumes from "
+                        "the newest committed iteration whichever run saved it; give the fine-tune its own --save")
 
     def _warn_stale_tracker(self, manifests: dict) -> None:
         """The tracker is a hint for Megatron's tools; validity comes only from manifests."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -48,6 +49,25 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240, env:
         raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
+
+
+def committed_files(root) -> dict[str, tuple[int, str]]:
+    """Every rank file a committed manifest of ``root`` references: path -> (mtime_ns, sha256)."""
+    from megatron_pec import manifest
+    out = {}
+    for iteration in manifest.committed_iterations(str(root)):
+        for entry in manifest.read_manifest(str(root), iteration).ranks.values():
+            path = os.path.join(str(root), entry.file)
+            out[path] = (os.stat(path).st_mtime_ns, hashlib.sha256(Path(path).read_bytes()).hexdigest())
+    return out
+
+
+def assert_committed_files_unchanged(before: dict[str, tuple[int, str]]) -> None:
+    """A committed file is never written again: each one ``committed_files`` listed is, if still there
+    (retention and a commit that replaced it may remove it), exactly as it was."""
+    changed = [path for path, (mtime, digest) in before.items() if os.path.exists(path) and
+               (os.stat(path).st_mtime_ns, hashlib.sha256(Path(path).read_bytes()).hexdigest()) != (mtime, digest)]
+    assert not changed, f"committed files written again: {changed}"
 
 
 def read_jsonl(path) -> list[dict]:

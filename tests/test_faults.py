@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, assert_committed_files_unchanged, committed_files
 from megatron_pec import manifest
 from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.items import item_name
@@ -360,9 +360,11 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     lost_at = c.iteration()
     stored = committed(c.save)[-1]
     assert "restored" not in c.logs(1)
+    before = committed_files(c.save)
 
     c.launch(pec)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    assert_committed_files_unchanged(before)  # the restored iteration, persisted again, went to new files
     restores = c.restores(2)
     assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
     target = restores[0].iteration
@@ -388,13 +390,16 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
 
 def lose_node_1_and_restore_from_its_replica(c: Cluster, after: int) -> tuple[int, int]:
     """Node 1 is lost after iteration ``after``; the relaunch restores it from node 0's memory, node 0
-    from its own, at the same iteration, at most one snapshot interval back. Returns (reached, restored)."""
+    from its own, at the same iteration, at most one snapshot interval back; no committed file is written
+    again meanwhile. Returns (reached, restored)."""
     c.wait_iteration(after)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
     lost_at = c.iteration()
+    before = committed_files(c.save)
     c.launch(FULL)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+    assert_committed_files_unchanged(before)
     restores = c.restores(2)
     assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
     target = restores[0].iteration

@@ -64,7 +64,8 @@ def test_a_finetune_that_saves_an_iteration_the_directory_holds_commits_it_under
     first = {p.name: p.stat().st_mtime_ns for p in (ckpt / "iter_0000004" / "pec").iterdir()
              if p.name.startswith("rank_")}
     generation = manifest.read_manifest(str(ckpt), 4).generation
-    torchrun(PRETRAIN, *common, "--train-iters", "4", "--finetune", "--no-load-optim", "--pec-job-id", "b")
+    proc = torchrun(PRETRAIN, *common, "--train-iters", "4", "--finetune", "--no-load-optim", "--pec-job-id", "b")
+    assert "--finetune saves into" in proc.stdout + proc.stderr  # the restart would resume from the first run's 6
     m = manifest.read_manifest(str(ckpt), 4)
     assert m.generation != generation and m.job_id == "b", m
     files = {p.name for p in (ckpt / "iter_0000004" / "pec").iterdir() if p.name.startswith("rank_")}

@@ -31,7 +31,7 @@ import pytest
 from megatron_pec import manifest
 from megatron_pec.testing import megatron_lm
 
-from conftest import free_port
+from conftest import assert_committed_files_unchanged, committed_files, free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -209,9 +209,11 @@ def test_megatron_formats_in_and_out(tmp_path):
     try:
         code, log = pretrain(tree, *bf16, *ckpt, "--exit-interval", "4")
         assert code == 0, log[-4000:]
+        before = committed_files(save)
         code, log = pretrain(tree, *bf16, *ckpt, "--ckpt-convert-format", "torch_dist",
                              "--ckpt-convert-save", str(converted))
         assert code == 0 and "converts to --ckpt-convert-format torch_dist" in log, log[-4000:]
+        assert_committed_files_unchanged(before)  # the conversion saves iteration 4 elsewhere only
         assert restored(log) == {(4, "storage")} or restored(log) == {(4, "memory")}
     finally:
         lose_node_memory(shm)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import torchrun
+from conftest import assert_committed_files_unchanged, committed_files, torchrun
 from megatron_pec import manifest
 from megatron_pec.testing.cluster import run_megatron_pec
 from test_export import read_safetensors
@@ -53,11 +53,15 @@ def test_restore_onto_another_parallel_layout(tmp_path, shm_dir, before, after, 
     exported = run_megatron_pec("export", ckpt, tmp_path / "source")
     assert exported.returncode == 0, exported.stderr
     shutil.rmtree(shm_dir, ignore_errors=True)
+    committed_before = committed_files(ckpt)
     proc = torchrun("reshard_state.py", str(ckpt), shm_dir, "b", "restore", "--expert-model-parallel-size", str(ep),
                     *model, nproc=after, env=env, timeout=400)
     ranks = f"world {before} → {after}, EP 2 → {ep}, DP {before} → {after}"
     for rank in range(after):
         assert f"rank {rank}: restored iteration 4 from storage (resharded: {ranks})" in proc.stdout, proc.stdout
+    # 4 saved again on the new layout: the state is the restored one, the committed files stay as they were
+    assert "iteration 4 is unchanged since it was restored: nothing to save" in proc.stdout, proc.stdout
+    assert_committed_files_unchanged(committed_before)
 
     saved = global_state(tmp_path / f"a.rank{r}.safetensors" for r in range(before))
     restored = global_state(tmp_path / f"b.rank{r}.safetensors" for r in range(after))

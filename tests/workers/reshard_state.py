@@ -3,7 +3,8 @@ in global coordinates (parameter name, kind, element range) for the resharding t
 
 argv: SAVE_DIR SHM_DIR JOB_ID save|restore [extra example flags...]. ``save`` trains N iterations
 (persistent saves at 2 and N), dumps its shards, then trains MORE iterations (the uninterrupted losses);
-``restore`` loads, dumps its shards, then trains MORE iterations.
+``restore`` loads, dumps its shards, saves the restored iteration again on the new layout (the same
+state: nothing may be written over the committed files), then trains MORE iterations.
 """
 
 import os
@@ -45,6 +46,7 @@ def main():
         losses = train(args, model, optimizer, scheduler, data, MORE)
     else:
         dump(os.path.join(out, f"{job}.rank{rank}.safetensors"))
+        megatron_pec.save_checkpoint(N, model, optimizer, scheduler, 0.0)
         losses = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
         torch.distributed.barrier()
         megatron_pec.save_checkpoint(N + MORE, model, optimizer, scheduler, 0.0)  # the new layout saves on
