@@ -260,8 +260,7 @@ class Loader:
     def _retire_newer(self, target: int) -> None:
         """Rank 0: de-commit what an abandoned run left after ``target`` in the --save directory
         (see ``manifest.retire_after``). Every later save needs rank 0, so this precedes them all."""
-        config = self.ctx.config
-        if self.rank != 0 or config.finetune or not config.save or os.path.abspath(config.save) != self.root:
+        if self.ctx.config.finetune or not self._saves_here():
             return
         try:
             retired = manifest.retire_after(self.root, target, self.storage)
@@ -273,11 +272,15 @@ class Loader:
             log.info(f"iterations {retired} under {self.root} belong to an abandoned run after the restored iteration "
                      f"{target}; removed their manifests and node markers (training saves them again)")
 
+    def _saves_here(self) -> bool:
+        """Rank 0 of a job whose --save is the directory this loader reads (the one that keeps its books)."""
+        save = self.ctx.config.save
+        return self.rank == 0 and bool(save) and os.path.abspath(save) == self.root
+
     def _warn_finetune_into_loaded(self, target: int) -> None:
         """Rank 0: a fine-tune saving into the directory it loaded starts at iteration 0 beside the loaded
         run's committed iterations (never written over: generations), which a restart may resume from."""
-        config = self.ctx.config
-        if self.rank == 0 and config.finetune and config.save and os.path.abspath(config.save) == self.root:
+        if self.ctx.config.finetune and self._saves_here():
             log.warning(f"--finetune saves into {self.root}, the directory it loaded iteration {target} from: the "
                         "loaded run's checkpoints stay committed beside the fine-tune's, and a restart resumes from "
                         "the newest committed iteration whichever run saved it; give the fine-tune its own --save")

@@ -51,22 +51,22 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240, env:
     return proc
 
 
+def _stamp(path: str) -> tuple[int, str]:
+    return os.stat(path).st_mtime_ns, hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def committed_files(root) -> dict[str, tuple[int, str]]:
     """Every rank file a committed manifest of ``root`` references: path -> (mtime_ns, sha256)."""
     from megatron_pec import manifest
-    out = {}
-    for iteration in manifest.committed_iterations(str(root)):
-        for entry in manifest.read_manifest(str(root), iteration).ranks.values():
-            path = os.path.join(str(root), entry.file)
-            out[path] = (os.stat(path).st_mtime_ns, hashlib.sha256(Path(path).read_bytes()).hexdigest())
-    return out
+    return {path: _stamp(path) for iteration in manifest.committed_iterations(str(root))
+            for path in (os.path.join(str(root), entry.file)
+                         for entry in manifest.read_manifest(str(root), iteration).ranks.values())}
 
 
 def assert_committed_files_unchanged(before: dict[str, tuple[int, str]]) -> None:
     """A committed file is never written again: each one ``committed_files`` listed is, if still there
     (retention and a commit that replaced it may remove it), exactly as it was."""
-    changed = [path for path, (mtime, digest) in before.items() if os.path.exists(path) and
-               (os.stat(path).st_mtime_ns, hashlib.sha256(Path(path).read_bytes()).hexdigest()) != (mtime, digest)]
+    changed = [path for path, stamp in before.items() if os.path.exists(path) and _stamp(path) != stamp]
     assert not changed, f"committed files written again: {changed}"
 
 
