@@ -20,8 +20,27 @@ if [[ $# -gt 0 || ${PEC_SKIP_MCORE019:-0} == 1 ]]; then
   exec .venv/bin/python -m pytest -q "$@"
 fi
 VENV=.venv-mcore019 MEGATRON_CORE=0.19.2 bash scripts/bootstrap.sh
-echo "== megatron-core 0.16.1 (.venv): the whole suite"
-.venv/bin/python -m pytest -q
-echo "== megatron-core 0.19.2 (.venv-mcore019): unit tests and the megatron-core model tests"
-.venv-mcore019/bin/python -m pytest -q -m "not multiprocess and not campaign" tests
-.venv-mcore019/bin/python -m pytest -q -m "multiprocess and not campaign" "${MCORE019_TESTS[@]}"
+# Every part runs whatever the parts before it did; one summary at the end, failing if any part failed.
+summary=()
+failed=0
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+part() {  # part NAME PYTHON PYTEST-ARGS...
+  local name=$1 python=$2 start=$SECONDS rc
+  shift 2
+  echo "== $name"
+  set +e
+  "$python" -m pytest -q "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  summary+=("$([[ $rc == 0 ]] && echo ok || echo "FAILED (exit $rc)") | $name | $(tail -n 1 "$log") | $((SECONDS - start)) s")
+  [[ $rc == 0 ]] || failed=1
+}
+part "megatron-core 0.16.1 (.venv): the whole suite" .venv/bin/python
+part "megatron-core 0.19.2 (.venv-mcore019): unit tests" .venv-mcore019/bin/python \
+  -m "not multiprocess and not campaign" tests
+part "megatron-core 0.19.2 (.venv-mcore019): megatron-core model tests" .venv-mcore019/bin/python \
+  -m "multiprocess and not campaign" "${MCORE019_TESTS[@]}"
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+exit $failed

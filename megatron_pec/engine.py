@@ -230,7 +230,7 @@ class Engine:
             with phases("checking on the device"):
                 problem = self._checked_after_copy(result)
             if self.adapter.collectives.all_ok(problem is None):
-                return self._restored(result, phases)
+                return self._restored(result, phases, saved_here=bool(root) and os.path.abspath(root) == self.job.save_root)
             log.warning(f"cannot restore iteration {result.iteration}: {problem or 'another rank cannot'}; "
                         "falling back to an older checkpoint", rank=self.rank)
             excluded.add(result.iteration)
@@ -305,11 +305,12 @@ class Engine:
         with phases("PEC state"):
             self.book.adopt(result.pec, result.tokens_at_target, result.resharded)
 
-    def _restored(self, result: RestoreResult, phases: Phases) -> tuple[int, float]:
-        """The restore is done: say so (where the time went included) and start the new timeline."""
+    def _restored(self, result: RestoreResult, phases: Phases, saved_here: bool) -> tuple[int, float]:
+        """The restore is done: say so (where the time went included) and start the new timeline
+        (``saved_here``: it came from the --save directory or its node memory)."""
         config = self.config
         iteration = 0 if config.finetune else result.iteration
-        self.history.restore(iteration)
+        self.history.restore(iteration, saved_here)
         result.log(self.rank)
         with phases("telling the agent the new timeline"):
             self.session.begin(iteration)

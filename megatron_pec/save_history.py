@@ -17,6 +17,7 @@ class SaveHistory:
         self.last: tuple[int, bool] | None = None  # (iteration, whether it wrote every expert) of the last save call
         self.small = ""                      # the small state's JSON at the last save call
         self.restored: int | None = None     # the iteration training resumed at, until a save call
+        self.restored_here = False           # ... from the --save directory (or its node memory)
         self._persisted: dict[int, int] = {}  # iteration -> persistent saves of it by this process
         self._held: set[int] = set()          # iterations this process restored or persisted
 
@@ -24,10 +25,11 @@ class SaveHistory:
     def step(self) -> None:
         self.stepped = True
 
-    def restore(self, iteration: int) -> None:
-        """Training resumes at ``iteration`` (restored from wherever; what node memory held is persisted by
-        the node agent where storage lacks it)."""
-        self.restored, self.stepped, self.last = iteration, False, None
+    def restore(self, iteration: int, here: bool = True) -> None:
+        """Training resumes at ``iteration``; ``here``: restored from the --save directory or its node memory
+        (what node memory held is persisted by the node agent where storage lacks it), not from another
+        --load directory, which --save does not hold."""
+        self.restored, self.restored_here, self.stepped, self.last = iteration, here, False, None
         self._held.add(iteration)
 
     def called(self, iteration: int, small: str) -> None:
@@ -43,7 +45,7 @@ class SaveHistory:
     def unchanged_since_restore(self, iteration: int) -> bool:
         """The state is ``iteration`` as restored (a relaunched finished job): storage holds it, or the node
         agent persists the node-memory copy it came from; saving it again would write the same bytes."""
-        return not self.stepped and self.restored == iteration
+        return not self.stepped and self.restored == iteration and self.restored_here
 
     def writes_every_expert(self, iteration: int) -> bool:
         """A persistent save of an iteration this process restored or persisted replaces that commit, whose

@@ -27,6 +27,8 @@ def test_a_restored_iteration_unchanged_is_not_saved_again_and_a_held_one_is_sav
     h.restore(30)
     h.called(30, "{}")                                   # a save call ends "unchanged since the restore"
     assert not h.unchanged_since_restore(30) and h.writes_every_expert(30)
+    h.restore(30, here=False)                            # from another --load directory: --save lacks it
+    assert not h.unchanged_since_restore(30) and h.writes_every_expert(30)
 
 
 def test_generations_name_the_launch_and_each_save_of_an_iteration():

@@ -1,12 +1,17 @@
 """A checkpoint written by an earlier megatron-pec release restores as that release restored it.
 
-argv: MODE SAVE_DIR SHM_DIR, results in $PEC_TEST_OUT. Snapshot-K = persist-K = 1 of 8 experts, a
-persistent save every 2 iterations: the newest checkpoint's experts come from four iterations.
+argv: MODE LOAD_DIR SHM_DIR [SAVE_DIR], results in $PEC_TEST_OUT. Snapshot-K = persist-K = 1 of 8
+experts, a persistent save every 2 iterations: the newest checkpoint's experts come from four iterations.
 
-* ``write``:   train 8 iterations with saves (run once, by the earlier release, to make the fixture);
-* ``restore``: a fresh process with empty node memory restores SAVE_DIR from storage and reports what
-  it restored: each item's bytes (sha256 of its slices), the PEC state, PLT, the losses of the next
-  two iterations. The fixture's ``expected`` is this report as the earlier release wrote it.
+* ``write``:     train 8 iterations with saves into LOAD_DIR (run once, by the earlier release, to make
+  the fixture);
+* ``restore``:   a fresh process with empty node memory restores LOAD_DIR from storage and reports what
+  it restored: each item's bytes (sha256 of its slices), the PEC state, PLT (the fixture's
+  ``expected`` is this report as the earlier release wrote it); then saves the restored state, every
+  expert, into SAVE_DIR in this release's format and reports the losses of the next two iterations;
+* ``reference``: a fresh process restores SAVE_DIR (this release's own format) and reports its items and
+  the losses of the next two iterations: the same machine's reference for the losses, which depend on
+  the CPU's vector width and kernels and so are never compared with another machine's.
 """
 
 import hashlib
@@ -38,9 +43,10 @@ def restored_state(optimizer) -> dict:
 
 
 def main():
-    mode, save, shm = sys.argv[1:4]
+    mode, load, shm = sys.argv[1:4]
+    save = sys.argv[4] if mode == "restore" else load
     args, model, optimizer, scheduler, data_from = setup(
-        ARGS + ["--hidden-size", "16", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "prev"])
+        ARGS + ["--hidden-size", "16", "--save", save, "--load", load, "--pec-shm-dir", shm, "--pec-job-id", f"prev-{mode}"])
     iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)
     if mode == "write":
         data = data_from(0)
@@ -50,8 +56,11 @@ def main():
         api._engine.flush()  # every save committed before the process ends
         return
     result = {"iteration": iteration, "consumed": args.consumed_train_samples, **restored_state(optimizer)}
+    if mode == "restore":  # (the restored iteration was restored from LOAD_DIR: a save of it writes every expert)
+        megatron_pec.save_checkpoint(iteration, model, optimizer, scheduler, 0)
+        api._engine.flush()
     result["losses"] = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), 2)
-    report("previous_format", result)
+    report(f"previous_format.{mode}", result)
     torch.distributed.barrier()
 
 
