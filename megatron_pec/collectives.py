@@ -37,6 +37,8 @@ class Collectives:
         """``reduce`` of non-empty ``values`` (a list, or an int64 tensor reduced in place) started in
         the background; ``result()`` (or ``reduced()``, the tensor) waits for it."""
         tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+        if self.world_size == 1:  # (nothing to agree on: one rank's values are the result)
+            return PendingReduce(None, tensor)
         return PendingReduce(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True), tensor)
 
     def gather(self, values: list[int], width: int, pad: int = -1) -> list[list[int]]:
@@ -67,5 +69,6 @@ class PendingReduce:
         return self.reduced().tolist()
 
     def reduced(self) -> torch.Tensor:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         return self.tensor

@@ -12,7 +12,6 @@ the PEC bookkeeping is ``book``; copies are ``stager``'s; the node agent and the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
@@ -37,7 +36,6 @@ from megatron_pec.slots import NUM_SLOTS, SlotFiles, SlotSpaceError
 from megatron_pec.sources import megatron_format
 from megatron_pec.stager import Stager
 from megatron_pec.stformat import layout as tensor_layout
-from megatron_pec.sum64 import DeviceSums
 
 
 class Engine:
@@ -66,12 +64,11 @@ class Engine:
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
         self.restore_phases = Phases()  # ... and the latest restore's
         self.history = SaveHistory(self.job.session)
-        background = torch.cuda.is_available() or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
         # A restore from node memory checks its bytes where they land: on the GPU (MEGATRON_PEC_CHECK_ON_DEVICE=1
         # runs the same path on CPU ranks; else they are checked in node memory, before the copy).
         self.check_on_device = os.environ.get("MEGATRON_PEC_CHECK_ON_DEVICE",
                                               "1" if torch.cuda.is_available() else "0") == "1"
-        self.handover = HandOver(self._complete, background)
+        self.handover = HandOver(self._complete)
         self.adapter.before_each_step(self._before_step)
         if self.config.save:
             self._record_layout()
@@ -113,6 +110,7 @@ class Engine:
         live = self.adapter.live_views()
         for slot in range(NUM_SLOTS):
             self.stager.runs(slot, live)
+        self.stager.sums(live).start(())  # (on a GPU: compiles the checksum kernel now, not in the first save)
 
     def _header_reserve(self) -> int:
         """Header room for a save's metadata, sized now so that no save runs out of it: per expert this
@@ -146,7 +144,7 @@ class Engine:
             step()
         with phases("metadata"):
             # (a skipped save too: a clean exit right after it still saves this state, ``_final_snapshot``)
-            self.history.called(iteration, smallstate.dumps(
+            self.history.called(iteration, smallstate.Captured(
                 self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)))
         if save.why_not is not None:
             self.session.skipped(save.placement)
@@ -155,8 +153,7 @@ class Engine:
         faults.point("snapshot_end", iteration=iteration)
         with phases("metadata"):
             pending = save.describe(self.history.small, self.history.generation(iteration) if persistent else "")
-        with phases("hand-off") if not self.handover.background else contextlib.nullcontext():
-            self.handover.submit(pending)
+        self.handover.submit(pending)
         self.history.wrote(iteration, save.writes_every_expert)
 
     def _final_snapshot(self) -> None:
@@ -184,7 +181,7 @@ class Engine:
     def _complete(self, pending: PendingSnapshot) -> None:
         """The snapshot's bytes are in the slot: write its header, with the items' checksums, and hand
         the slot to the agent."""
-        header = dataclasses.replace(pending.header, sums=pending.staged.sums())
+        header = dataclasses.replace(pending.header, sums=pending.staged.sums(), small=pending.small.text)
         self.files.write_header(pending.slot, header.to_metadata())
         if not self.session.announce(pending.slot, pending.iteration, pending.persistent, pending.persist_items,
                                      pending.placement, pending.generation):
@@ -259,13 +256,10 @@ class Engine:
         the live optimizer state equal the recorded ones; else what does not."""
         if not result.check_after_copy:
             return None
-        live = self.adapter.live_views()
-        runs = self.stager.runs(0, live)
-        sums = DeviceSums(self.stager.device)
-        for item in result.check_after_copy:
-            for tensor, offset in zip(runs[item][1], self.stager.run_offsets[item]):
-                sums.add(item, tensor, offset)
-        actual = sums.digests(sums.result().cpu())
+        pending = self.stager.sums(self.adapter.live_views()).start(result.check_after_copy)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        actual = pending.digests()
         for item, (expected, where) in sorted(result.check_after_copy.items()):
             if actual[item] != expected:
                 return mismatch(f"{where} (checked on the device after the copy)", item, actual[item], expected)
@@ -417,9 +411,9 @@ class Save:
             if first:
                 faults.point("snapshot_mid", iteration=self.iteration)
 
-    def describe(self, small: str, generation: str) -> PendingSnapshot:
-        """Record the save in the PEC bookkeeping and describe the snapshot (its slot header; ``small``:
-        the small state's JSON; ``generation``: a persistent save's, ``manifest``)."""
+    def describe(self, small: smallstate.Captured, generation: str) -> PendingSnapshot:
+        """Record the save in the PEC bookkeeping and describe the snapshot (its slot header, whose small
+        state the hand-over encodes; ``generation``: a persistent save's, ``manifest``)."""
         engine, job = self.engine, self.engine.job
         snapshot, persist = self.experts
         engine.book.record(snapshot, persist, self.iteration, self.persistent)
@@ -427,8 +421,8 @@ class Save:
         header = SlotHeader(
             job_id=engine.config.job_id, fingerprint=job.fingerprint, save=job.save_root, rank=job.rank,
             world_size=job.world_size, iteration=self.iteration,
-            items=dict.fromkeys(sorted(self.placement), self.iteration), tokens=tokens, small=small,
+            items=dict.fromkeys(sorted(self.placement), self.iteration), tokens=tokens, small="",
             pec=pec, run=engine.session.run)
         persist_items = sorted(item_name(e) for e in persist) if self.persistent and job.expert_layout else None
         return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, dict(self.placement),
-                               header, self.staging.finish(), generation)
+                               header, small, self.staging.finish(), generation)

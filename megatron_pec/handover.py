@@ -1,9 +1,11 @@
 """Phase 4, notify: a snapshot goes to the node agent as soon as its bytes are in node memory.
 
-When copies run asynchronously (GPU; ``MEGATRON_PEC_DEFER_SNAPSHOT=1`` runs the same path on CPU)
-a watcher thread waits for each snapshot's copies, then completes it (slot header, announcement):
-a trainer killed right after a save still leaves that snapshot to the agent. Otherwise the caller
-completes it at once. Either way snapshots complete in the order they were taken.
+A watcher thread completes each snapshot off the training thread: it waits for the copies (GPU), reads
+the items' checksums (on the GPU computed by the device; on CPU ranks summed over the slot, numpy, the
+GIL released), writes the slot header and announces the snapshot. Snapshots complete in the order they
+were taken, and each before the next optimizer step can change what it is made of: on the GPU that
+step's stream waits for the copies (the host does not), on CPU ranks the step waits for the hand-over
+itself, so a trainer killed in the next step still leaves the snapshot to the agent.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable
 
 from megatron_pec import log
 from megatron_pec.protocol import SlotHeader
+from megatron_pec.smallstate import Captured
 from megatron_pec.stager import StagedCopy
 
 
@@ -27,38 +30,35 @@ class PendingSnapshot:
     persistent: bool
     persist_items: list[str] | None  # experts to persist besides the dense state (None: all it wrote)
     placement: dict[str, int]        # item -> the slot it was copied into (the header's is ``slot``)
-    header: SlotHeader
+    header: SlotHeader               # (its small state still to be encoded: ``small``)
+    small: Captured
     staged: StagedCopy
     generation: str = ""             # a persistent save's (``manifest``)
 
 
 class HandOver:
-    def __init__(self, complete: Callable[[PendingSnapshot], None], background: bool):
+    def __init__(self, complete: Callable[[PendingSnapshot], None]):
         self._complete = complete
         self._latest: PendingSnapshot | None = None  # the newest one submitted (its copies guard the next step)
-        self._queue: queue.Queue | None = queue.Queue() if background else None
-        if self._queue is not None:
-            threading.Thread(target=self._watch, name="megatron-pec hand-over", daemon=True).start()
-
-    @property
-    def background(self) -> bool:
-        return self._queue is not None
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._watch, name="megatron-pec hand-over", daemon=True).start()
 
     def submit(self, pending: PendingSnapshot) -> None:
         self._latest = pending
-        if self._queue is None:
-            self._complete(pending)
-        else:
-            self._queue.put(pending)
+        self._queue.put(pending)
 
     def wait(self) -> None:
         """Until every submitted snapshot is complete."""
-        if self._queue is not None:
-            self._queue.join()
+        self._queue.join()
 
     def before_step(self, stream) -> None:
-        """The optimizer step about to run (on ``stream``) must not change what is still being copied."""
-        if self._latest is not None:
+        """The optimizer step about to run (on ``stream``; None: CPU ranks) must not change what is still
+        being copied, and on CPU ranks waits for the hand-over (normally long done by then)."""
+        if self._latest is None:
+            return
+        if stream is None:
+            self.wait()
+        else:
             self._latest.staged.before(stream)
 
     def _watch(self) -> None:

@@ -15,7 +15,7 @@ class SaveHistory:
         self.session = session               # this launch's id (rank 0's, shared at start-up)
         self.stepped = False                 # an optimizer step since the last save call or restore
         self.last: tuple[int, bool] | None = None  # (iteration, whether it wrote every expert) of the last save call
-        self.small = ""                      # the small state's JSON at the last save call
+        self.small = None                    # the small state at the last save call (``smallstate.Captured``)
         self.restored: int | None = None     # the iteration training resumed at, until a save call
         self.restored_here = False           # ... from the --save directory (or its node memory)
         self._persisted: dict[int, int] = {}  # iteration -> persistent saves of it by this process
@@ -32,7 +32,7 @@ class SaveHistory:
         self.restored, self.restored_here, self.stepped, self.last = iteration, here, False, None
         self._held.add(iteration)
 
-    def called(self, iteration: int, small: str) -> None:
+    def called(self, iteration: int, small) -> None:
         """A save of ``iteration`` was asked for (its state is ``small`` and the model's now)."""
         self.small, self.stepped, self.restored = small, False, None
         self.last = (iteration, False)  # nothing written until ``wrote``: a skipped save wrote nothing

@@ -9,9 +9,14 @@ their regions are in, ``copy`` of more, ``finish``), and ``finish`` returns a ``
 yields the items' checksums (``sums()``).
 
 Checksums are computed where the bytes come from: on the GPU, by the copy stream, over the live
-tensors it copies (``sum64.DeviceSums``); a handful of int64 sums per item travel to the host with
-the snapshot. On the CPU the copies are synchronous memcpys and the sums are computed over the slot
-once the copies are done (``sum64.item_sums``), by whoever asks (the hand-over thread).
+tensors it copies, all items of a snapshot in one kernel launch (``run_sums``); two int64 partial sums
+per chunk travel to the host with the snapshot. On the CPU the copies are synchronous memcpys and the
+sums are computed over the slot once the copies are done (``sum64.item_sums``), by whoever asks (the
+hand-over thread, off the training thread).
+
+A snapshot enqueues a fixed number of operations whatever the number of items and runs: one
+``_foreach_copy_`` per ``copy`` call (two per save: the dense state, then the experts) and, at
+``finish``, the sums' launch and their copy to the host.
 """
 
 from __future__ import annotations
@@ -21,17 +26,18 @@ import contextlib
 import torch
 
 from megatron_pec.coalesce import coalesced_with_starts, run_view
+from megatron_pec.run_sums import PendingSums, RunSums
 from megatron_pec.slots import SlotFiles
-from megatron_pec.sum64 import DeviceSums, item_sums
+from megatron_pec.sum64 import item_sums
 
 
 class StagedCopy:
     """The copies of one snapshot; ``done()`` once they have landed in the slot."""
 
-    def __init__(self, event=None, sums=None, host=None, over_slots=None):
+    def __init__(self, event=None, sums: PendingSums | None = None, over_slots=None):
         self._event = event
-        self._sums, self._host = sums, host  # (GPU) the device sums and their host copy
-        self._over_slots = over_slots        # (CPU) [(mapping, header, items)]: sums computed over the slots
+        self._sums = sums                # (GPU) the device's sums, on their way to the host
+        self._over_slots = over_slots    # (CPU) [(mapping, header, items)]: sums computed over the slots
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -50,7 +56,7 @@ class StagedCopy:
         """item -> its sum64 (waits for the copies)."""
         self.wait()
         if self._sums is not None:
-            return self._sums.digests(self._host)
+            return self._sums.digests()
         out = {}
         for mapping, header, items in self._over_slots or ():
             out.update(item_sums(mapping, header, items))
@@ -63,19 +69,16 @@ class Staging:
     def __init__(self, stager: "Stager", live: dict):
         self.stager, self.live = stager, live
         self.placed: dict[int, set[str]] = {}  # slot -> the items copied into it
-        self.sums = DeviceSums(stager.device) if stager.stream is not None else None
 
     def copy(self, placement: dict[str, int]) -> None:
-        """Start copying the slices of each item of ``placement`` into the slot it names (and, on the
-        GPU, summing them)."""
+        """Start copying the slices of each item of ``placement`` into the slot it names."""
         stager = self.stager
-        dst, src, picked = [], [], []
+        dst, src = [], []
         for item, slot in placement.items():
             runs = stager.runs(slot, self.live)
             if item in runs:
                 dst += runs[item][0]
                 src += runs[item][1]
-                picked.append(item)
                 self.placed.setdefault(slot, set()).add(item)
         if not dst:
             return
@@ -85,41 +88,45 @@ class Staging:
         # (no_grad: main params require grad, and autograd would record every copy)
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
-            if self.sums is not None:
-                for item in picked:
-                    for tensor, offset in zip(stager.runs(placement[item], self.live)[item][1],
-                                              stager.run_offsets[item]):
-                        self.sums.add(item, tensor, offset)
 
     def finish(self) -> StagedCopy:
+        """The copies started; on the GPU also the sums of every item copied, in one launch behind them."""
         stager = self.stager
         if stager.stream is None:
             return StagedCopy(over_slots=[(stager.files.maps[slot], stager.files.header, items)
                                           for slot, items in self.placed.items()])
-        with torch.cuda.stream(stager.stream):
-            result = self.sums.result()
-            host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-            host.copy_(result, non_blocking=True)
+        items = set().union(*self.placed.values())
+        with torch.no_grad(), torch.cuda.stream(stager.stream):
+            sums = stager.sums(self.live).start(items)
         event = torch.cuda.Event()
         event.record(stager.stream)
-        return StagedCopy(event, self.sums, host)
+        return StagedCopy(event, sums)
 
 
 class Stager:
-    def __init__(self, files: SlotFiles, slot_slices, rank: int):
+    """``asynchronous``: copies on a side stream with the sums on the device (default: on a GPU);
+    ``sums_for``: the item sums over the live runs (default ``RunSums.for_device``; the tests count
+    launches through their own)."""
+
+    def __init__(self, files: SlotFiles, slot_slices, rank: int, asynchronous: bool | None = None,
+                 sums_for=None):
         self.files, self.slot_slices, self.rank = files, slot_slices, rank
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self.device = torch.cuda.current_device() if self.stream is not None else "cpu"
+        if asynchronous is None:
+            asynchronous = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if asynchronous else None
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self._sums_for = sums_for or (lambda runs: RunSums.for_device(runs, self.device))
         self.pinning = None
         self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
         self._runs: dict[int, dict[str, tuple[list, list]]] = {}  # slot -> item -> (slot views, live views)
         self._runs_of = None     # the live views those runs read
         self._run_starts = None  # item -> (first slice name and size of each run, live views of the runs)
+        self._sums = None        # the item sums over those live views (``RunSums``)
 
     def pin(self) -> None:
         """Page-lock the slot mappings so device-to-host copies run asynchronously at full speed (a
         failure is one warning; copies are then synchronous). GPU only; done at start-up."""
-        if self.stream is None:
+        if self.stream is None or not torch.cuda.is_available():
             return
         from megatron_pec.pinning import SlotPinning, TorchCudart, slot_ranges
 
@@ -139,7 +146,7 @@ class Stager:
         """Per item, (slot views, live views) of its runs in ``slot``; built once per slot and binding of
         the live views (none is kept of an old binding: it would keep the replaced tensors alive)."""
         if self._runs_of is not live:
-            self._runs, self._runs_of, self._run_starts = {}, live, None
+            self._runs, self._runs_of, self._run_starts, self._sums = {}, live, None, None
         runs = self._runs.get(slot)
         if runs is None:
             runs = self._runs[slot] = self._slot_runs(slot, live)
@@ -170,13 +177,21 @@ class Stager:
             self.run_offsets[item] = offsets
         return runs
 
+    def sums(self, live: dict) -> RunSums:
+        """The item sums over the runs of ``live`` (built once per binding, as the runs)."""
+        if self._sums is None or self._runs_of is not live:
+            self.runs(0, live)
+            self._sums = self._sums_for({item: list(zip(src, self.run_offsets[item]))
+                                         for item, (_, _, src) in self._run_starts.items()})
+        return self._sums
+
     def runs_of(self, slot: int) -> dict[str, tuple[list, list]] | None:
         """The copy plan of ``slot`` built so far (tests look at how the slices coalesced)."""
         return self._runs.get(slot)
 
     def close(self) -> None:
         """Forget the copy plan (it holds views of the slots) and unpin (before the slots are unmapped)."""
-        self._runs, self._runs_of, self._run_starts = {}, None, None
+        self._runs, self._runs_of, self._run_starts, self._sums = {}, None, None, None
         if self.pinning is not None:
             self.pinning.unpin_all()
             self.pinning = None

@@ -200,20 +200,19 @@ def test_trainer_sigkill_around_snapshot_and_in_optimizer_step(clusters, referen
 
 
 def test_a_deferred_snapshot_reaches_the_agent_before_the_next_step(clusters, tmp_path):
-    """Issue 28: an asynchronous snapshot (the GPU's path; ``MEGATRON_PEC_DEFER_SNAPSHOT=1`` runs it on
-    CPU) is handed to the agent as soon as its copy is done, not at the next save or step. With EP=1 the
+    """Issue 28: a snapshot completed by the hand-over thread (every rank's path) is handed to the agent
+    as soon as its bytes are in, not at the next save or step. With EP=1 the
     example's ``optimizer_step`` fault point is the first hook of the one optimizer: a trainer killed
     there in iteration 31 has run nothing of ours since the save of 30, and restores 30 from memory."""
     ep1 = [("1" if prev == "--expert-model-parallel-size" else a) for prev, a in zip([None] + SMALL_MODEL, SMALL_MODEL)]
     c = clusters(tmp_path, "fdefer", model_args=[*ep1, "--disable-bias-linear"])
     every = ["--train-iters", "34", "--save-interval", "100", "--non-persistent-save-interval", "1",
              "--pec-keep", "0", "--pec-wait-for-slot"]  # (no snapshot skipped for want of a region)
-    defer = {"MEGATRON_PEC_DEFER_SNAPSHOT": "1"}
-    c.launch(every, faults={1: "optimizer_step=kill@31:1"}, env=defer)
+    c.launch(every, faults={1: "optimizer_step=kill@31:1"})
     codes = c.wait_exit(LAUNCH_TIMEOUT)
     assert codes[1] != 0 and "fault injection: kill at optimizer_step" in c.log(1)
     assert "skipped the snapshot" not in c.logs(), c.logs()[-3000:]
-    c.launch(every, env=defer)
+    c.launch(every)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(2)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (30, "memory"), 1: (30, "memory")}

@@ -228,15 +228,44 @@ def module_buffers(refs) -> dict[str, torch.Tensor]:
     return {key: getattr(module, attr) for key, module, attr in refs}
 
 
+def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies on the host of live tensors, one device-to-host copy per device and dtype (not one per
+    tensor: a buffer per MoE layer)."""
+    out, groups = {}, {}
+    for key, t in tensors.items():
+        if t.device.type == "cpu":
+            out[key] = t.detach().clone()
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(key)
+    for keys in groups.values():
+        flat = torch.cat([tensors[k].detach().reshape(-1) for k in keys]).cpu()
+        for key, piece in zip(keys, flat.split([tensors[k].numel() for k in keys])):
+            out[key] = piece.view(tensors[key].shape)
+    return {key: out[key] for key in tensors}
+
+
+def _detached(obj):
+    """``obj`` (a state_dict) with every tensor in it copied to the host: what the hand-over thread may
+    encode after training has gone on (a grad scaler's state holds live device tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _detached(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(v) for v in obj)
+    return obj
+
+
 def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffers=(), state_dict=None) -> dict:
     """Everything besides the slices that Megatron's checkpoint holds for this rank (``buffers``:
-    ``buffer_refs``; ``state_dict``: what computes the optimizer's, default its own ``state_dict``)."""
+    ``buffer_refs``; ``state_dict``: what computes the optimizer's, default its own ``state_dict``),
+    none of it live state: it may be encoded later, while training goes on."""
     return {
-        "buffers": module_buffers(buffers),
+        "buffers": host_copies(module_buffers(buffers)),
         "iteration": iteration,
         # None before the first step: Megatron's state_dict needs a step count then missing
-        "optimizer": (state_dict or optimizer.state_dict)() if has_state(optimizer) else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": _detached((state_dict or optimizer.state_dict)()) if has_state(optimizer) else None,
+        "scheduler": _detached(scheduler.state_dict()) if scheduler is not None else None,
         "rng": rng_state(),
         "num_floating_point_operations_so_far": flops,
         "consumed_train_samples": getattr(args, "consumed_train_samples", 0),

@@ -23,24 +23,24 @@ class TokenCounter:
 
         self.layers: list[int] = []
         self.num_experts = 0
-        self._counts: list[torch.Tensor] = []
+        self._table: torch.Tensor | None = None  # [layers, experts] on the routers' device
         self._hooks = []
-        for chunk in model_chunks:
-            for module in chunk.modules():
-                if isinstance(module, MoELayer):
-                    self._hook(module)
+        layers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+        if layers:
+            self.num_experts = layers[0].config.num_moe_experts
+            self._table = torch.zeros(len(layers), self.num_experts, dtype=torch.int64,
+                                      device=layers[0].router.weight.device)
+        for layer in layers:
+            self._hook(layer)
 
     def _hook(self, moe_layer) -> None:
-        index = len(self.layers)
+        row = self._table[len(self.layers)]
         self.layers.append(int(moe_layer.layer_number))
-        self.num_experts = moe_layer.config.num_moe_experts
-        weight = moe_layer.router.weight
-        self._counts.append(torch.zeros(self.num_experts, dtype=torch.int64, device=weight.device))
 
         def count(module, inputs, output):
             if module.training and torch.is_grad_enabled():
                 routing_map = output[1]
-                self._counts[index] += routing_map.sum(0).to(torch.int64)
+                row.add_(routing_map.sum(0).to(torch.int64))
 
         self._hooks.append(moe_layer.router.register_forward_hook(count))
 
@@ -52,10 +52,9 @@ class TokenCounter:
 
     def take(self) -> torch.Tensor:
         """This rank's counts since the last call, one row per layer of ``layers`` (int64, on the CPU:
-        a [0, 0] tensor without MoE layers); resets them."""
-        if not self._counts:
+        a [0, 0] tensor without MoE layers); resets them. Two device operations whatever the layers."""
+        if self._table is None:
             return torch.zeros(0, 0, dtype=torch.int64)
-        local = torch.stack(self._counts)
-        for c in self._counts:
-            c.zero_()
-        return local.cpu()
+        local = self._table.cpu() if self._table.device.type != "cpu" else self._table.clone()
+        self._table.zero_()
+        return local

@@ -30,6 +30,26 @@ def test_device_sums_equal_the_cpu_sums_bit_for_bit():
     assert sums.digests(sums.result().cpu()) == {"x": expected}
 
 
+def test_the_one_launch_kernel_equals_the_cpu_sums_bit_for_bit():
+    """The compiled Triton kernel over every kind of run (the interpreter runs the same cases on CPU:
+    tests/test_fused_sums.py), and the stock-operation fallback, against numpy over the same bytes."""
+    sys.path.insert(0, str(REPO / "tests" / "workers"))
+    from fused_sums import mixed_items
+
+    from megatron_pec import sum64_kernel
+    from megatron_pec.run_sums import FusedRunSums, HostRunSums, RunSums, StockRunSums
+
+    host = mixed_items(11)
+    device = {item: [(t.cuda(), offset) for t, offset in runs] for item, runs in host.items()}
+    assert isinstance(RunSums.for_device(device, "cuda"), FusedRunSums)
+    expected = HostRunSums(host, "cpu").start(list(host)).digests()
+    for sums in (FusedRunSums(device, "cuda", sum64_kernel.chunk_sums), StockRunSums(device, "cuda")):
+        for chosen in (list(host), ["L1.E2"]):
+            pending = sums.start(chosen)
+            torch.cuda.synchronize()
+            assert pending.digests() == {item: expected[item] for item in chosen}, type(sums).__name__
+
+
 def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(tmp_path):
     from megatron_pec.slots import SlotFiles
     from megatron_pec.stager import Stager
