@@ -261,6 +261,7 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     c.wait_for(lambda: c.agent_pid(0) is not None, LAUNCH_TIMEOUT, "node 0's agent running")
     # Idle: between persists (the agent only checks a memory snapshot per iteration).
     c.pause()  # so that saves remain to notice the loss, however slow the agents were
+    _wait_for_recorded_persists(c)  # (a kill mid-persist would lose that iteration: not this test's point)
     before = c.log(0).count("connected to a new node agent")
     killed = c.kill_agent(0)
     assert killed is not None
@@ -295,6 +296,20 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     assert between in committed(c.save) and {8, 10, 12} <= set(committed(c.save)), (between, committed(c.save))
     assert_sound(c.save)
     assert tracker(c.save) == str(ITERS)
+
+
+def _wait_for_recorded_persists(c) -> int:
+    """The trainers paused: until the newest snapshot the agents recorded (when it is a persistent one,
+    an even iteration) is committed, so that the agents are idle; returns its iteration."""
+    def newest() -> int:
+        return max((rec.iteration for n in range(c.nnodes) for records in NodeMemory.read(str(c.node_dir(n))).slots.values()
+                    for rec in records.values()), default=0)
+
+    time.sleep(1.0)  # (a snapshot announced just before the pause is recorded by then)
+    last = newest()
+    if last % 2 == 0 and last > 2:
+        c.wait_file(manifest.manifest_path(str(c.save), last), timeout=LAUNCH_TIMEOUT)
+    return last
 
 
 def _restorable_slots(node_dir: Path, rank: int) -> dict[int, dict]:
