@@ -23,6 +23,7 @@ import time
 
 from benchmarks import report
 from benchmarks.common import REPO, RESULTS, machine, wait_for_quiet
+from megatron_pec.testing import launch
 
 COMMON = ["--num-layers", "2", "--num-attention-heads", "4", "--moe-router-topk", "2",
           "--expert-model-parallel-size", "2", "--seq-length", "64", "--micro-batch-size", "4",
@@ -48,14 +49,16 @@ METHODS = "pec_all,pec_4,pec_2,pec_1,torch_dist_sync,torch_dist_async,legacy,dlr
 
 def torchrun(worker_args: list[str], model_args: list[str], port: int, run_id: str, log_path: str,
              timeout: float) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "--rdzv-id", run_id, "-m", "benchmarks.worker", "--run-id", run_id,
-           *worker_args, "--", *COMMON, *model_args]
+    """The benchmark worker on 2 ranks; ``port`` is the first master port tried."""
+    job = launch.Launch("benchmarks.worker", ("--run-id", run_id, *worker_args, "--", *COMMON, *model_args), nproc=2,
+                        module=True, options=("--rdzv-id", run_id))
+    port = launch.free_port(port)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    print(f"[bench] {shlex.join(cmd[1:])}  (log: {log_path})", flush=True)
+    print(f"[bench] {shlex.join(launch.command(job, port)[1:])}  (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
-        code = subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        code = launch.run(job, port=port, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                          timeout=timeout).returncode
     with open(log_path) as f:
         for line in f:
             if line.startswith("[bench"):
@@ -169,7 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the result JSON here")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--no-scaling", action="store_true")
-    p.add_argument("--port", type=int, default=29640, help="first master port (uses a few above it)")
+    p.add_argument("--port", type=int, default=29640,
+                   help="first master port tried (the launcher takes the next free one)")
     p.add_argument("--max-load-wait", type=float, default=180.0)
     p.add_argument("--resume", action="store_true",
                    help="reuse the per-model results (benchmarks/results/logs/<mode>_run<i>.json, each one "

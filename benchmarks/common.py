@@ -128,5 +128,17 @@ def files_under(root: str) -> list[str]:
     return out
 
 
+def allocated_bytes(paths) -> int:
+    """Bytes the files hold in their file system (tmpfs: node memory used), not their sizes: a slot file
+    is as large as its tensors from the start, its pages come as they are written."""
+    total = 0
+    for path in paths:
+        try:
+            total += os.stat(path).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
 def tree_bytes(root: str) -> int:
     return sum(os.path.getsize(p) for p in files_under(root) if os.path.isfile(p))

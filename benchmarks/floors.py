@@ -6,6 +6,8 @@
 * write floor: one writer streams the node's bytes from tmpfs to a file on the checkpoint
   storage in 8 MiB writes, then fsyncs - the least a persist by the node agent can cost. The
   same with one writer per rank in parallel is recorded too.
+* read floor: that file read back in 8 MiB reads with its pages dropped from the page cache first -
+  the least a restore from storage can cost.
 
 Runs in the torchrun worker; every function is collective.
 """
@@ -18,7 +20,8 @@ import time
 
 import torch
 
-from benchmarks.collective import reduce_max
+from benchmarks.collective import broadcast_value, reduce_max
+from benchmarks.common import drop_file_cache
 
 CHUNK = 8 << 20
 
@@ -97,11 +100,23 @@ def _write_file(path: str, sources: list, fsync: bool = True) -> int:
     return written
 
 
-def write_floor(storage_dir: str, rank: int, world: int, shm_paths: list[str], reps: int = 3) -> dict:
-    """Sequential write + fsync of the node's bytes (every rank's memcpy buffer) by one writer
-    (rank 0), and by one writer per rank in parallel."""
+def _read_file(path: str) -> int:
+    """Read ``path`` start to end in CHUNK-sized reads into one reused buffer."""
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            total += n
+    return total
+
+
+def storage_floors(storage_dir: str, rank: int, world: int, shm_paths: list[str], reps: int = 3) -> dict:
+    """Sequential write + fsync of the node's bytes (every rank's memcpy buffer) by one writer (rank 0),
+    and by one writer per rank in parallel; then the read floor: rank 0 reads the file it wrote back
+    cold (page cache dropped), as a restore from storage reads."""
     os.makedirs(storage_dir, exist_ok=True)
-    single, parallel = [], []
+    single, parallel, read = [], [], []
     total = sum(os.path.getsize(p) for p in shm_paths)
     for _ in range(reps):
         torch.distributed.barrier()
@@ -116,8 +131,12 @@ def write_floor(storage_dir: str, rank: int, world: int, shm_paths: list[str], r
             elapsed = time.perf_counter() - t
             for m in maps:
                 m.close()
-            os.unlink(target)
             single.append(n / elapsed / 1e6)
+            drop_file_cache([target])
+            t = time.perf_counter()
+            n = _read_file(target)
+            read.append(n / (time.perf_counter() - t) / 1e6)
+            os.unlink(target)
         torch.distributed.barrier()
         with open(shm_paths[rank], "rb") as f:
             mine = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
@@ -129,7 +148,7 @@ def write_floor(storage_dir: str, rank: int, world: int, shm_paths: list[str], r
         mine.close()
         os.unlink(target)
         parallel.append(total / elapsed / 1e6)
-    out = torch.tensor([sorted(single)[len(single) // 2] if single else 0.0], dtype=torch.float64)
-    torch.distributed.broadcast(out, 0)
-    return {"write_MBps": float(out.item()), "write_MBps_parallel": sorted(parallel)[len(parallel) // 2],
-            "write_bytes": total, "write_reps_MBps": single if rank == 0 else None}
+    middle = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+    return {"write_MBps": broadcast_value(middle(single)), "write_MBps_parallel": middle(parallel),
+            "read_MBps": broadcast_value(middle(read)), "write_bytes": total,
+            "write_reps_MBps": single if rank == 0 else None, "read_reps_MBps": read if rank == 0 else None}

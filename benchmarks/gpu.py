@@ -1,23 +1,29 @@
-"""The node tier on one GPU: copy floors, the example trainer with a snapshot every iteration, a restore
-from node memory - the rows of ``benchmarks/results/gpu.json``.
+"""Every method on one GPU, on one schedule: ``benchmarks/results/gpu.json`` and ``gpu.md``.
 
-    python -m benchmarks.gpu                  # a CUDA machine: the model of ../shared/gpu/README.md, ~10 min
+    python -m benchmarks.gpu                  # a CUDA machine: the model of ../shared/gpu/README.md, < 8 min
     python -m benchmarks.gpu --cpu-standin    # the same runs on CPU ranks with a small model (checks the script)
 
-One rank under torchrun, the example trainer (``examples/gpt_moe``). Runs: ``base`` (no checkpoints),
-``all`` (a snapshot every iteration, every expert, a persist every 20), ``pec2`` (snapshot-K 2 /
-persist-K 1), ``killed`` (the same as ``all``, the trainer SIGKILLed in its 31st optimizer step) and
-``resumed`` (its restart, from node memory). None waits for a slot (``--pec-wait-for-slot`` off): a
-snapshot that finds no free region is skipped and counted. Per run: snapshots skipped, the median step
-time and its overhead over ``base``, the median time a save blocks training, the first save's blocking
-against the median of the later ones, and the node agent's CPU per memory-only snapshot (its own
-ledger). The restart's restore time is compared with the host-to-device floor of the bytes it reads.
+The schedule (``benchmarks/schedule.py``): a method with a node-memory tier (megatron-pec, DLRover)
+checkpoints every iteration and persists every 20th checkpoint; ``torch_dist`` async, whose only tier is
+storage, runs twice, checkpointing every iteration and every 20. Nothing waits for a free slot: a
+checkpoint a method cannot take is skipped and counted (megatron-pec: no free node-memory region; DLRover:
+its saver still persisting).
 
-Peers, side by side in the same run: the benchmark worker (``benchmarks.worker``, one rank, the same
-model) drives megatron-pec (every expert), DLRover's flash checkpoint and Megatron's ``torch_dist``
-async save the way each framework is driven, a checkpoint every iteration: skipped snapshots, step
-overhead, blocking, restores from memory and storage (``--peers ""`` leaves them out; DLRover must be
-installed, ``pip install -e .[bench]``, or its row is an error).
+Rows, each from a torchrun of one rank:
+
+* the example trainer (``examples/gpt_moe``): ``base`` (no checkpoints), ``all`` (every expert) and
+  ``pec2`` (snapshot-K 2 / persist-K 1) on the schedule, ``killed`` (as ``all``, SIGKILLed in optimizer step
+  ``KILL_AT``) and its restart from node memory, timed against the host-to-device floor;
+* the benchmark worker (``benchmarks.worker --mode schedule``, the same model): megatron-pec (every
+  expert), DLRover's flash checkpoint and Megatron's ``torch_dist`` async (``async_strategy`` "mcore"
+  without nvidia-resiliency-ext, "nvrx" with it; the row says which), each driven the way its framework
+  drives it, with restores from node memory and from storage, beside the storage's write and read floors.
+
+Per row: step overhead over training without checkpoints, save blocking (median, p90), skipped checkpoints,
+restore from memory and from storage, node memory used (megatron-pec: its slot files; DLRover: its
+shared-memory buffer; ``torch_dist`` async: its host staging, the trainer's resident-memory growth over a
+save). ``--peers ""`` leaves the worker out; DLRover must be installed (``pip install -e .[bench]``, on a
+GPU machine without an index the wheels of ``scripts/gpu_wheels.sh``) or its row is an error.
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import REPO, RESULTS, machine
+from benchmarks.common import REPO, RESULTS, SHM_ROOT, allocated_bytes, files_under, machine, p90
+from benchmarks.schedule import schedules
+from megatron_pec.testing import launch
 
 GPU_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--num-experts", "8",
              "--moe-ffn-hidden-size", "2048", "--moe-router-topk", "2", "--seq-length", "1024", "--micro-batch-size",
@@ -45,10 +54,49 @@ CPU_MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads
              "--disable-bias-linear"]
 COMMON = ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "5", "--log-interval", "5",
           "--eval-iters", "1"]
-SNAPSHOTS = ["--non-persistent-save-interval", "1", "--save-interval", "20"]
-RESTORE = re.compile(r"rank 0: restore took ([0-9.]+) s")
-SKIPPED = re.compile(r"skipped the snapshot of iteration (\d+)")
+EXAMPLE = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+SCHEDULE = schedules(has_memory=True)[0]  # the example trainer's runs have the memory tier
+EXAMPLE_RUNS = {"all": [], "pec2": ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]}  # beside "base"
 PEERS = "pec_all,dlrover,torch_dist_async"
+KILL_AT = 25  # the killed run dies in this optimizer step (after a persist at 20); its restart restores 24
+WARMUP = 5  # iterations left out of the example's step times
+RESTORE = re.compile(r"rank 0: restore took ([0-9.]+) s")
+RESTORED = re.compile(r"rank 0: restored iteration (\d+) from (\w+)")
+SKIPPED = re.compile(r"skipped the snapshot of iteration (\d+)")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each part runs, per device: sized so that the GPU run ends within 8 minutes."""
+
+    iters: int  # the example's runs and the worker's runs on the schedule
+    persist_every_iteration_iters: int  # the worker's run that persists every iteration (torch_dist async)
+    memory_restores: int
+    storage_restores: int
+    floor_reps: int
+
+
+SIZES = {"cuda": Sizes(iters=40, persist_every_iteration_iters=10, memory_restores=3, storage_restores=2,
+                       floor_reps=2),
+         "cpu": Sizes(iters=40, persist_every_iteration_iters=20, memory_restores=3, storage_restores=2,
+                      floor_reps=2)}
+
+
+class Clock:
+    """Progress lines with the time since the start, and each part's seconds for the result."""
+
+    def __init__(self):
+        self.start = self.mark = time.monotonic()
+        self.parts: dict[str, float] = {}
+
+    def say(self, message: str) -> None:
+        print(f"[gpu +{time.monotonic() - self.start:5.0f}s] {message}", flush=True)
+
+    def done(self, part: str, message: str) -> None:
+        now = time.monotonic()
+        self.parts[part] = round(now - self.mark, 1)
+        self.mark = now
+        self.say(f"{part} ({self.parts[part]:.0f} s): {message}")
 
 
 def floors(nbytes: int, cuda: bool) -> dict:
@@ -90,58 +138,51 @@ def floors(nbytes: int, cuda: bool) -> dict:
     return out
 
 
-def run(name: str, workdir: Path, model: list[str], iters: int, extra: list[str], env: dict | None = None) -> dict:
-    """One torchrun of the example; its metrics, log and exit code."""
+def run_logged(job: launch.Launch, log: Path, env: dict, timeout: float, echo: str | None = None) -> int:
+    """Run ``job`` with its output in ``log``; lines starting with ``echo`` are printed as they come (progress).
+    Killed after ``timeout`` seconds."""
+    with open(log, "w") as out:
+        proc = launch.start(job, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                if echo and line.startswith(echo):
+                    print("    " + line.rstrip(), flush=True)
+            return proc.wait()
+        finally:
+            watchdog.cancel()
+
+
+def example(name: str, workdir: Path, model: list[str], iters: int, extra: list[str], env: dict) -> dict:
+    """One torchrun of the example trainer; its metrics, log and exit code."""
     metrics, log = workdir / f"{name}.jsonl", workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-           "--master-port", str(29500 + os.getpid() % 500), str(REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"),
-           *model, *COMMON, "--train-iters", str(iters), "--metrics-file", str(metrics), *extra]
-    with open(log, "w") as out:
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})),
-                              cwd=REPO, timeout=1800).returncode
+    job = launch.Launch(EXAMPLE, (*model, *COMMON, "--train-iters", str(iters), "--metrics-file", str(metrics),
+                                  *extra))
+    code = run_logged(job, log, dict(os.environ, **env), timeout=900)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    text = log.read_text()
-    print(f"[gpu] {name}: exit {code}, {len(rows)} metric rows ({log})", flush=True)
-    return {"code": code, "rows": rows, "log": text}
+    return {"code": code, "rows": rows, "log": log.read_text(), "log_path": str(log)}
 
 
-def summary(r: dict, base_step: float | None, warmup: int) -> dict:
-    steps = [x for x in r["rows"] if "step_s" in x and x["iteration"] > warmup]
-    saves = [x["save_blocking_s"] for x in r["rows"] if x.get("save_blocking_s") is not None]
+def example_row(r: dict, base_step: float | None, node_dir: Path | None) -> dict:
+    """An example run's row: its checkpoints on the schedule, skipped ones apart."""
+    skipped = {int(i) for i in SKIPPED.findall(r["log"])}
+    steps = [x for x in r["rows"] if "step_s" in x and x["iteration"] > WARMUP]
+    saves = [x for x in r["rows"] if x.get("save_blocking_s") is not None]
+    taken = [x["save_blocking_s"] for x in saves if x["iteration"] not in skipped]
     step = statistics.median(x["step_s"] + (x.get("save_blocking_s") or 0) for x in steps) if steps else None
-    return {"skipped_snapshots": len(set(SKIPPED.findall(r["log"]))),
-            "step_s_median": step, "step_overhead": (step / base_step - 1) if step and base_step else None,
-            "blocking_s_median": statistics.median(saves[1:]) if len(saves) > 1 else None,
-            "first_save_s": saves[0] if saves else None,
-            "first_over_later": saves[0] / statistics.median(saves[1:]) if len(saves) > 1 else None}
-
-
-def peers(workdir: Path, model: list[str], iters: int, env: dict, methods: str, floor: dict) -> tuple[dict, dict]:
-    """Every method in ``methods`` measured by the benchmark worker on one rank: (rows by method, errors)."""
-    result, log = workdir / "peers.json", workdir / "peers.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-           "--master-port", str(29000 + os.getpid() % 500), "-m", "benchmarks.worker", "--run-id",
-           f"gpu{os.getpid()}", "--out", str(result), "--methods", methods, "--iters", str(iters), "--intervals",
-           "1", "--", *model, *COMMON, "--train-iters", "5000"]
-    env = dict(os.environ, **env, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log, "w") as out:
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=3600).returncode
-    print(f"[gpu] peers: exit {code} ({log})", flush=True)
-    if code or not result.exists():
-        return {}, {"worker": f"exit code {code}, see {log}"}
-    measured = json.loads(result.read_text())
-    rows = {}
-    for name, m in measured["methods"].items():
-        ratio = (m.get("throughput_ratio_by_interval") or {}).get("1")
-        nbytes = m.get("snapshot_bytes_per_rank") or m.get("bytes_per_rank")
-        rows[name] = {"skipped_snapshots": m.get("skipped_saves_in_throughput_runs"),
-                      "step_overhead": 1 / ratio - 1 if ratio else None,
-                      "blocking_s_median": m.get("blocking_s_median"),
-                      "restore_memory_s": m.get("restore_memory_s"),
-                      "restore_storage_s": m.get("restore_storage_s"),
-                      "h2d_floor_s": floor["h2d_s"] * nbytes / floor["bytes"] if nbytes else None,
-                      "agent_cpu_s_per_snapshot": None, "bytes_per_rank": nbytes, "harness": "benchmarks.worker"}
-    return rows, measured.get("errors", {})
+    later = taken[1:]
+    return {"harness": "example trainer", "schedule": SCHEDULE.label, "iterations": len(steps) + WARMUP,
+            "checkpoints": len(saves), "skipped": len(skipped), "step_s": step,
+            "step_overhead": (step / base_step - 1) if step and base_step else None,
+            "blocking_s_median": statistics.median(later) if later else None,
+            "blocking_s_p90": p90(later) if later else None,
+            "first_save_s": taken[0] if taken else None,
+            "first_over_later": taken[0] / statistics.median(later) if later else None,
+            "restore_memory_s": None, "restore_storage_s": None,
+            "node_memory_bytes": allocated_bytes(files_under(str(node_dir))) if node_dir else None,
+            "node_memory_what": "its slot files", "exit_code": r["code"]}
 
 
 def agent_cpu_per_snapshot(node_dir: Path, snapshots: int) -> float | None:
@@ -155,12 +196,33 @@ def agent_cpu_per_snapshot(node_dir: Path, snapshots: int) -> float | None:
     return spent / snapshots if snapshots else None
 
 
+def worker_rows(workdir: Path, model: list[str], sizes: Sizes, env: dict, methods: str, floor: dict,
+                run_id: str) -> dict:
+    """Every method in ``methods`` on the schedule, measured by the benchmark worker on one rank."""
+    result, log = workdir / "peers.json", workdir / "peers.log"
+    job = launch.Launch("benchmarks.worker", (
+        "--mode", "schedule", "--run-id", run_id, "--out", str(result), "--methods", methods,
+        "--iters", str(sizes.iters), "--iters-persist-every-iteration", str(sizes.persist_every_iteration_iters),
+        "--memory-restores", str(sizes.memory_restores), "--storage-restores", str(sizes.storage_restores),
+        "--floor-reps", str(sizes.floor_reps), "--", *model, *COMMON, "--train-iters", "5000"), module=True,
+        options=("--rdzv-id", run_id))  # (names DLRover's socket folder: another job's cannot collide)
+    env = dict(os.environ, **env, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = run_logged(job, log, env, timeout=900, echo="[bench")
+    if code or not result.exists():
+        return {"rows": {}, "errors": {"worker": f"exit code {code}, see {log}"}}
+    measured = json.loads(result.read_text())
+    for row in measured["rows"].values():
+        nbytes = measured.get("optimizer_state_bytes_per_rank")
+        row.update(harness="benchmarks.worker",
+                   h2d_floor_s=floor["h2d_s"] * nbytes / floor["bytes"] if nbytes and row["restore_memory_s"] else None)
+    return measured
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-standin", action="store_true", help="CPU ranks and a small model (no GPU needed)")
-    p.add_argument("--iters", type=int, default=40)
     p.add_argument("--json", default=None, help="default: benchmarks/results/gpu.json (gpu_cpu_standin.json)")
-    p.add_argument("--peers", default=PEERS, help=f"methods of benchmarks.worker to run side by side (default "
+    p.add_argument("--peers", default=PEERS, help=f"methods of benchmarks.worker to run on the schedule (default "
                    f"{PEERS}; empty: none)")
     args = p.parse_args(argv)
     import torch
@@ -168,63 +230,112 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.cpu_standin
     if not cuda and not args.cpu_standin:
         p.error("no CUDA device: pass --cpu-standin to run the same measurements on CPU ranks")
-    model = GPU_MODEL if cuda else CPU_MODEL
+    model, sizes = (GPU_MODEL, SIZES["cuda"]) if cuda else (CPU_MODEL, SIZES["cpu"])
+    clock = Clock()
     workdir = Path(tempfile.mkdtemp(prefix="pec_gpu_"))
     shm = Path("/dev/shm") / workdir.name
+    run_id = f"gpu{os.getpid()}"
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4"), "PYTHONUNBUFFERED": "1"}
     out = {"machine": machine(), "device": torch.cuda.get_device_name() if cuda else "cpu (stand-in)",
-           "model": model, "iterations": args.iters, "methods": {}}
+           "model": model, "schedule": {"label": SCHEDULE.label, "persist_every": SCHEDULE.persist_every},
+           "sizes": vars(sizes), "rows": {}, "errors": {}}
+    clock.say(f"{out['device']}: {sizes.iters} iterations per run, a checkpoint {SCHEDULE.label}; logs in {workdir}")
     try:
-        base = run("base", workdir, model, args.iters, [], env)
-        base_step = summary(base, None, 5)["step_s_median"]
-        for name, extra in (("all", []), ("pec2", ["--pec-snapshot-k", "2", "--pec-persist-k", "1"])):
+        base = example("base", workdir, model, sizes.iters, [], env)
+        base_step = example_row(base, None, None)["step_s"]
+        clock.done("base", f"exit {base['code']}, step {base_step}")
+        for name, extra in EXAMPLE_RUNS.items():
             ckpt = ["--save", str(workdir / f"ck_{name}"), "--pec-shm-dir", str(shm), "--pec-job-id", name,
-                    "--pec-keep-shm", *SNAPSHOTS, *extra]
-            r = run(name, workdir, model, args.iters, ckpt, env)
-            s = summary(r, base_step, 5)
-            memory_only = sum(1 for x in r["rows"] if x.get("save_blocking_s") is not None) - s["skipped_snapshots"]
-            s["agent_cpu_s_per_snapshot"] = agent_cpu_per_snapshot(shm / name / "node0", memory_only)
-            out["methods"][name] = s
+                    "--pec-keep-shm", *SCHEDULE.megatron_flags(), *extra]
+            r = example(name, workdir, model, sizes.iters, ckpt, env)
+            row = example_row(r, base_step, shm / name / "node0")
+            snapshots = row["checkpoints"] - row["skipped"]
+            row["agent_cpu_s_per_snapshot"] = agent_cpu_per_snapshot(shm / name / "node0", snapshots)
+            out["rows"][f"example: megatron-pec {'K=all' if name == 'all' else 'snapshot-K 2 / persist-K 1'}"] = row
+            clock.done(name, f"exit {r['code']}, skipped {row['skipped']}, step overhead {row['step_overhead']}")
         ck = ["--save", str(workdir / "ck_k"), "--load", str(workdir / "ck_k"), "--pec-shm-dir", str(shm),
-              "--pec-job-id", "killed", *SNAPSHOTS]
-        run("killed", workdir, model, args.iters, ck, dict(env, MEGATRON_PEC_FAULT="optimizer_step=kill@31:0"))
+              "--pec-job-id", "killed", *SCHEDULE.megatron_flags()]
+        fault = {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{KILL_AT}:0"}
+        example("killed", workdir, model, sizes.iters, ck, dict(env, **fault))
         slot = shm / "killed" / "node0" / "rank0.slot0"
         restored_bytes = slot.stat().st_size if slot.exists() else None
-        resumed = run("resumed", workdir, model, args.iters, ck, env)
-        restore = RESTORE.search(resumed["log"])
-        line = re.search(r"rank 0: restored iteration (\d+) from (\w+)", resumed["log"])
+        clock.done("killed", f"killed in optimizer step {KILL_AT}")
+        resumed = example("resumed", workdir, model, sizes.iters, ck, env)
+        restore, line = RESTORE.search(resumed["log"]), RESTORED.search(resumed["log"])
         out["floors"] = floors(restored_bytes or 2**26, cuda)
         out["restore"] = {"restored": f"{line.group(1)} from {line.group(2)}" if line else None,
-                          "restore_memory_s": float(restore.group(1)) if restore else None,
-                          "bytes": restored_bytes,
+                          "restore_memory_s": float(restore.group(1)) if restore else None, "bytes": restored_bytes,
                           "over_h2d_floor": float(restore.group(1)) / out["floors"]["h2d_s"] if restore else None}
-        out["methods"]["all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
-                                     h2d_floor_s=out["floors"]["h2d_s"])
+        out["rows"]["example: megatron-pec K=all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
+                                                          h2d_floor_s=out["floors"]["h2d_s"])
+        clock.done("resumed", f"restored {out['restore']['restored']} in {out['restore']['restore_memory_s']} s")
         if args.peers:
-            rows, out["peer_errors"] = peers(workdir, model, args.iters, env, args.peers, out["floors"])
-            out["methods"].update(rows)
+            measured = worker_rows(workdir, model, sizes, env, args.peers, out["floors"], run_id)
+            out["rows"].update(measured["rows"])
+            out["errors"].update(measured.get("errors", {}))
+            out["storage_floors"] = measured.get("floors")
+            clock.done("worker", f"{len(measured['rows'])} rows, errors: {measured.get('errors') or 'none'}")
     finally:
-        subprocess.run(["pkill", "-f", str(shm)], check=False)
-        shutil.rmtree(shm, ignore_errors=True)
+        for root in (shm, Path(SHM_ROOT) / run_id):
+            launch.stop_agents(root)
+            shutil.rmtree(root, ignore_errors=True)
+    out["seconds_by_part"] = clock.parts
+    out["wall_s"] = round(time.monotonic() - clock.start, 1)
     path = Path(args.json or RESULTS / ("gpu.json" if cuda else "gpu_cpu_standin.json"))
     path.write_text(json.dumps(out, indent=1))
-    ms = lambda v: f"{v * 1e3:.2f}" if v is not None else "-"  # noqa: E731
-    command = "python -m benchmarks.gpu" + ("" if cuda else " --cpu-standin")
-    lines = [f"# The node tier on {out['device']}", "",
-             f"`{command}`, {args.iters} iterations per run; model `{' '.join(model)}`.", "",
-             "| run | skipped | step overhead | blocking median (ms) | first save ÷ later | restore from memory (ms) "
-             "| H2D floor (ms) | agent CPU per snapshot (ms) |", "|---|---|---|---|---|---|---|---|"]
-    for name, s in out["methods"].items():
-        overhead = f"{s['step_overhead'] * 100:+.1f}%" if s.get("step_overhead") is not None else "-"
-        first = f"{s['first_over_later']:.1f}" if s.get("first_over_later") is not None else "-"
-        lines.append(f"| {name} | {s['skipped_snapshots']} | {overhead} | {ms(s['blocking_s_median'])} | {first} | "
-                     f"{ms(s.get('restore_memory_s'))} | {ms(s.get('h2d_floor_s'))} | "
-                     f"{ms(s['agent_cpu_s_per_snapshot'])} |")
-    lines += ["", f"Restart after a kill in optimizer step 31: {out['restore']}.", f"Floors: {out['floors']}."]
-    lines += [f"{name}: {error}" for name, error in out.get("peer_errors", {}).items()]
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines) + f"\nwritten: {path} and {path.with_suffix('.md')} (logs: {workdir})")
+    text = markdown(out, "python -m benchmarks.gpu" + ("" if cuda else " --cpu-standin"))
+    path.with_suffix(".md").write_text(text)
+    print(text + f"\nwritten: {path} and {path.with_suffix('.md')} (logs: {workdir}) in {out['wall_s']:.0f} s")
     return 0
+
+
+def markdown(out: dict, command: str) -> str:
+    ms = lambda v: f"{v * 1e3:.1f}" if v is not None else "-"  # noqa: E731
+    mb = lambda v: f"{v / 1e6:.0f}" if v is not None else "-"  # noqa: E731
+    lines = [f"# Every method on {out['device']}, one schedule", "",
+             f"`{command}` ({out['wall_s']:.0f} s); model `{' '.join(out['model'])}`. Methods with a node-memory "
+             f"tier checkpoint {out['schedule']['label']}; `torch_dist` async (storage only) every iteration and "
+             f"every {out['schedule']['persist_every']}. Nothing waits for a free slot: skipped checkpoints are "
+             "counted.", "",
+             "| row | schedule | step overhead | blocking median (ms) | blocking p90 (ms) | skipped | restore from "
+             "memory (ms) | restore from storage (ms) | node memory used (MB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in out["rows"].items():
+        overhead = f"{r['step_overhead'] * 100:+.1f}%" if r.get("step_overhead") is not None else "-"
+        lines.append(f"| {name} | {r['schedule']} | {overhead} | {ms(r['blocking_s_median'])} | "
+                     f"{ms(r['blocking_s_p90'])} | {r['skipped']} of {r['checkpoints']} | "
+                     f"{ms(r.get('restore_memory_s'))} | {ms(r.get('restore_storage_s'))} | "
+                     f"{mb(r.get('node_memory_bytes'))} |")
+    lines += ["", "Node memory used: " + "; ".join(
+        f"{name}: {r['node_memory_what']}" + ("" if r.get("node_memory_bytes") is not None else " (not measured)")
+        for name, r in out["rows"].items()) + "."]
+    for name, r in out["rows"].items():
+        extra = []
+        if r.get("first_over_later") is not None:
+            extra.append(f"first save {ms(r['first_save_s'])} ms = {r['first_over_later']:.1f}x the later ones")
+        if r.get("agent_cpu_s_per_snapshot") is not None:
+            extra.append(f"node agent's CPU per snapshot {ms(r['agent_cpu_s_per_snapshot'])} ms")
+        if r.get("persist_blocking_s_median") is not None:
+            extra.append(f"a persist blocks {ms(r['persist_blocking_s_median'])} ms (median)")
+        if r.get("async_strategy") is not None or (r.get("family") == "torch_dist"):
+            extra.append(f"async_strategy {r.get('async_strategy') or 'mcore (this megatron-core has only its own)'}")
+        if r.get("h2d_floor_s") and r.get("restore_memory_s"):
+            extra.append(f"restore from memory = {r['restore_memory_s'] / r['h2d_floor_s']:.2f}x the H2D floor")
+        if extra:
+            lines.append(f"* {name}: " + "; ".join(extra) + ".")
+    fl, sf = out.get("floors"), out.get("storage_floors")
+    if fl:
+        lines.append(f"* Copy floors for {fl['bytes'] / 1e6:.0f} MB: device -> page-locked host {ms(fl['d2h_s'])} ms, "
+                     f"host -> device {ms(fl['h2d_s'])} ms.")
+    if sf:
+        lines.append(f"* Storage floors (one writer / reader, {sf['write_bytes'] / 1e6:.0f} MB): write+fsync "
+                     f"{sf['write_MBps']:.0f} MB/s, cold read {sf['read_MBps']:.0f} MB/s.")
+    if out.get("restore"):
+        lines.append(f"* Restart after a kill in optimizer step {KILL_AT}: restored {out['restore']['restored']} in "
+                     f"{ms(out['restore']['restore_memory_s'])} ms.")
+    lines.append(f"* Seconds by part: {out['seconds_by_part']}.")
+    lines += [f"* {name}: {error}" for name, error in out.get("errors", {}).items()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

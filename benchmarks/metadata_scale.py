@@ -33,9 +33,11 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.common import REPO, RESULTS, machine, wait_for_quiet
+from megatron_pec.testing import launch
 
 SHM = Path("/dev/shm/bench_helper/metadata_scale")
 WORK = Path("/tmp/bench_helper_metadata_scale")
@@ -57,13 +59,13 @@ def run(repo: Path, experts: int, iters: int) -> dict:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     metrics = WORK / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", "29655", str(repo / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"), *MODEL,
-           "--num-experts", str(experts), "--train-iters", str(iters), "--save", str(WORK / "ckpt"),
-           "--pec-shm-dir", str(SHM), "--pec-job-id", "scale", "--metrics-file", str(metrics)]
+    job = launch.Launch(repo / "examples" / "gpt_moe" / "pretrain_gpt_moe.py",
+                        (*MODEL, "--num-experts", str(experts), "--train-iters", str(iters), "--save",
+                         str(WORK / "ckpt"), "--pec-shm-dir", str(SHM), "--pec-job-id", "scale", "--metrics-file",
+                         str(metrics)), nproc=2)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(repo))
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, timeout=1800)
+    proc = launch.run(job, capture_output=True, text=True, env=env, cwd=repo, timeout=1800)
     row = {"experts": experts, "wall_s": round(time.monotonic() - started, 1)}
     if proc.returncode != 0:
         error = next((line.strip() for line in reversed((proc.stdout + proc.stderr).splitlines())
@@ -81,17 +83,19 @@ def run(repo: Path, experts: int, iters: int) -> dict:
     row.update(_rank_file_facts(WORK / "ckpt"))
     row["memcpy_ms"] = round(1000 * _memcpy_s(row["bytes_per_save"]), 2)
     row["fixed_ms"] = round(row["blocking_ms"] - row["memcpy_ms"], 2)
-    row.update(_restart(repo, cmd, env, iters))
+    row.update(_restart(repo, job, env, iters))
     _stop_agents()
     return row
 
 
-def _restart(repo: Path, cmd: list[str], env: dict, iters: int) -> dict:
+def _restart(repo: Path, job: launch.Launch, env: dict, iters: int) -> dict:
     """A restarted trainer (fresh processes, the node agent and its memory kept) restores the newest
     snapshot from node memory and trains one more iteration: rank 0's restore time, as it logs it."""
-    again = [*cmd[:cmd.index("--train-iters")], "--train-iters", str(iters + 1), "--load", str(WORK / "ckpt"),
-             *cmd[cmd.index("--train-iters") + 2:]]
-    proc = subprocess.run(again, capture_output=True, text=True, env=env, cwd=repo, timeout=1800)
+    args = list(job.args)
+    at = args.index("--train-iters")
+    again = replace(job, args=(*args[:at], "--train-iters", str(iters + 1), "--load", str(WORK / "ckpt"),
+                               *args[at + 2:]))
+    proc = launch.run(again, capture_output=True, text=True, env=env, cwd=repo, timeout=1800)
     took = RESTORE_TOOK.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or took is None:
         return {"restore_error": "the restart failed" if proc.returncode else "no restore logged"}
@@ -170,11 +174,7 @@ def _memcpy_s(nbytes: int) -> float:
 
 
 def _stop_agents() -> None:
-    for pidfile in SHM.glob("*/node*/agent.pid"):
-        try:
-            os.kill(int(pidfile.read_text()), 9)
-        except (OSError, ValueError):
-            pass
+    launch.stop_agents(SHM)
     shutil.rmtree(SHM, ignore_errors=True)
 
 

@@ -4,8 +4,10 @@ Runs inside the torchrun worker, on every rank (every call is collective unless
 noted). A method exposes:
 
 * ``setup()``                 - one-time start-up (agents, savers, process pools), not timed;
-* ``save(it) -> bool``        - one checkpoint of the current training state; the caller times it
-                                (the blocking time); returns False if the method skipped it;
+* ``save(it) -> bool``        - one checkpoint of the current training state, persisted; the caller
+                                times it (the blocking time); returns False if the method skipped it;
+* ``snapshot(it) -> bool``    - the same into node memory only (methods with a memory tier);
+* ``node_memory_bytes()``     - bytes of node memory the method holds now (None: not measurable, ``why``);
 * ``wait_persisted(it)``      - block until that checkpoint is durable/committed on storage;
 * ``written_bytes(it)``       - bytes this rank wrote to storage for that checkpoint;
 * ``snapshot_bytes()``        - bytes this rank copied to node memory per save (None: no memory tier);
@@ -23,12 +25,13 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import signal
 import time
 
 import torch
 
 from benchmarks.collective import reduce_max
-from benchmarks.common import drop_file_cache, files_under
+from benchmarks.common import allocated_bytes, drop_file_cache, files_under
 
 FSYNC = {"pec": True, "torch_dist": True, "legacy": False, "dlrover": False}
 
@@ -89,6 +92,14 @@ class Method:
     def snapshot_bytes(self):
         return None
 
+    def snapshot(self, it) -> bool:
+        raise NotImplementedError(f"{self.name} has no node-memory tier")
+
+    def node_memory_bytes(self) -> int | None:
+        return None
+
+    node_memory_why = "no node-memory tier"
+
     def background_cpu_s(self):
         """CPU seconds used so far by the process that persists in the background (None: none)."""
         return None
@@ -121,9 +132,10 @@ class Pec(Method):
     has_memory = True
     persists_async = True
 
-    def __init__(self, ctx, root, snapshot_k, persist_k, tag, selection="sequential"):
+    def __init__(self, ctx, root, snapshot_k, persist_k, tag, selection="sequential", wait_for_slot=True):
         super().__init__(ctx, root)
         self.snapshot_k, self.persist_k, self.tag, self.selection = snapshot_k, persist_k, tag, selection
+        self.wait_for_slot = wait_for_slot
         label = "all" if snapshot_k is None else str(snapshot_k)
         self.name = f"megatron-pec K={label}" if persist_k == snapshot_k else \
             f"megatron-pec K={label}/persist {persist_k}"
@@ -138,7 +150,9 @@ class Pec(Method):
         a.pec_selection = self.selection
         a.pec_job_id = self._job + job_suffix
         a.pec_shm_dir = self.ctx.shm_dir
-        a.pec_wait_for_slot = True  # every requested checkpoint is taken: no silently skipped saves
+        # True: every requested checkpoint is taken; False (benchmarks.gpu's schedule): a snapshot finding
+        # no free region is skipped and counted, as a training run without --pec-wait-for-slot does
+        a.pec_wait_for_slot = self.wait_for_slot
         a.pec_keep = 2
         a.pec_keep_shm = False
         a.pec_agent_idle_timeout = 120.0
@@ -155,13 +169,29 @@ class Pec(Method):
         self.wait_persisted(None)
 
     def save(self, it):
-        c = self.ctx
-        before = self.engine.stats["skipped"]
-        self.engine.save(it, c.scheduler, 0, persistent=True)
         self.last = it
+        return self._save(it, persistent=True)
+
+    def snapshot(self, it):
+        return self._save(it, persistent=False)
+
+    def _save(self, it, persistent: bool) -> bool:
+        before = self.engine.stats["skipped"]
+        self.engine.save(it, self.ctx.scheduler, 0, persistent=persistent)
         ok = self.engine.stats["skipped"] == before
         self.skipped += 0 if ok else 1
         return ok
+
+    node_memory_why = "its slot files"
+
+    def node_memory_bytes(self):
+        """This rank's share of the node's memory: its slot files (rank 0: also the node's other files)."""
+        if self.engine is None:
+            return None
+        rank = self.ctx.rank
+        mine = [p for p in files_under(self.engine.job.node_dir) if os.path.basename(p).startswith(f"rank{rank}.")
+                or (rank == 0 and not os.path.basename(p).startswith("rank"))]
+        return allocated_bytes(mine)
 
     def wait_persisted(self, it):
         # Committed = the manifest exists (written after every rank file is durable). The agent
@@ -256,26 +286,17 @@ class Pec(Method):
 
 
 def _stop_agent(node_dir: str, grace_s: float = 3.0) -> None:
-    """Stop the node agent this benchmark started, if it did not exit after every trainer detached.
+    """Stop the node agent this benchmark started, if it did not exit after every trainer detached
+    (rank 0; SIGTERM: the agent's own clean shutdown, which removes its slots).
 
     Works around megatron_pec/agent/server.py ``_work``: a ``flush`` job (sent by every
     load_checkpoint) does not reset ``pending_work``, so an agent whose last job was a flush counts
     as busy forever and never exits (neither on detach nor on its idle timeout).
     """
-    import signal
+    from megatron_pec.testing import launch
 
-    from megatron_pec.agent.client import agent_pid
-
-    if torch.distributed.get_rank() != 0:
-        return
-    deadline = time.monotonic() + grace_s
-    while (pid := agent_pid(node_dir)) is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if pid is not None:
-        os.kill(pid, signal.SIGTERM)  # the agent's own clean shutdown (removes its slots)
-        deadline = time.monotonic() + 10
-        while agent_pid(node_dir) is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
+    if torch.distributed.get_rank() == 0:
+        launch.stop_agents(node_dir, sig=signal.SIGTERM, grace_s=grace_s)
 
 
 # ---- megatron-core dist_checkpointing (torch_dist) -------------------------------------------
@@ -292,6 +313,8 @@ class TorchDist(Method):
         self.persists_async = async_save
         self.name = "torch_dist async" if async_save else "torch_dist sync"
         self.queue = None
+        self.async_strategy = async_strategy() if async_save else None
+        self.staging_bytes = 0  # the most a save grew the trainer's resident memory by (async: its host copies)
 
     def _metadata(self):
         from megatron.core import parallel_state
@@ -318,11 +341,9 @@ class TorchDist(Method):
             get_default_save_sharded_strategy("torch_dist"),
             parallel_state.get_data_parallel_group(with_context_parallel=True))
         if self.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
             # The persistent worker calls torch.cuda.device_count() in a fresh process (0 on CPU:
             # ZeroDivisionError), so the per-save forked worker is used - Megatron's other mode.
-            self.queue = AsyncCallsQueue(persistent=False)
+            self.queue = async_calls_queue(self.async_strategy)(persistent=False)
         # Warm-up save: the first one also starts helper processes and caches plans.
         it = self.ctx.next_iteration()
         self.save(it)
@@ -341,8 +362,12 @@ class TorchDist(Method):
             os.makedirs(d, exist_ok=True)
         barrier()
         if self.async_save:
-            request = dist_checkpointing.save(self._state_dict(it), d, self.strategy, async_sharded_save=True)
+            strategy = {"async_strategy": self.async_strategy} if self.async_strategy else {}
+            before = resident_bytes()
+            request = dist_checkpointing.save(self._state_dict(it), d, self.strategy, async_sharded_save=True,
+                                              **strategy)
             self.queue.schedule_async_request(request)
+            self.staging_bytes = max(self.staging_bytes, resident_bytes() - before)
         else:
             dist_checkpointing.save(self._state_dict(it), d, self.strategy)
         self.last = it
@@ -351,6 +376,11 @@ class TorchDist(Method):
     def poll(self):
         if self.queue is not None:
             self.queue.maybe_finalize_async_calls(blocking=False)
+
+    node_memory_why = "host staging: the most a save grew the trainer's resident memory by (its host copies)"
+
+    def node_memory_bytes(self):
+        return self.staging_bytes if self.async_save else None
 
     def wait_persisted(self, it):
         if self.queue is not None:
@@ -387,6 +417,40 @@ class TorchDist(Method):
             self.queue.maybe_finalize_async_calls(blocking=True)
             self.queue.close()
             self.queue = None
+
+
+def async_strategy() -> str | None:
+    """The ``async_strategy`` megatron-core's ``dist_checkpointing.save`` gets: "nvrx" where
+    nvidia-resiliency-ext is importable, else "mcore" (0.19's default "nvrx" fails without it); None where
+    ``save`` takes no such parameter (0.16.1, whose only async save is megatron-core's own)."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" not in inspect.signature(dist_checkpointing.save).parameters:
+        return None
+    try:
+        import nvidia_resiliency_ext.checkpointing.async_ckpt.core  # noqa: F401
+    except ImportError:
+        return "mcore"
+    return "nvrx"
+
+
+def async_calls_queue(strategy: str | None):
+    """The AsyncCallsQueue class that runs the requests ``strategy``'s save returns."""
+    if strategy is None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        return AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+    return get_async_strategy(strategy, module="AsyncCallsQueue")[1]
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---- Megatron legacy (gather to DP rank 0 + torch.save) --------------------------------------
@@ -505,16 +569,31 @@ class DLRover(Method):
         # What DdpCheckpointer.save_checkpoint(step, state, path, StorageType.DISK) does, calling its
         # engine directly because only the engine's return value says whether the memory copy
         # happened (DLRover skips it while its saver still persists the previous step).
+        ok = self._save(it, self.ckpt._engine.save_to_storage)
+        if ok:
+            self.last = it
+        return ok
+
+    def snapshot(self, it):
+        # ... and what save_checkpoint(step, state, path, StorageType.MEMORY) does
+        return self._save(it, self.ckpt._engine.save_to_memory)
+
+    def _save(self, it, engine_call) -> bool:
         from dlrover.python.common.constants import CheckpointConstant
 
         path = os.path.join(self.root, str(it), f"rank_{self.ctx.rank}.pt")
         key = CheckpointConstant.MODEL_STATES_NAME
-        ok = self.ckpt._engine.save_to_storage(it, {key: self._state(it)}, {key: path})
-        if ok:
-            self.last = it
-        else:
-            self.skipped += 1
-        return bool(ok)
+        ok = bool(engine_call(it, {key: self._state(it)}, {key: path}))
+        self.skipped += 0 if ok else 1
+        return ok
+
+    node_memory_why = "its shared-memory buffer"
+
+    def node_memory_bytes(self):
+        shm = self.ckpt._engine._shm_handler.shared_memory
+        if shm is None:
+            return None
+        return allocated_bytes([os.path.join("/dev/shm", shm.name.lstrip("/"))]) or shm.size
 
     def wait_persisted(self, it, timeout=300.0):
         from dlrover.python.common.constants import CheckpointConstant
@@ -581,6 +660,12 @@ class DLRover(Method):
         return reduce_max(time.perf_counter() - t)
 
     def close(self):
+        try:
+            # DLRover leaves its segment in /dev/shm when its trainer ends (as large as the state: 1.8 GB
+            # per rank on the GPU model): removed here, after the restores that read it
+            self.ckpt._engine._shm_handler.unlink()
+        except Exception:  # noqa: BLE001
+            pass
         try:
             self.ckpt._engine.close()
         except Exception:  # noqa: BLE001

@@ -30,12 +30,12 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 from benchmarks.common import REPO, RESULTS, SHM_ROOT, STORAGE_ROOT, loadavg, machine, wait_for_quiet
+from megatron_pec.testing import launch
 
 PRETRAIN = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "8",
@@ -118,22 +118,22 @@ class NodeLossRunner:
             codes = c.wait_exit(3600)
             if codes != {0: 0, 1: 0}:
                 raise SystemExit(f"{cfg['name']}: the last launch exited with {codes}; see {workdir}")
-            for launch in range(2, c.launches + 1):
-                found = parse_restores(c.logs(launch))
+            for attempt in range(2, c.launches + 1):
+                found = parse_restores(c.logs(attempt))
                 if found:
                     sources = "+".join(sorted({r.source for r in found.values()}))
                     restores.append({"iteration": found[0].iteration, "source": sources})
             train_loss, final, plt = {}, None, 0.0
-            for launch in range(1, c.launches + 1):
-                for r in c.metrics(launch):
+            for attempt in range(1, c.launches + 1):
+                for r in c.metrics(attempt):
                     if "validation loss" in r:
                         final = r["validation loss"]
                     elif "lm loss" in r:
                         train_loss[r["iteration"]] = r["lm loss"]
                         plt = r.get("plt", plt) or 0.0
             vals = {}
-            for launch in range(1, c.launches + 1):
-                for i, v in VAL_RE.findall(c.log(0, launch)):
+            for attempt in range(1, c.launches + 1):
+                for i, v in VAL_RE.findall(c.log(0, attempt)):
                     vals[int(i) if i else a.iters] = float(v)
         finally:
             c.close()
@@ -150,18 +150,17 @@ class Runner:
         self.a, self.stamp = a, stamp
         self.logs = os.path.join(RESULTS, "logs", "quality")
         os.makedirs(self.logs, exist_ok=True)
-        self.port = a.port
 
     def launch(self, name: str, argv: list[str], env_extra: dict, log_path: str) -> int:
-        self.port = self.a.port + (self.port - self.a.port + 1) % 40
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(self.port), str(PRETRAIN), *argv]
+        job = launch.Launch(PRETRAIN, tuple(argv), nproc=2)
+        port = launch.free_port(self.a.port)
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **env_extra)
         env.pop("MEGATRON_PEC_FAULT", None) if "MEGATRON_PEC_FAULT" not in env_extra else None
         with open(log_path, "a") as log:
-            log.write(f"\n=== {' '.join(cmd[1:])} {env_extra}\n")
+            log.write(f"\n=== {' '.join(launch.command(job, port)[1:])} {env_extra}\n")
             log.flush()
-            return subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
+            return launch.run(job, port=port, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=3600).returncode
 
     def run(self, cfg: dict, seed: int) -> dict:
         a = self.a
@@ -260,13 +259,7 @@ class Runner:
 
     @staticmethod
     def _kill_agent(node: str) -> None:
-        try:
-            with open(os.path.join(node, "agent.pid")) as f:
-                pid = int(f.read().strip())
-            os.kill(pid, signal.SIGKILL)
-            time.sleep(0.2)
-        except (OSError, ValueError):
-            pass
+        launch.stop_agents(node)
 
     @staticmethod
     def _resume_point(ckpt: str, node: str) -> int:
@@ -377,7 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--eval-iters", type=int, default=8)
     p.add_argument("--only", default=None, help="';'-separated substrings: run only matching configurations")
-    p.add_argument("--port", type=int, default=29650)
+    p.add_argument("--port", type=int, default=29650, help="first master port tried")
     p.add_argument("--json", default=None)
     p.add_argument("--node-loss", action="store_true",
                    help="two simulated nodes; every fault loses a node, restored from the peer's replica")

@@ -1,7 +1,8 @@
 """The benchmark worker, run under torchrun: builds the real megatron-core GPT-MoE of
 ``examples/gpt_moe``, trains it a few iterations, and measures every checkpoint method on it in one
-run. Launched by ``python -m benchmarks.checkpoint`` (2 gloo ranks on CPU) and ``python -m
-benchmarks.gpu`` (one NCCL rank on a GPU); writes one JSON file.
+run. Launched by ``python -m benchmarks.checkpoint`` (2 gloo ranks on CPU; ``--mode main`` and
+``scaling``) and ``python -m benchmarks.gpu`` (one NCCL rank on a GPU; ``--mode schedule``, every method
+on the one schedule: ``scheduled.py``); writes one JSON file.
 
     torchrun --nproc-per-node 2 -m benchmarks.worker --mode main --out part.json -- <model flags>
 
@@ -26,23 +27,17 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks import floors  # noqa: E402
-from benchmarks.collective import reduce_max  # noqa: E402
+from benchmarks.collective import gather_objects, reduce_max  # noqa: E402
 from benchmarks.common import SHM_ROOT, STORAGE_ROOT, loadavg, median, p90  # noqa: E402
+from benchmarks.restores import measure_restores, median_phases, slowest_phases  # noqa: E402,F401
 
 MEMORY_RESTORES = 7  # per method, the median reported (a restore is ~20 ms: scheduling noise matters)
 STORAGE_RESTORES = 5  # per method; each reads its newest checkpoint cold
-STORAGE_SETTLE_S = 3.0  # pause before them, after syncing the method's writes
 
 
 def log(msg: str) -> None:
     if torch.distributed.get_rank() == 0:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _gather(x):
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, x)
-    return out
 
 
 class Ctx:
@@ -98,6 +93,13 @@ class Ctx:
             self.args.consumed_train_samples += self.args.global_batch_size
         # Restores may replace the optimizer's state tensors; views are re-bound lazily.
 
+    def timed_train(self, n: int) -> float:
+        """Seconds the slowest rank takes to train ``n`` iterations without checkpoints."""
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        self.train(n)
+        return reduce_max(time.perf_counter() - t0)
+
     def live_views(self):
         """This rank's optimizer shard tensors by slice name (the state every method saves)."""
         from megatron_pec.megatron import collect
@@ -141,7 +143,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
         phases = slowest_phases(phases_here)
         tb, tp = reduce_max(tb), reduce_max(tp)
         mine = method.written_bytes(it) if ok else 0
-        everyone = _gather(mine)
+        everyone = gather_objects(mine)
         if ok:
             save_phases.append(phases)
             blocking.append(tb)
@@ -151,7 +153,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     ledger_after = method.background_cpu_phases()  # (first: it waits for the agent's last carries)
     cpu_after = method.background_cpu_s()
     snap = method.snapshot_bytes()
-    snap_all = _gather(snap)
+    snap_all = gather_objects(snap)
     out.update({
         "blocking_s_median": median(blocking), "blocking_s_p90": p90(blocking), "blocking_s_all": blocking,
         "persist_s_median": median(persist), "persist_s_all": persist,
@@ -174,7 +176,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     # training throughput with a checkpoint every `interval` iterations (same iterations, same data)
     tput = {}
     skipped_before = method.skipped
-    baseline_s = baseline(ctx, iters)  # right before, so slow drifts of the machine's load cancel out
+    baseline_s = ctx.timed_train(iters)  # right before, so slow drifts of the machine's load cancel out
     elapsed_by_interval = {}
     for interval in intervals:
         torch.distributed.barrier()
@@ -193,7 +195,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
         elapsed_by_interval[interval] = elapsed
     # ... and right after: a baseline slowed by something else (the previous method's agent still
     # deleting its files) would flatter the ratios; the faster of the two never does.
-    baselines = [baseline_s, baseline(ctx, iters)]
+    baselines = [baseline_s, ctx.timed_train(iters)]
     baseline_s = min(baselines)
     out["baseline_s_per_iteration"] = baseline_s / iters
     out["baselines_s_per_iteration"] = [b / iters for b in baselines]
@@ -206,45 +208,10 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     out["train_throughput_ratio"] = tput.get("1")
     out["skipped_saves_in_throughput_runs"] = method.skipped - skipped_before
     # restores (last: they change the training state)
-    memory, restore_phases = [], []
-    for _ in range(MEMORY_RESTORES if method.has_memory else 0):
-        memory.append(method.restore_memory())
-        restore_phases.append(slowest_phases(method.phases("restore")))
-    out["restore_memory_phases_s"] = median_phases(restore_phases)
-    out["restore_memory_s_all"] = memory
-    out["restore_memory_s"] = median(memory) if memory else None
-    ctx.invalidate()
-    # (a cold read's time varies by tens of ms on a shared disk: the median of five, every method alike;
-    # and it takes 2-3x as long while the disk still flushes the method's own saves just before, which
-    # would charge the methods that persisted the most bytes: each starts after a sync and a pause)
-    os.sync()
-    time.sleep(STORAGE_SETTLE_S)
-    storage, storage_phases = [], []
-    for _ in range(STORAGE_RESTORES):
-        storage.append(method.restore_storage())
-        storage_phases.append(slowest_phases(method.phases("storage restore")))
-        ctx.invalidate()
-    out["restore_storage_phases_s"] = median_phases(storage_phases)
-    out["restore_storage_s_all"] = storage
-    out["restore_storage_s"] = median(storage)
+    out.update(measure_restores(ctx, method, MEMORY_RESTORES, STORAGE_RESTORES))
     method.close()
     method.cleanup()
     return out
-
-
-def slowest_phases(mine: dict | None) -> dict | None:
-    """The phases of the rank whose total was largest (the one the others waited for)."""
-    every = [p for p in _gather(mine) if p]
-    return max(every, key=lambda p: sum(p.values())) if every else None
-
-
-def median_phases(measured: list) -> dict | None:
-    """Per phase, the median over the measurements (a phase a measurement lacks counts as 0)."""
-    measured = [p for p in measured if p]
-    if not measured:
-        return None
-    names = list(dict.fromkeys(name for p in measured for name in p))
-    return {name: median([p.get(name, 0.0) for p in measured]) for name in names}
 
 
 def ledger_per_save(before: dict | None, after: dict | None, saves: int) -> dict | None:
@@ -257,19 +224,14 @@ def ledger_per_save(before: dict | None, after: dict | None, saves: int) -> dict
     return phases
 
 
-def baseline(ctx: Ctx, iters: int) -> float:
-    torch.distributed.barrier()
-    t0 = time.perf_counter()
-    ctx.train(iters)
-    return reduce_max(time.perf_counter() - t0)
-
-
-def build_methods(ctx: Ctx, names: list[str]):
+def build_methods(ctx: Ctx, names: list[str], wait_for_slot: bool = True):
+    """(key, factory) of each named method; ``wait_for_slot=False``: megatron-pec skips (and counts) a
+    snapshot that finds no free region instead of waiting for one."""
     from benchmarks import methods as M
 
     root = lambda tag: os.path.join(ctx.storage_dir, tag)  # noqa: E731
     table = {
-        "pec_all": lambda: M.Pec(ctx, root("pec_all"), None, None, "all"),
+        "pec_all": lambda: M.Pec(ctx, root("pec_all"), None, None, "all", wait_for_slot=wait_for_slot),
         "pec_4": lambda: M.Pec(ctx, root("pec_4"), 4, 4, "k4"),
         "pec_2": lambda: M.Pec(ctx, root("pec_2"), 2, 2, "k2"),
         "pec_1": lambda: M.Pec(ctx, root("pec_1"), 1, 1, "k1"),
@@ -288,28 +250,29 @@ def build_methods(ctx: Ctx, names: list[str]):
 def run_main(ctx: Ctx, b) -> dict:
     a = ctx.args
     ctx.train(b.warmup)  # Adam state exists from here on
-    base1 = baseline(ctx, b.iters)
-    state_bytes = _gather(ctx.state_bytes())
+    base1 = ctx.timed_train(b.iters)
+    state_bytes = gather_objects(ctx.state_bytes())
     model = {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_experts": a.num_experts,
              "moe_router_topk": a.moe_router_topk, "moe_ffn_hidden_size": a.moe_ffn_hidden_size or 4 * a.hidden_size,
              "seq_length": a.seq_length, "micro_batch_size": a.micro_batch_size,
              "global_batch_size": a.global_batch_size, "ep": a.expert_model_parallel_size,
              "dp": a.data_parallel_size, "world_size": ctx.world,
-             "params_per_rank": _gather(ctx.param_count()),
+             "params_per_rank": gather_objects(ctx.param_count()),
              "optimizer_state_bytes_per_rank": max(state_bytes), "optimizer_state_bytes_each_rank": state_bytes}
     log(f"model: {json.dumps(model)}; baseline {base1 / b.iters * 1000:.0f} ms/it")
     mc = floors.memcpy_floor(os.path.join(ctx.shm_dir, "floor"), ctx.rank, max(state_bytes))
     mc["slices_memcpy_s"] = floors.slices_memcpy(mc["_map"], list(ctx.live_views().values()))
     mc["slices_count_per_rank"] = len(ctx.live_views())
     paths = [os.path.join(ctx.shm_dir, "floor", f"floor_rank{r}") for r in range(ctx.world)]
-    wf = floors.write_floor(os.path.join(ctx.storage_dir, "floor"), ctx.rank, ctx.world, paths)
+    wf = floors.storage_floors(os.path.join(ctx.storage_dir, "floor"), ctx.rank, ctx.world, paths)
     mc["_map"].close()
     os.unlink(mc.pop("_path"))
     mc.pop("_map")
     fl = {**mc, **wf}
     log(f"floors: memcpy {fl['memcpy_s'] * 1000:.1f} ms for {fl['memcpy_bytes_per_rank'] / 1e6:.0f} MB/rank "
         f"({fl['slices_memcpy_s'] * 1000:.1f} ms as {fl['slices_count_per_rank']} slices), "
-        f"write+fsync {fl['write_MBps']:.0f} MB/s (one writer), {fl['write_MBps_parallel']:.0f} MB/s (per rank)")
+        f"write+fsync {fl['write_MBps']:.0f} MB/s (one writer), {fl['write_MBps_parallel']:.0f} MB/s (per rank), "
+        f"cold read {fl['read_MBps']:.0f} MB/s")
     memcpy_Bps = fl["memcpy_bytes_per_rank"] / fl["memcpy_s"]
     results, errors = {}, {}
     for key, make in build_methods(ctx, b.methods):
@@ -330,7 +293,7 @@ def run_main(ctx: Ctx, b) -> dict:
                 method.cleanup()
             except Exception:  # noqa: BLE001
                 pass
-    base2 = baseline(ctx, b.iters)
+    base2 = ctx.timed_train(b.iters)
     return {"model": model, "floors": fl, "methods": results, "errors": errors,
             "baseline_s_per_iteration": [base1 / b.iters, base2 / b.iters],
             "iterations_per_throughput_run": b.iters, "saves_measured": b.saves}
@@ -349,8 +312,8 @@ def run_scaling(ctx: Ctx, b) -> dict:
         ctx.args.num_experts = e
         ctx.build()
         ctx.train(b.warmup)
-        base = baseline(ctx, 2) / 2
-        state = max(_gather(ctx.state_bytes()))
+        base = ctx.timed_train(2) / 2
+        state = max(gather_objects(ctx.state_bytes()))
         point = {"num_experts": e, "optimizer_state_bytes_per_rank": state, "step_s": base}
         for label, k in (("full", None), ("K=1", 1)):
             m = M.Pec(ctx, os.path.join(ctx.storage_dir, f"scal_e{e}_{label}"), k, k, f"e{e}{'f' if k is None else 'k1'}")
@@ -367,8 +330,8 @@ def run_scaling(ctx: Ctx, b) -> dict:
                 tp = reduce_max(time.perf_counter() - t0)
                 blocking.append(tb)
                 persist.append(tp)
-                nb.append(max(_gather(m.written_bytes(it))))
-            snap = max(_gather(m.snapshot_bytes() or 0))
+                nb.append(max(gather_objects(m.written_bytes(it))))
+            snap = max(gather_objects(m.snapshot_bytes() or 0))
             m.close()
             m.cleanup()
             point[label] = {"blocking_s_median": median(blocking), "blocking_s_p90": p90(blocking),
@@ -389,7 +352,8 @@ def parse(argv=None):
     else:
         model_argv = []
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--mode", choices=("main", "scaling"), default="main")
+    p.add_argument("--mode", choices=("main", "scaling", "schedule"), default="main",
+                   help="schedule: every method on benchmarks/schedule.py's one schedule (benchmarks.gpu)")
     p.add_argument("--out", required=True)
     p.add_argument("--run-id", default=f"bench{os.getpid()}")
     p.add_argument("--methods", default="pec_all,pec_4,pec_2,pec_1,torch_dist_sync,torch_dist_async,legacy,dlrover")
@@ -398,6 +362,11 @@ def parse(argv=None):
     p.add_argument("--intervals", default="1,4")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--experts", default="4,8,16,32")
+    p.add_argument("--iters-persist-every-iteration", type=int, default=None,
+                   help="schedule mode: iterations of the run that persists every iteration (default --iters)")
+    p.add_argument("--memory-restores", type=int, default=MEMORY_RESTORES, help="schedule mode")
+    p.add_argument("--storage-restores", type=int, default=STORAGE_RESTORES, help="schedule mode")
+    p.add_argument("--floor-reps", type=int, default=3, help="schedule mode: repetitions of the storage floors")
     b = p.parse_args(argv)
     b.methods = [m for m in b.methods.split(",") if m]
     b.intervals = [int(x) for x in b.intervals.split(",")]
@@ -411,7 +380,12 @@ def main(argv=None) -> int:
     ctx = Ctx(b, model_argv)
     t0 = time.time()
     try:
-        result = run_main(ctx, b) if b.mode == "main" else run_scaling(ctx, b)
+        if b.mode == "schedule":
+            from benchmarks.scheduled import run_schedule
+
+            result = run_schedule(ctx, b, build_methods, log)
+        else:
+            result = run_main(ctx, b) if b.mode == "main" else run_scaling(ctx, b)
     finally:
         torch.distributed.barrier()
         if ctx.rank == 0:

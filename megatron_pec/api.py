@@ -204,6 +204,21 @@ def prepare(model, optimizer) -> None:
     _get_engine(model, optimizer)
 
 
+def current_engine():
+    """This process's engine (built by the first save, load or ``prepare``), None before: for tests and
+    tools that look inside a running trainer."""
+    return _engine
+
+
+def reset() -> None:
+    """Close this process's engine (what the end of training does) and forget it: the next save, load or
+    ``prepare`` builds a new one."""
+    global _engine
+    if _engine is not None:
+        _engine.close()
+    _engine = None
+
+
 def plt_so_far() -> float:
     """Accumulated portion of lost tokens of this run (0.0 before any recovery)."""
     return _engine.book.state.plt if _engine is not None else 0.0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine without a package index (Python 3.12, torch already there): megatron-core,
-# zlib-ng, DLRover for the peer rows of benchmarks.gpu, and what Megatron-LM's own loop needs. Run on a
-# machine with pip access; carry the folder (ignored by git) and install it there:
+# zlib-ng, DLRover and its imports for the peer rows of benchmarks.gpu, and what Megatron-LM's own loop
+# needs. Run on a machine with pip access; carry the folder (ignored by git) and install it there:
 #
 #   bash scripts/gpu_wheels.sh                      # -> .whl/
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -10,7 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${DEST:-.whl}
-PACKAGES=(megatron-core==0.19.2 zlib-ng dlrover==0.6.1 deprecated
+# DLRover's flash checkpoint imports grpc, psutil, pynvml, requests and packaging on import (benchmarks.gpu's
+# peer rows); nvidia-resiliency-ext is not needed: torch_dist async then runs megatron-core's own
+# async_strategy "mcore".
+PACKAGES=(megatron-core==0.19.2 zlib-ng dlrover==0.6.1 deprecated wrapt grpcio psutil pynvml nvidia-ml-py
+          requests urllib3 idna certifi charset-normalizer packaging
           pydantic pydantic-core annotated-types typing-inspection typing-extensions)
 mkdir -p "$DEST"
 for package in "${PACKAGES[@]}"; do

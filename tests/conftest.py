@@ -1,4 +1,4 @@
-"""Shared fixtures: launching real torchrun jobs, free ports, per-test node-memory directories."""
+"""Shared fixtures: real torchrun jobs (through ``megatron_pec.testing.launch``), per-test node-memory directories."""
 
 from __future__ import annotations
 
@@ -6,22 +6,16 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
+from megatron_pec.testing import launch
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -29,11 +23,7 @@ def shm_dir():
     """A private node-memory root under /dev/shm, removed with any agent still using it."""
     path = Path("/dev/shm") / f"pec-test-{uuid.uuid4().hex[:8]}"
     yield str(path)
-    for pidfile in path.glob("*/node*/agent.pid"):
-        try:
-            os.kill(int(pidfile.read_text()), 9)
-        except (OSError, ValueError):
-            pass
+    launch.stop_agents(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -41,10 +31,9 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240, env:
              check: bool = True) -> subprocess.CompletedProcess:
     """Run ``tests/workers/<script>`` (or any path) under torchrun; output captured as text."""
     path = script if os.path.isabs(script) else str(WORKERS / script)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), path, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    proc = launch.run(launch.Launch(path, tuple(args), nproc=nproc), capture_output=True, text=True, timeout=timeout,
+                      env=full_env, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")

@@ -1,23 +1,23 @@
 """Smoke test of the benchmark plumbing (no model, a few seconds): the floors on a one-process gloo
 group, and the JSON schema / target evaluation / markdown of benchmarks.checkpoint on a result
-assembled from those floors."""
+assembled from those floors; every collective on the backend's device; every method on the one schedule."""
 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
-from benchmarks import checkpoint, floors, report
+from benchmarks import checkpoint, collective, floors, gpu, methods, report, scheduled
+from benchmarks.common import REPO
+from benchmarks.schedule import MEMORY, PERSIST, PERSIST_EVERY, Schedule, schedules
+from megatron_pec.testing import launch
 
 
 @pytest.fixture()
 def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = launch.free_port()
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     torch.distributed.destroy_process_group()
@@ -29,13 +29,13 @@ def test_floors_and_report(one_rank_group, tmp_path):
     mc = floors.memcpy_floor(shm_dir, 0, 4 << 20, reps=3)
     try:
         assert mc["memcpy_s"] > 0 and mc["memcpy_from_tmpfs_s"] > 0 and mc["memcpy_bytes_per_rank"] == 4 << 20
-        wf = floors.write_floor(str(tmp_path / "storage"), 0, 1, [mc["_path"]], reps=1)
+        wf = floors.storage_floors(str(tmp_path / "storage"), 0, 1, [mc["_path"]], reps=1)
     finally:
         mc["_map"].close()
         os.unlink(mc.pop("_path"))
         mc.pop("_map")
         os.rmdir(shm_dir)
-    assert wf["write_MBps"] > 0 and wf["write_bytes"] == 4 << 20
+    assert wf["write_MBps"] > 0 and wf["read_MBps"] > 0 and wf["write_bytes"] == 4 << 20
     fl = {**mc, **wf}
     method = {"family": "pec", "blocking_s_median": 0.002, "blocking_s_p90": 0.003, "bytes_per_rank": 4 << 20,
               "snapshot_bytes_per_rank": 4 << 20, "memcpy_floor_s": mc["memcpy_s"], "persist_MBps": 100.0,
@@ -76,3 +76,153 @@ def test_phases_of_several_saves_and_the_agents_ledger():
     after = {"phases": {"carrying": 1.5, "committing": 0.5}, "process_s": 12.0}
     assert ledger_per_save(before, after, 10) == pytest.approx({"carrying": 0.05, "committing": 0.05, "other": 0.1})
     assert ledger_per_save(None, after, 10) is None
+
+
+# ---- collectives: every tensor on the backend's device ---------------------------------------------
+
+COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce", "gather", "scatter",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
+               "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
+               "scatter_object_list", "batch_isend_irecv"}
+DISTRIBUTED = {"torch.distributed", "dist", "torch.distributed.distributed_c10d", "c10d"}
+
+
+def direct_collectives(path) -> list[str]:
+    """Collective calls on torch.distributed in ``path`` (and collectives imported from it by name)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES \
+                and ast.unparse(node.func.value) in DISTRIBUTED:
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names if a.name in COLLECTIVES]
+    return found
+
+
+def test_no_benchmark_module_calls_a_collective_outside_the_helper():
+    offenders = [hit for path in sorted((REPO / "benchmarks").glob("*.py")) if path.name != "collective.py"
+                 for hit in direct_collectives(path)]
+    assert not offenders, f"collectives outside benchmarks/collective.py (NCCL refuses CPU tensors): {offenders}"
+
+
+def test_the_collective_scan_sees_direct_calls(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import torch\nimport torch.distributed as dist\nfrom torch.distributed import broadcast\n"
+                      "torch.distributed.broadcast(t, 0)\ndist.all_reduce(t)\ntorch.distributed.barrier()\n")
+    assert direct_collectives(sample) == ["sample.py:3 import broadcast", "sample.py:4 torch.distributed.broadcast",
+                                          "sample.py:5 dist.all_reduce"]
+
+
+def test_collective_tensors_go_to_the_gpu_on_nccl(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective.backend_device() == torch.device("cuda", 3)
+    made, called = [], []
+    monkeypatch.setattr(collective, "_tensor", lambda values, device: made.append(device) or torch.tensor(values))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: called.append("all_reduce"))
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src: called.append("broadcast"))
+    collective.reduce_max(1.0)
+    collective.broadcast_value(2.0)
+    assert made == [torch.device("cuda", 3)] * 2 and called == ["all_reduce", "broadcast"]
+
+
+def test_collective_tensors_stay_on_the_cpu_on_gloo(one_rank_group):
+    assert collective.backend_device() == torch.device("cpu")
+    assert collective.reduce_max(1.5) == 1.5 and collective.broadcast_value(2.5) == 2.5
+    assert collective.gather_objects({"a": 1}) == [{"a": 1}]
+
+
+# ---- the one schedule ------------------------------------------------------------------------------
+
+def test_memory_tiers_checkpoint_every_iteration_and_persist_every_20():
+    memory_tier, = schedules(has_memory=True)
+    plan = dict(memory_tier.plan(40))
+    assert sorted(plan) == list(range(1, 41))
+    assert [i for i, a in plan.items() if a == PERSIST] == [20, 40] and PERSIST_EVERY == 20
+    assert all(a == MEMORY for i, a in plan.items() if i not in (20, 40))
+
+
+def test_storage_alone_checkpoints_every_iteration_and_every_20_each_a_persist():
+    every, every_20 = schedules(has_memory=False)
+    assert every.plan(40) == [(i, PERSIST) for i in range(1, 41)]
+    assert every_20.plan(40) == [(20, PERSIST), (40, PERSIST)]
+    assert (every.label, every_20.label) == ("every iteration", "every 20")
+
+
+def test_every_method_of_the_gpu_benchmark_gets_its_tiers_schedules():
+    assert methods.Pec.has_memory and methods.DLRover.has_memory and not methods.TorchDist.has_memory
+    assert gpu.SCHEDULE == schedules(has_memory=True)[0]
+    assert set(gpu.PEERS.split(",")) == {"pec_all", "dlrover", "torch_dist_async"}
+
+
+def test_the_example_trainer_saves_on_the_schedule(monkeypatch):
+    """The example's own loop (Megatron's intervals) with the flags benchmarks.gpu passes: the same plan."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples" / "gpt_moe"))
+    import pretrain_gpt_moe as example
+
+    done = []
+    monkeypatch.setattr(example, "_timed_save", lambda args, it, *rest, non_persistent: done.append(
+        (it, MEMORY if non_persistent else PERSIST)) or 0.0)
+    flags = gpu.SCHEDULE.megatron_flags()
+    value = lambda flag: int(flags[flags.index(flag) + 1])  # noqa: E731
+    args = argparse.Namespace(save="x", save_interval=value("--save-interval"),
+                              non_persistent_save_interval=value("--non-persistent-save-interval"))
+    for iteration in range(1, 41):
+        example.checkpoint_if_due(args, iteration, None, None, None)
+    assert done == gpu.SCHEDULE.plan(40)
+
+
+class FakeCtx:
+    def __init__(self):
+        self.iteration = 0
+
+    def train(self, n=1):
+        pass
+
+    def timed_train(self, n):
+        return 0.01 * n
+
+    def next_iteration(self):
+        self.iteration += 1
+        return self.iteration
+
+
+class FakeMethod:
+    """Records what the worker asks for; its snapshots of iterations in ``busy`` are skipped."""
+
+    family, name, has_memory, node_memory_why = "fake", "fake", True, "nothing"
+
+    def __init__(self, busy=()):
+        self.calls, self.busy, self.skipped, self.waited = [], set(busy), 0, []
+
+    def snapshot(self, it):
+        self.calls.append((it, MEMORY))
+        self.skipped += it in self.busy
+        return it not in self.busy
+
+    def save(self, it):
+        self.calls.append((it, PERSIST))
+        return True
+
+    def wait_persisted(self, it):
+        self.waited.append(it)
+
+    def node_memory_bytes(self):
+        return 123
+
+
+def test_the_worker_follows_the_schedule_and_counts_skipped_checkpoints(one_rank_group):
+    method = FakeMethod(busy={3, 4})
+    row = scheduled.run_on_schedule(FakeCtx(), method, Schedule(1, PERSIST_EVERY), 40)
+    assert method.calls == Schedule(1, PERSIST_EVERY).plan(40) and method.waited == [40]
+    assert row["skipped"] == 2 and row["checkpoints"] == 40 and len(row["blocking_s_all"]) == 38
+    assert row["node_memory_bytes"] == 123 and row["schedule"] == "every iteration, persist every 20"
+    storage_only = FakeMethod()
+    storage_only.has_memory = False
+    scheduled.run_on_schedule(FakeCtx(), storage_only, Schedule(20, 20), 40)
+    assert storage_only.calls == [(20, PERSIST), (40, PERSIST)]

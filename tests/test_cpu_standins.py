@@ -4,7 +4,9 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO, WORKERS, free_port
+from megatron_pec.testing.launch import free_port
+
+from conftest import REPO, WORKERS
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

@@ -1,8 +1,6 @@
 """Issue 14: ``python -m megatron_pec export`` - a committed iteration as consolidated safetensors."""
 
-import contextlib
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -13,6 +11,7 @@ import torch
 from conftest import torchrun
 from megatron_pec import manifest
 from megatron_pec.stformat import torch_dtype
+from megatron_pec.testing import launch
 from megatron_pec.testing.cluster import run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
@@ -37,9 +36,7 @@ def train_and_keep_live_state(out: Path, *flags: str, env: dict | None = None) -
     try:
         torchrun("export_state.py", str(out / "ckpt"), str(shm), *flags, env={"PEC_TEST_OUT": str(out), **(env or {})})
     finally:
-        for pidfile in shm.glob("*/node*/agent.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(pidfile.read_text()), 9)
+        launch.stop_agents(shm)
         shutil.rmtree(shm, ignore_errors=True)
 
 

@@ -3,7 +3,9 @@
 import subprocess
 import sys
 
-from conftest import REPO, free_port
+from megatron_pec.testing.launch import free_port
+
+from conftest import REPO
 
 SCRIPT = r"""
 import argparse, os, sys

@@ -19,9 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +27,9 @@ from pathlib import Path
 import pytest
 
 from megatron_pec import manifest
-from megatron_pec.testing import megatron_lm
+from megatron_pec.testing import launch, megatron_lm
 
-from conftest import assert_committed_files_unchanged, committed_files, free_port
+from conftest import assert_committed_files_unchanged, committed_files
 
 pytestmark = pytest.mark.multiprocess
 
@@ -66,15 +64,14 @@ def pretrain(tree: Path, *extra: str, fault: str | None = None) -> tuple[int, st
     """Run the script; returns the exit code and the output, rank by rank (torchrun's merged
     stream interleaves the two ranks' lines mid-line)."""
     logs = Path(tempfile.mkdtemp(prefix="mlm-logs-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "--log-dir", str(logs), "--redirects", "3",
-           "-m", "megatron_pec.testing.megatron_lm_cpu", str(tree / "pretrain_gpt.py"), *MODEL, *extra]
+    job = launch.Launch("megatron_pec.testing.megatron_lm_cpu", (str(tree / "pretrain_gpt.py"), *MODEL, *extra),
+                        nproc=2, module=True, options=("--log-dir", str(logs), "--redirects", "3"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("MEGATRON_PEC_FAULT", None)
     if fault:
         env["MEGATRON_PEC_FAULT"] = fault
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        proc = launch.run(job, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
         per_rank = [f.read_text(errors="replace") for f in sorted(logs.rglob("*.log"), key=lambda f: f.parts[-2:])]
     finally:
         shutil.rmtree(logs, ignore_errors=True)
@@ -103,12 +100,7 @@ def check_resumed(log: str, reference: dict[int, float], resumed_at: int) -> Non
 
 
 def lose_node_memory(shm: Path) -> None:
-    for pidfile in shm.glob("*/node*/agent.pid"):
-        try:
-            os.kill(int(pidfile.read_text()), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
-    time.sleep(0.5)
+    launch.stop_agents(shm)
     shutil.rmtree(shm, ignore_errors=True)
 
 

@@ -3,7 +3,7 @@
 Runs in the test / campaign / demo driver process, never inside training. A
 ``Cluster`` launches a training script (the caller names it: the example's
 ``pretrain_gpt_moe.py`` in a checkout) as ``nnodes`` separate
-``torchrun --nnodes N --node-rank k --nproc-per-node 1`` processes (one
+``torchrun --nnodes N --node-rank k --nproc-per-node 1`` processes (``launch.py``; one
 rank per "node"), each in its own session so it can be killed as a unit. Every
 node gets its own node agent and node memory automatically, because node
 memory lives in ``<shm dir>/<job id>/node<k>/``.
@@ -32,15 +32,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PORTS = range(29700, 29900)  # this harness's share of master ports
+from megatron_pec.testing import launch as launcher
 
 # A small GPT-MoE that runs an iteration in ~0.3 s on 2 CPU cores (8 experts, EP=2, DP=2).
 SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "8",
@@ -85,42 +83,6 @@ def parse_plt(text: str) -> float | None:
     """The PLT (as a fraction) of the last restore logged in ``text``, None if none was logged."""
     found = _PLT.findall(text)
     return float(found[-1][0]) / 100 if found else None
-
-
-PORT_HOLD_S = 60.0  # how long a port handed out stays reserved for the launch that asked (it binds it by then)
-
-
-def free_port(start: int | None = None) -> int:
-    """A master port in this harness's range that nothing listens on (or lingers on) right now, and that
-    no other harness process (a test run beside a campaign) handed out in the last ``PORT_HOLD_S``: both
-    would otherwise pick a free port at once and one launch fail to bind it."""
-    offset = (start if start is not None else os.getpid() * 7 + int(time.monotonic() * 1000)) % len(PORTS)
-    reservations = Path(tempfile.gettempdir()) / "megatron_pec_ports"
-    reservations.mkdir(exist_ok=True)
-    for i in range(len(PORTS)):
-        port = PORTS[(offset + i) % len(PORTS)]
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if _reserve(reservations / str(port)):
-            return port
-    raise RuntimeError(f"no free master port in {PORTS.start}-{PORTS.stop - 1}")
-
-
-def _reserve(path: Path) -> bool:
-    try:
-        if time.time() - path.stat().st_mtime < PORT_HOLD_S:
-            return False
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False  # another process reserved it just now
 
 
 def _ppid_map() -> dict[int, int]:
@@ -176,14 +138,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 class Cluster:
     """``nnodes`` simulated nodes of one training job (one rank each), sharing ``save`` storage."""
 
@@ -231,7 +185,7 @@ class Cluster:
         if any(p.poll() is None for p in self.procs.values()):
             raise RuntimeError("launch() while the previous launch still runs; wait_exit() or kill_trainers()")
         self.launches += 1
-        port = free_port()
+        port = launcher.free_port()
         ckpt = ["--save", str(self.save), "--load", str(self.save), "--pec-shm-dir", str(self.shm_dir),
                 "--pec-job-id", self.job_id, "--pec-agent-idle-timeout", "120"] if checkpoint else []
         args = [*self.model_args, *ckpt, "--metrics-file", str(self.metrics_path()), *train_args]
@@ -244,11 +198,11 @@ class Cluster:
                 this_env["MEGATRON_PEC_FAULT"] = spec
             log = open(self.log_path(node), "w")
             self._log_files.append(log)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes),
-                   "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-                   "--master-port", str(port), "--max-restarts", "0", str(self.script), *args]
-            self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                env=this_env, cwd=str(self.workdir), start_new_session=True)
+            job = launcher.Launch(self.script, tuple(args), nnodes=self.nnodes, node_rank=node,
+                                  options=("--max-restarts", "0"))
+            self.procs[node] = launcher.start(job, port=port, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, env=this_env, cwd=str(self.workdir),
+                                              start_new_session=True)
             self._remember([self.procs[node].pid])
         return self.launches
 
@@ -284,11 +238,7 @@ class Cluster:
 
     def agent_pid(self, node: int) -> int | None:
         """The pid of node ``node``'s living agent (checked: a stale agent.pid may name a reused pid)."""
-        try:
-            pid = int((self.node_dir(node) / "agent.pid").read_text().strip())
-        except (OSError, ValueError):
-            return None
-        return pid if _alive(pid) and f"--dir {self.node_dir(node)} " in _cmdline(pid) + " " else None
+        return launcher.agent_pid(self.node_dir(node))
 
     def wait_for(self, condition, timeout: float, what: str, poll: float = 0.05):
         """Poll ``condition()`` until it returns something truthy; raises ClusterTimeout after ``timeout`` s.
@@ -426,7 +376,7 @@ class Cluster:
         """SIGKILL node ``node``'s agent; returns its pid (None if none ran)."""
         pid = self.agent_pid(node)
         if pid is not None:
-            _kill(pid)
+            launcher.stop_agents(self.node_dir(node), timeout_s=0)
             self._wait_alone(lambda: not _alive(pid), timeout, f"agent {pid} dead")
         return pid
 
@@ -447,16 +397,12 @@ class Cluster:
         """Node loss: the node's trainer processes and agent are SIGKILLed and its memory is gone."""
         self.kill_trainers([node])
         self.kill_agent(node)
-        for pid in self._agents_by_cmdline(node):
-            _kill(pid)
+        launcher.stop_agents(self.node_dir(node))  # (also one whose agent.pid is gone)
         shutil.rmtree(self.node_dir(node), ignore_errors=True)
 
-    def _agents_by_cmdline(self, node: int | None = None) -> list[int]:
+    def _agents_by_cmdline(self) -> list[int]:
         """Agents serving this cluster's node directories (found even if agent.pid is gone)."""
-        nodes = range(self.nnodes) if node is None else [node]
-        wanted = [f"--dir {self.node_dir(n)} " for n in nodes]
-        return [int(p) for p in os.listdir("/proc") if p.isdigit()
-                and any(w in _cmdline(int(p)) + " " for w in wanted)]
+        return launcher.agents(self.shm_dir / self.job_id)
 
     # ---- cleanup -------------------------------------------------------------------------------
     def close(self, keep_memory: bool = False) -> None:
@@ -468,8 +414,9 @@ class Cluster:
         for pid in same:  # orphaned workers (their launcher was killed) and their children
             self._remember(descendants(pid))
         same = [pid for pid, start in self._seen.items() if start is not None and _start_time(pid) == start]
-        for pid in same + [p for p in self._agents_by_cmdline()]:
+        for pid in same:
             _kill(pid)
+        launcher.stop_agents(self.shm_dir / self.job_id, timeout_s=0)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=30)
@@ -525,5 +472,5 @@ def run_megatron_pec(*args: str, timeout: float = 60.0) -> subprocess.CompletedP
                           timeout=timeout)
 
 
-__all__ = ["Cluster", "ClusterTimeout", "Restore", "parse_restores", "parse_plt", "free_port", "SMALL_MODEL",
+__all__ = ["Cluster", "ClusterTimeout", "Restore", "parse_restores", "parse_plt", "SMALL_MODEL",
            "run_megatron_pec", "descendants", "persist_only_plt"]

@@ -5,14 +5,14 @@ iteration, is killed and restores from node memory with its bytes checked on the
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from megatron_pec.testing import launch
+
+from conftest import REPO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -88,10 +88,8 @@ def test_the_example_snapshots_every_iteration_and_restores_from_memory_on_the_g
             "--pec-job-id", f"gpu{os.getpid()}", "--pec-wait-for-slot"]
 
     def run(*extra, env=None):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-               str(free_port()), str(script), *model, *ckpt, "--train-iters", "12", *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                              env=dict(os.environ, **(env or {})))
+        job = launch.Launch(script, (*model, *ckpt, "--train-iters", "12", *extra))
+        return launch.run(job, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, **(env or {})))
 
     killed = run("--metrics-file", str(tmp_path / "a.jsonl"), env={"MEGATRON_PEC_FAULT": "optimizer_step=kill@11"})
     assert killed.returncode != 0 and "fault injection: kill at optimizer_step" in killed.stdout + killed.stderr

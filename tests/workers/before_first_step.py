@@ -2,9 +2,7 @@
 ``--skip-train`` saves at once), restored from memory and from storage; argv: SAVE_DIR SHM_DIR [flags].
 Reports per rank whether the weights came back and whether training then repeats the reference."""
 
-import os
 import shutil
-import signal
 import sys
 
 import torch
@@ -12,6 +10,7 @@ import torch
 import megatron_pec
 from common import report, setup
 from megatron_pec import api
+from megatron_pec.testing import launch
 from roundtrip import train
 
 
@@ -27,11 +26,11 @@ def main():
     result = {"reference": reference}
     for leg in ("memory", "storage"):
         if leg == "storage":
-            engine = api._engine
+            engine = api.current_engine()
             engine.flush()
             torch.distributed.barrier()
             if engine.job.local_world_size == 1 or torch.distributed.get_rank() == 0:
-                os.kill(int(open(os.path.join(engine.job.node_dir, "agent.pid")).read()), signal.SIGKILL)
+                launch.stop_agents(engine.job.node_dir)
                 shutil.rmtree(engine.job.node_dir)
             torch.distributed.barrier()
         args.consumed_train_samples = 12345  # the restore must set it back

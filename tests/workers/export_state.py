@@ -52,10 +52,9 @@ def main():
         train(args, model, optimizer, scheduler, data, 1)
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i != N or at_exit)
     if at_exit:
-        api._engine.close()  # the end of training (atexit): returns once the agent has committed what it saved
-        api._engine = None
+        api.reset()  # the end of training (atexit): returns once the agent has committed what it saved
     else:
-        api._engine.flush()  # iteration N persisted and committed
+        api.current_engine().flush()  # iteration N persisted and committed
     torch.distributed.barrier()
     rank = torch.distributed.get_rank()
     state = global_state(model)

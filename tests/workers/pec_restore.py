@@ -4,9 +4,7 @@ PLT equals the value recomputed from the recorded token counts, Dynamic-K double
 argv: SAVE_DIR SHM_DIR. Snapshot-K 2, persist-K 1 of 8 experts; persist every 4 iterations; the example's hidden size 64.
 """
 
-import os
 import shutil
-import signal
 import sys
 
 import torch
@@ -16,6 +14,7 @@ from common import example, report, setup
 from megatron_pec import api, manifest
 from megatron_pec.items import item_name
 from megatron_pec.megatron import collect
+from megatron_pec.testing import launch
 
 history, tokens, snapshot_versions = {}, {}, {}
 
@@ -26,14 +25,14 @@ def train(args, model, optimizer, scheduler, data, first, last, save=True):
         args.consumed_train_samples += args.global_batch_size
         if save:
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 4 != 0)
-            history[i] = {k: v.clone() for k, v in collect.live_views(api._engine.adapter.slices, optimizer).items()}
-            tokens[i] = dict(api._engine.book.cumulative)
-            snapshot_versions[i] = {item_name(e): v for e, v in api._engine.book.state.snapshot.saved_at.items()}
+            history[i] = {k: v.clone() for k, v in collect.live_views(api.current_engine().adapter.slices, optimizer).items()}
+            tokens[i] = dict(api.current_engine().book.cumulative)
+            snapshot_versions[i] = {item_name(e): v for e, v in api.current_engine().book.state.snapshot.saved_at.items()}
 
 
 def check_restore(optimizer, target, previous_lost):
     """Compare the restored slices with the recorded history; recompute PLT independently."""
-    engine = api._engine
+    engine = api.current_engine()
     live = collect.live_views(engine.adapter.slices, optimizer)
     versions = {item_name(e): v for e, v in engine.book.state.snapshot.saved_at.items()}
     mismatched = []
@@ -69,11 +68,11 @@ def main():
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     result["memory_2"] = check_restore(optimizer, 14, result["memory_1"]["lost"])
 
-    engine = api._engine
+    engine = api.current_engine()
     engine.flush()
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # node loss: agent and node memory gone
-        os.kill(int(open(os.path.join(engine.job.node_dir, "agent.pid")).read()), signal.SIGKILL)
+        launch.stop_agents(engine.job.node_dir)
         shutil.rmtree(engine.job.node_dir)
     torch.distributed.barrier()
     megatron_pec.load_checkpoint(model, optimizer, scheduler)

@@ -24,7 +24,7 @@ def main():
          "--pec-snapshot-k", "2", "--pec-persist-k", "1", "--pec-wait-for-slot"])
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     data = data_from(0)
-    engine = api._engine
+    engine = api.current_engine()
     for i in range(1, 7):
         example.train_step(args, model, optimizer, scheduler, data)
         args.consumed_train_samples += args.global_batch_size
@@ -35,19 +35,18 @@ def main():
     skipped = engine.stats["skipped"]
     vars(engine.session).pop("lease", None)  # the class's own again: the exit's save leases as any save
     pid_file = os.path.join(engine.job.node_dir, "agent.pid")
-    engine.close()  # what the end of training does (atexit)
-    api._engine = None
+    api.reset()  # what the end of training does (atexit)
     torch.distributed.barrier()
     deadline = time.monotonic() + 60
     while os.path.exists(pid_file) and time.monotonic() < deadline:  # the agent commits, cleans up, exits
         time.sleep(0.1)
     torch.distributed.barrier()
     iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)
-    live = collect.live_views(api._engine.adapter.slices, optimizer)
+    live = collect.live_views(api.current_engine().adapter.slices, optimizer)
     m = manifest.read_manifest(save, 6)
     report("exit", {"skipped": skipped, "committed": manifest.committed_iterations(save),
                     "generation": m.generation, "experts": sorted(set(m.experts.values())),
-                    "plt": api._engine.book.state.plt, "iteration": iteration,
+                    "plt": api.current_engine().book.state.plt, "iteration": iteration,
                     "differences": sorted(k for k, v in at_exit.items() if not torch.equal(live[k], v))})
     torch.distributed.barrier()
 

@@ -30,7 +30,7 @@ ARGS = ["--train-iters", "12", "--pec-snapshot-k", "1", "--pec-persist-k", "1", 
 
 
 def restored_state(optimizer) -> dict:
-    engine = api._engine
+    engine = api.current_engine()
     live = collect.live_views(engine.adapter.slices, optimizer)
     digests = {}
     for s in engine.adapter.slices:  # (slot order: the same on both releases)
@@ -53,12 +53,12 @@ def main():
         for i in range(1, 9):
             train(args, model, optimizer, scheduler, data, 1)
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 2 != 0)
-        api._engine.flush()  # every save committed before the process ends
+        api.current_engine().flush()  # every save committed before the process ends
         return
     result = {"iteration": iteration, "consumed": args.consumed_train_samples, **restored_state(optimizer)}
     if mode == "restore":  # (the restored iteration was restored from LOAD_DIR: a save of it writes every expert)
         megatron_pec.save_checkpoint(iteration, model, optimizer, scheduler, 0)
-        api._engine.flush()
+        api.current_engine().flush()
     result["losses"] = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), 2)
     report(f"previous_format.{mode}", result)
     torch.distributed.barrier()

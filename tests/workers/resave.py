@@ -10,7 +10,6 @@ and saved once more.
 import hashlib
 import os
 import shutil
-import signal
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import megatron_pec
 from common import example, report, setup
 from megatron_pec import api, manifest
 from megatron_pec.megatron import collect
+from megatron_pec.testing import launch
 
 
 def digests(save: str) -> dict[str, str]:
@@ -37,7 +37,7 @@ def main():
         example.train_step(args, model, optimizer, scheduler, data)
         args.consumed_train_samples += args.global_batch_size
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i != 4)
-    engine = api._engine
+    engine = api.current_engine()
     engine.flush()
     torch.distributed.barrier()
     first = manifest.read_manifest(save, 4)
@@ -55,11 +55,11 @@ def main():
     live = {k: v.clone() for k, v in collect.live_views(engine.adapter.slices, optimizer).items()}
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # node memory gone: the next restore reads storage
-        os.kill(int(open(os.path.join(engine.job.node_dir, "agent.pid")).read()), signal.SIGKILL)
+        launch.stop_agents(engine.job.node_dir)
         shutil.rmtree(engine.job.node_dir)
     torch.distributed.barrier()
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
-    restored = collect.live_views(api._engine.adapter.slices, optimizer)
+    restored = collect.live_views(api.current_engine().adapter.slices, optimizer)
     report("resave", {
         "restored_from_memory": iteration, "generations": [first.generation, second.generation],
         "saved_nothing_after_the_restore": untouched,

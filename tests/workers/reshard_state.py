@@ -22,7 +22,7 @@ N, MORE = 4, 2
 
 def dump(path: str) -> None:
     """This rank's live slices, named ``<global param>#<kind>#<first element>``."""
-    engine = api._engine
+    engine = api.current_engine()
     live = collect.live_views(engine.adapter.slices, engine.optimizer)
     layout = engine.job.layout
     write_safetensors(path, {f"{layout.params[p].name}#{name.rsplit('.', 1)[1]}#{lo}": live[name]
@@ -41,7 +41,7 @@ def main():
         for i in range(1, N + 1):
             train(args, model, optimizer, scheduler, data, 1)
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0.0, non_persistent_ckpt=i % 2 == 1)
-        api._engine.flush()
+        api.current_engine().flush()
         dump(os.path.join(out, f"{job}.rank{rank}.safetensors"))
         losses = train(args, model, optimizer, scheduler, data, MORE)
     else:
@@ -50,7 +50,7 @@ def main():
         losses = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
         torch.distributed.barrier()
         megatron_pec.save_checkpoint(N + MORE, model, optimizer, scheduler, 0.0)  # the new layout saves on
-        api._engine.flush()
+        api.current_engine().flush()
     report(job, {"loaded": list(loaded), "losses": losses, "consumed": args.consumed_train_samples})
     torch.distributed.barrier()
 

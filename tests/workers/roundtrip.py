@@ -3,10 +3,8 @@
 argv: SAVE_DIR SHM_DIR [extra example flags...]. Reports, per rank, what matched.
 """
 
-import os
 import random
 import shutil
-import signal
 import sys
 
 import numpy
@@ -16,6 +14,7 @@ import megatron_pec
 from common import report, setup, train
 from megatron_pec import api, smallstate
 from megatron_pec.megatron import collect, optstate, restore
+from megatron_pec.testing import launch
 
 N = 6  # persistent save here; memory snapshots at every iteration before it
 MORE = 3
@@ -24,7 +23,7 @@ MORE = 3
 def capture(args, model, optimizer, scheduler):
     from megatron.core import tensor_parallel
 
-    live = collect.live_views(api._engine.adapter.slices, optimizer)
+    live = collect.live_views(api.current_engine().adapter.slices, optimizer)
     return {
         "slices": {k: v.clone() for k, v in live.items()},
         "params": {n: p.detach().clone() for n, p in model[0].named_parameters()},
@@ -86,16 +85,16 @@ def main():
     for i in range(1, N + 1):
         train(args, model, optimizer, scheduler, data, 1)
         if i == 1:
-            before = {k: v.clone() for k, v in collect.live_views(api._engine.adapter.slices, optimizer).items()}
+            before = {k: v.clone() for k, v in collect.live_views(api.current_engine().adapter.slices, optimizer).items()}
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 100.0 * i, non_persistent_ckpt=i != N)
         if i == 1:  # the first save placed the moments contiguously: same values, fewer tensors
-            placed = collect.live_views(api._engine.adapter.slices, optimizer)
+            placed = collect.live_views(api.current_engine().adapter.slices, optimizer)
             unchanged = all(torch.equal(before[k], placed[k]) for k in before)
     at_n = capture(args, model, optimizer, scheduler)
-    save_phases = dict(api._engine.save_phases.seconds)  # (the last save's: persistent)
+    save_phases = dict(api.current_engine().save_phases.seconds)  # (the last save's: persistent)
     # Every save asked the optimizer's state_dict with one parameter per group, checked once
     # against the full one: check it again here, after training, on this megatron-core.
-    trimmed_state = api._engine.adapter.optimizer_state
+    trimmed_state = api.current_engine().adapter.optimizer_state
     with optstate._one_param_per_group(collect.distributed_optimizers(optimizer)):
         trimmed = smallstate.dumps(optimizer.state_dict())
     state_dict = {"trimmed_used": trimmed_state.trimmed_ok, "same": trimmed == smallstate.dumps(optimizer.state_dict()),
@@ -103,30 +102,29 @@ def main():
                                        for g in o.optimizer.param_groups)}
     reference = train(args, model, optimizer, scheduler, data, MORE)
     result = {"fresh": list(fresh), "reference": reference, "state_dict": state_dict,
-              "coalesced": {"unchanged": unchanged, **copies(api._engine, optimizer)}}
+              "coalesced": {"unchanged": unchanged, **copies(api.current_engine(), optimizer)}}
 
     for leg in ("memory", "storage"):
         if leg == "storage":
-            engine = api._engine
+            engine = api.current_engine()
             engine.flush()  # iteration N is committed before its slot is released
             torch.distributed.barrier()
             if engine.job.local_world_size == 1 or torch.distributed.get_rank() == 0:
-                pid = int(open(os.path.join(engine.job.node_dir, "agent.pid")).read())
-                os.kill(pid, signal.SIGKILL)
+                launch.stop_agents(engine.job.node_dir)
                 shutil.rmtree(engine.job.node_dir)
             torch.distributed.barrier()
         loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
         after = capture(args, model, optimizer, scheduler)
         resumed = train(args, model, optimizer, scheduler, data_from(args.consumed_train_samples), MORE)
         result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed,
-                       "phases": list(api._engine.restore_phases.seconds)}
+                       "phases": list(api.current_engine().restore_phases.seconds)}
     result["save_phases"] = save_phases
     # A restart's optimizer has no state yet: the restore allocates it without Megatron's load_state_dict
     # (torch's is quadratic in the params), leaving exactly what that would have left.
     structures = {}
     for leg, megatron_path in (("restart", False), ("restart, Megatron's load_state_dict", True)):
         restore.clear_optimizer_state(optimizer)
-        api._engine.adapter.state_replaced()
+        api.current_engine().adapter.state_replaced()
         recording = restore._load_in_place
         if megatron_path:
             restore._load_in_place = lambda *a: False
