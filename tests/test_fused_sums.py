@@ -72,3 +72,19 @@ def test_rows_group_by_item_and_partials_add_up_per_item():
     import numpy
     partials = numpy.array([[1, 2], [3, 4], [5, -1]], dtype=numpy.int64)
     assert table.item_totals(partials).tolist() == [[1, 2], [0, 0], [8, 3]]
+
+
+def test_the_kernel_compiles_for_the_gpus_users_train_on():
+    """No GPU needed: Triton compiles the kernel to a cubin for an A100, an H100/H200 and a B200 (what a
+    first snapshot on those GPUs would do), so a syntax or typing error cannot wait for a GPU to show."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from megatron_pec import sum64_kernel
+
+    source = triton.compiler.ASTSource(
+        fn=sum64_kernel.chunk_sums, signature={"table": "*i64", "partials": "*i64", "selected": "*u8",
+                                               "BLOCK": "constexpr"}, constexprs={"BLOCK": sum64_kernel.BLOCK})
+    for capability in (80, 90, 100):
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+        assert compiled.asm["cubin"], capability
