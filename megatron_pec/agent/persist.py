@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from megatron_pec.agent.memory import header_problem
-from megatron_pec.checksum import crc32, item_checks, mismatch
+from megatron_pec.checksum import crc32, item_checks, item_crc32, mismatch
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import JobKey, ProtocolError, SlotHeader
 from megatron_pec.slots import SlotCache
-from megatron_pec.stformat import encode_header, item_checksums
+from megatron_pec.stformat import encode_header
 from megatron_pec.storage import PosixStorage
 
 
@@ -63,7 +63,7 @@ def check_snapshot(path: str, iteration: int, run: str, job: JobKey, slots: Slot
             raise SnapshotMismatch(f"{path} has no checksum for {', '.join(unsummed[:3])}")
         return CheckedSnapshot(path, snapshot, header, {i: snapshot.sums[i] for i in written}, True)
     # a trainer of an older release: its bytes are checked here, as it did
-    return CheckedSnapshot(path, snapshot, header, item_checksums(mapping, header, set(written)), False)
+    return CheckedSnapshot(path, snapshot, header, item_crc32(mapping, header, set(written)), False)
 
 
 def write_rank_file(checked: CheckedSnapshot, keep: set[str], target: str, storage: PosixStorage, slots: SlotCache,
