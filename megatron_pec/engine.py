@@ -18,9 +18,10 @@ import os
 
 import torch
 
-from megatron_pec import faults, log, manifest, smallstate
+from megatron_pec import faults, log, smallstate
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import AgentSession
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.checksum import mismatch
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
@@ -34,14 +35,16 @@ from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.save_history import SaveHistory
 from megatron_pec.slots import NUM_SLOTS, SlotFiles, SlotSpaceError
-from megatron_pec.sources import megatron_format
 from megatron_pec.stager import Stager
 from megatron_pec.stformat import layout as tensor_layout
+from megatron_pec.storage import Storage
 from megatron_pec.sum64 import DeviceSums
 
 
 class Engine:
-    def __init__(self, args, model_chunks, optimizer):
+    def __init__(self, args, model_chunks, optimizer, storage: Storage):
+        """``storage``: what every checkpoint directory this engine saves to or loads from is read and
+        written through."""
         from megatron_pec.megatron.adapter import MegatronAdapter
 
         try:
@@ -50,6 +53,7 @@ class Engine:
             raise CheckpointError(str(exc)) from None
         self.adapter = MegatronAdapter(args, model_chunks, optimizer)
         self.optimizer = optimizer  # the engine serves this optimizer; api rebuilds it for another
+        self.storage = storage
         log.set_rank(self.adapter.rank)
         for note in megatron_flag_notes(args):
             log.warning(note, rank0=True)
@@ -85,7 +89,7 @@ class Engine:
         --save (what ``export`` and restores onto another topology read)."""
         error = None
         try:
-            manifest.write_rank_layout(self.job.save_root, self.job.layout)
+            CheckpointDir(self.job.save_root, self.storage).write_rank_layout(self.job.layout)
         except OSError as exc:
             error = f"cannot write under --save {self.job.save_root}: {exc.strerror or exc}"
         self.adapter.collectives.raise_if_any(error)
@@ -241,12 +245,13 @@ class Engine:
         from it, as Megatron does; it must then hold a megatron-pec checkpoint)."""
         after_copy = self.check_on_device and self.stager is not None and \
             not (self.config.no_load_optim or self.config.finetune)
-        result = Loader(self._load_context(phases), root, excluded, after_copy).load() if root else None
+        result = Loader(self._load_context(phases), CheckpointDir(root, self.storage), excluded,
+                        after_copy).load() if root else None
         if result is None and pretrained:
             log.info(f"no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint {pretrained} "
                      "(weights only, iteration 0)", rank0=True)
             self.config = dataclasses.replace(self.config, finetune=True)
-            result = Loader(self._load_context(phases), pretrained, excluded).load()
+            result = Loader(self._load_context(phases), CheckpointDir(pretrained, self.storage), excluded).load()
             if result is None:
                 raise CheckpointError(
                     f"--pretrained-checkpoint {pretrained} holds no megatron-pec checkpoint; megatron-pec cannot "
@@ -274,7 +279,7 @@ class Engine:
     def megatron_checkpoint(self, root: str) -> str | None:
         """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:
         every rank must see the same)."""
-        found = megatron_format(root)
+        found = CheckpointDir(root, self.storage).megatron_format()
         coll = self.adapter.collectives
         if coll.all_ok(found is None):
             return None

@@ -20,7 +20,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_pec import log, manifest, plt, reshard
+from megatron_pec import log, plt, reshard
+from megatron_pec.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
 from megatron_pec.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
@@ -30,7 +31,6 @@ from megatron_pec.phases import Phases
 from megatron_pec.protocol import JobKey, Manifest
 from megatron_pec.smallstate import loads as load_small_state
 from megatron_pec.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
-from megatron_pec.storage import PosixStorage
 
 MAX_CANDIDATES = 32
 LIST_OLDER = 64  # a restore log line names at most this many experts restored from older versions
@@ -151,12 +151,12 @@ class Agreement:
 
 
 class Loader:
-    def __init__(self, ctx: LoadContext, root: str, excluded=(), checked_after_copy: bool = False):
+    def __init__(self, ctx: LoadContext, directory: CheckpointDir, excluded=(), checked_after_copy: bool = False):
         """``excluded``: iterations not to restore (found corrupt after a copy); ``checked_after_copy``: node
         memory's bytes are verified by the restore once on the device, not here before."""
-        self.ctx, self.root = ctx, os.path.abspath(root)
+        self.ctx, self.directory, self.root = ctx, directory, directory.root
         self.excluded, self.checked_after_copy = set(excluded), checked_after_copy
-        self.storage = PosixStorage()
+        self.storage = directory.storage
         self.rank = ctx.rank
         self.coll = ctx.collectives
         self.names = [item_name(x) for x in ctx.all_experts]  # the vectors' index space, spelled once
@@ -181,8 +181,8 @@ class Loader:
         with phases("listing sources"):
             if error is None:
                 try:
-                    stored, manifests = storage_sources(self.root, self.rank, ctx.job.fingerprint, ctx.job.topology,
-                                                        self.storage, {newest.iteration: newest} if newest else None)
+                    stored, manifests = storage_sources(self.directory, self.rank, ctx.job.fingerprint,
+                                                        ctx.job.topology, {newest.iteration: newest} if newest else None)
                 except SourceError as exc:
                     error = str(exc)
             self._warn_stale_tracker(manifests)
@@ -222,12 +222,12 @@ class Loader:
     # ---- another layout -------------------------------------------------------------------------
     def _newest_committed(self) -> Manifest | None:
         """The manifest of the newest committed iteration (another layout's too), if readable."""
-        committed = manifest.committed_iterations(self.root, self.storage)
+        committed = self.directory.committed_iterations()
         if not committed:
             return None
         try:
-            return manifest.read_manifest(self.root, committed[0], self.storage)
-        except manifest.ManifestError:
+            return self.directory.read_manifest(committed[0])
+        except ManifestError:
             return None  # the normal path skips it with its warning
 
     def _reshard(self, m: Manifest) -> RestoreResult:
@@ -245,7 +245,7 @@ class Loader:
             error = f"{where} was saved with another configuration ({reshard.change(m.topology, topology)}): {why}"
         else:
             try:
-                done = reshard.Resharder(self.root, m, layout, self.rank, self._stage_experts(), self.storage).restore()
+                done = reshard.Resharder(self.directory, m, layout, self.rank, self._stage_experts()).restore()
             except (reshard.ReshardError, SourceError) as exc:
                 error = f"cannot restore {where} onto this layout: {exc}"
         self.coll.raise_if_any(error)
@@ -259,11 +259,11 @@ class Loader:
 
     def _retire_newer(self, target: int) -> None:
         """Rank 0: de-commit what an abandoned run left after ``target`` in the --save directory
-        (see ``manifest.retire_after``). Every later save needs rank 0, so this precedes them all."""
+        (see ``CheckpointDir.retire_after``). Every later save needs rank 0, so this precedes them all."""
         if self.ctx.config.finetune or not self._saves_here():
             return
         try:
-            retired = manifest.retire_after(self.root, target, self.storage)
+            retired = self.directory.retire_after(target)
         except OSError as exc:
             log.warning(f"cannot retire the iterations after {target} under {self.root} ({exc}); until they are "
                         "saved again their old manifests or node markers remain")
@@ -287,9 +287,9 @@ class Loader:
 
     def _warn_stale_tracker(self, manifests: dict) -> None:
         """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
-        tracker = manifest.read_tracker(self.root, self.storage)
+        tracker = self.directory.read_tracker()
         if self.rank == 0 and tracker and tracker.isdigit() and int(tracker) not in manifests:
-            log.warning(f"{self.root}/{manifest.TRACKER} names iteration {tracker}, which has no valid manifest; "
+            log.warning(f"{self.root}/{TRACKER} names iteration {tracker}, which has no valid manifest; "
                         "ignoring it and using the newest committed iteration")
 
     def _agree(self, mine: set[int], excluded: set[int]) -> int | None:
@@ -336,7 +336,7 @@ class Loader:
             if redo:
                 version = manifest_t.experts.get(item) if manifest_t else None
                 plan[item] = None if version is None else \
-                    expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t)
+                    expert_source_for(item, version, [], stored, self.directory, self.rank, manifest_t)
         with phases("reading and checking"):
             error = self._open(plan, target, dense_error)
         with phases("agreeing"):
@@ -355,7 +355,7 @@ class Loader:
         """The dense source and, per held expert, a source of the given version (None: none here)."""
         plan = {NON_EXPERT: dense}
         for item, version in versions.items():
-            plan[item] = expert_source_for(item, version, memory, stored, self.root, self.rank, manifest_t) \
+            plan[item] = expert_source_for(item, version, memory, stored, self.directory, self.rank, manifest_t) \
                 if version is not None else None
         return plan
 

@@ -3,29 +3,31 @@
 import subprocess
 import sys
 
-from conftest import REPO, free_port
+from conftest import REPO, checkpoints, free_port
 
 SCRIPT = r"""
 import argparse, os, sys
 from types import SimpleNamespace
 import torch.distributed as dist
-from megatron_pec import manifest
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.collectives import Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.loader import LoadContext, Loader
 from megatron_pec.protocol import NodeMarker
+from megatron_pec.storage import PosixStorage
 
 root, port = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 # A run that died at iteration 2: one node's marker was written, the other's never; nothing committed.
-os.makedirs(manifest.pec_dir(root, 2))
-manifest.write_node_marker(root, NodeMarker(iteration=2, node=1, job_id="j", fingerprint="f", topology={}, ranks={}))
+checkpoints = CheckpointDir(root, PosixStorage())
+os.makedirs(checkpoints.pec_dir(2))
+checkpoints.write_node_marker(NodeMarker(iteration=2, node=1, job_id="j", fingerprint="f", topology={}, ranks={}))
 config = PecConfig.from_args(argparse.Namespace(save=root, load=root, pec_job_id="j"))
 job = SimpleNamespace(rank=0, node_dir=os.path.join(root, "no_memory"), fingerprint="f", topology={}, held_names={},
                       all_experts=(), expert_layout=None, layout=None)
 ctx = LoadContext(job=job, config=config, collectives=Collectives.over_all_ranks(), slice_items={})
-assert Loader(ctx, root).load() is None
-left = os.path.exists(manifest.node_marker(root, 2, 1))
+assert Loader(ctx, checkpoints).load() is None
+left = os.path.exists(checkpoints.node_marker(2, 1))
 print("stale marker left" if left else "stale marker retired")
 dist.destroy_process_group()
 """
@@ -66,9 +68,10 @@ def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_pl
                           expert_layout=None, layout=None)
     config = PecConfig.from_args(argparse.Namespace(save=str(tmp_path), load=str(tmp_path), pec_job_id="j"))
     nothing, planned = Recording(), Recording()
-    Loader(LoadContext(job=job, config=config, collectives=nothing, slice_items={}), str(tmp_path))._plan(
+    directory = checkpoints(tmp_path)
+    Loader(LoadContext(job=job, config=config, collectives=nothing, slice_items={}), directory)._plan(
         None, [], {}, {})
-    Loader(LoadContext(job=job, config=config, collectives=planned, slice_items={}), str(tmp_path))._vote(
+    Loader(LoadContext(job=job, config=config, collectives=planned, slice_items={}), directory)._vote(
         2, {NON_EXPERT: None, "L1.E0": None, "L1.E1": None}, "cannot", planned={"L1.E0": 2, "L1.E1": 1})
     assert nothing.sizes == planned.sizes[:1], (nothing.sizes, planned.sizes)
 

@@ -11,6 +11,7 @@ import argparse
 import threading
 from types import SimpleNamespace
 
+from conftest import checkpoints
 from megatron_pec import loader
 from megatron_pec.config import PecConfig
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
@@ -78,7 +79,7 @@ def on_two_ranks(tmp_path, work):
                               expert_layout=SimpleNamespace(num_experts=2))
         ctx = LoadContext(job=job, config=config, collectives=collectives.of(rank), slice_items={})
         try:
-            results[rank] = work(Loader(ctx, str(tmp_path)))
+            results[rank] = work(Loader(ctx, checkpoints(tmp_path)))
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             failures.append(exc)
             collectives.barrier.abort()

@@ -13,7 +13,7 @@ import os
 import socket
 
 from megatron_pec.protocol import PeerAddress, ProtocolError
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 RENDEZVOUS = "pec_agents"  # under --save; Megatron ignores anything not named iter_* or the tracker
 
@@ -22,11 +22,11 @@ def address_path(save: str, job_id: str, node: int) -> str:
     return os.path.join(save, RENDEZVOUS, job_id, f"node_{node:04d}.json")
 
 
-def publish(save: str, job_id: str, address: PeerAddress, storage: PosixStorage) -> None:
+def publish(save: str, job_id: str, address: PeerAddress, storage: Storage) -> None:
     storage.write_text_atomic(address_path(save, job_id, address.node), address.dumps())
 
 
-def read_peers(save: str, job_id: str, num_nodes: int, storage: PosixStorage) -> dict[int, PeerAddress]:
+def read_peers(save: str, job_id: str, num_nodes: int, storage: Storage) -> dict[int, PeerAddress]:
     """The published addresses that can be read (a missing or damaged one is simply absent)."""
     peers = {}
     for node in range(num_nodes):

@@ -21,7 +21,7 @@ from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import JobKey, ProtocolError, SlotHeader
 from megatron_pec.slots import SlotCache
 from megatron_pec.stformat import encode_header
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 
 class SnapshotMismatch(RuntimeError):
@@ -66,7 +66,7 @@ def check_snapshot(path: str, iteration: int, run: str, job: JobKey, slots: Slot
     return CheckedSnapshot(path, snapshot, header, item_crc32(mapping, header, set(written)), False)
 
 
-def write_rank_file(checked: CheckedSnapshot, keep: set[str], target: str, storage: PosixStorage, slots: SlotCache,
+def write_rank_file(checked: CheckedSnapshot, keep: set[str], target: str, storage: Storage, slots: SlotCache,
                     elsewhere: dict[str, str] | None = None, cpu=None) -> dict:
     """Persist the items ``keep`` of ``checked`` to ``target`` (``elsewhere``: item -> the slot file its region is
     in, if not the home), each checked against its checksum before the rename (``cpu``: the agent's ledger,
@@ -111,7 +111,7 @@ def _check(path: str, actual: dict, expected: dict) -> None:
             raise SnapshotMismatch(mismatch(f"{path} (in node memory)", item, actual[item], expected[item]))
 
 
-def _write_compact(where: dict, header, snapshot: SlotHeader, keep: set[str], target: str, storage: PosixStorage,
+def _write_compact(where: dict, header, snapshot: SlotHeader, keep: set[str], target: str, storage: Storage,
                    before_rename) -> dict:
     """``where``: item -> the mapping of the slot file its bytes are in (all slots share ``header``'s layout)."""
     entries, offset = [], 0

@@ -48,6 +48,7 @@ from megatron_pec.agent.memory import INDEX, NodeMemory
 from megatron_pec.agent.persist import check_snapshot
 from megatron_pec.agent.pins import pins
 from megatron_pec.agent.replication import Replication
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.protocol import (
     Begin,
     Begun,
@@ -68,7 +69,7 @@ from megatron_pec.protocol import (
     decode_message,
 )
 from megatron_pec.slots import SlotCache, slot_path
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
@@ -85,6 +86,7 @@ class Link:
     conn: socket.socket
     rank: int
     job: JobInfo
+    checkpoints: CheckpointDir        # the job's --save
     run: str | None = None            # set by Begin
     pins: tuple = ((), None)          # (pins, hold) it heard last
     serial: int = field(default_factory=lambda: next(_LINKS))  # unlike id(), never reused
@@ -101,10 +103,10 @@ class Agent:
     """The server: connections, the worker loop, and the order of phases 5 and 6. What node memory
     holds is ``memory``'s, writes and commits ``writer``'s, replication ``replication``'s."""
 
-    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool):
+    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage):
         self.directory, self.node_rank = directory, node_rank
         self.idle_timeout, self.keep_shm = idle_timeout, keep_shm
-        self.storage = PosixStorage()
+        self.storage = storage
         self.slots = SlotCache()                        # slot mappings and tables, kept across snapshots
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
@@ -123,7 +125,7 @@ class Agent:
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
         self.cpu = CpuLedger(directory)                 # CPU time by phase (benchmarks)
-        self.writer = writer.Writer(directory, self.storage, self.slots, self.cpu, self.jobs.put)
+        self.writer = writer.Writer(directory, self.slots, self.cpu, self.jobs.put)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -232,7 +234,7 @@ class Agent:
             conn.close()
 
     def _hello(self, conn: socket.socket, msg: Hello) -> Link:
-        link = Link(conn, msg.rank, msg.job)
+        link = Link(conn, msg.rank, msg.job, CheckpointDir(msg.job.save, self.storage))
         with self.lock:
             self.links[msg.rank] = link  # a new trainer: grants of the old one are void
             self.served[msg.rank] = link
@@ -318,7 +320,7 @@ class Agent:
         """Phase 5: check the header, record the snapshot's regions, offer it to the replicas; release it,
         or hand its rank file to the writer (released once written)."""
         link, msg = job.link, job.msg
-        rank, root = link.rank, link.job.save
+        rank, root = link.rank, link.checkpoints.root
         try:
             with self.cpu("checking"):
                 checked = check_snapshot(slot_path(self.directory, rank, msg.slot), msg.iteration, link.run or "",
@@ -394,7 +396,7 @@ class Agent:
 
     def _pins(self, link: Link) -> tuple[list[Pin], str | None]:
         """The rank's pins and, if the next snapshot must wait, why."""
-        return (pins(link.rank, link.job, self.memory, self.storage, self.replication.replicating(link.rank),
+        return (pins(link.rank, link.job, self.memory, link.checkpoints, self.replication.replicating(link.rank),
                      self.writing.get(link.rank, []), self.persisted.get(link.rank)),
                 self.replication.hold(link.rank, link.job.replica_lag))
 
@@ -417,5 +419,5 @@ class Agent:
             log.info(f"cannot write {self.cpu.path}: {exc}")
 
 
-def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool) -> int:
-    return Agent(directory, node_rank, idle_timeout, keep_shm).serve()
+def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage) -> int:
+    return Agent(directory, node_rank, idle_timeout, keep_shm, storage).serve()
