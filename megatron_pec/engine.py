@@ -70,11 +70,10 @@ class Engine:
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
         self.restore_phases = Phases()  # ... and the latest restore's
         self.history = SaveHistory(self.job.session)
-        background = torch.cuda.is_available() or os.environ.get("MEGATRON_PEC_DEFER_SNAPSHOT") == "1"
-        # A restore from node memory checks its bytes where they land: on the GPU (MEGATRON_PEC_CHECK_ON_DEVICE=1
-        # runs the same path on CPU ranks; else they are checked in node memory, before the copy).
-        self.check_on_device = os.environ.get("MEGATRON_PEC_CHECK_ON_DEVICE",
-                                              "1" if torch.cuda.is_available() else "0") == "1"
+        background = torch.cuda.is_available() or self.config.defer_snapshot
+        # A restore from node memory checks its bytes where they land: on the GPU (a test hook runs the same
+        # path on CPU ranks; else they are checked in node memory, before the copy).
+        self.check_on_device = torch.cuda.is_available() or self.config.check_on_device
         self.handover = HandOver(self._complete, background)
         self.adapter.before_each_step(self._before_step)
         if self.config.save:

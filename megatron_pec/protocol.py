@@ -191,6 +191,7 @@ class JobInfo(Record):
     replica_mbps: float | None = None  # send bandwidth cap
     session: str = ""         # this launch of the job (the same on every rank): names its saves' files
     replica_lag: int = 2      # --pec-replica-lag: snapshots a replica may lag before the next snapshot waits
+    host: str = ""            # where peer agents reach this node's agent ("": this host's address)
 
     @property
     def key(self) -> JobKey:

@@ -5,6 +5,7 @@
 * production code never imports ``megatron_pec.testing``;
 * no module assigns attributes of another module's objects - apart from the few places whose job
   it is, listed here with the reason;
+* the process environment is read in ``config.py`` only, apart from the test hooks listed here;
 * the modules import each other without a cycle, imports inside functions counted (they hide a cycle
   from the interpreter until the function runs, not from the reader);
 * the node agent starts without torch or Megatron.
@@ -29,6 +30,15 @@ ALLOWED_FOREIGN_WRITES = {
     "megatron/optstate.py": {"inner.param_groups", "inner.state"},  # shown one param per group, then put back
     "testing/cpu.py": None,                                          # the CPU stand-ins patch torch/megatron
     "testing/megatron_lm_cpu.py": None,                              # ... and Megatron-LM's training loop
+}
+
+
+# file -> why it reads the process environment (``config.PecConfig.from_args`` reads everything else)
+ALLOWED_ENVIRONMENT_READERS = {
+    "config.py": "the one configuration: the launcher's facts, the failure domain, two test hooks",
+    "faults.py": "fault injection, a test hook by design (MEGATRON_PEC_FAULT and its companions)",
+    "slots.py": "a test hook: MEGATRON_PEC_CGROUP_DIR points the tmpfs budget check at other files",
+    "agent/client.py": "hands the trainer's environment on to the agent process it starts",
 }
 
 
@@ -153,6 +163,22 @@ def test_the_scanner_sees_foreign_writes(tmp_path):
     sample.write_text("def f(engine, self):\n    engine.live = 1\n    self.x = 2\n    engine.pec.k += 1\n"
                       "    a.b[0].c = 3\n")
     assert foreign_attribute_writes(sample) == {"engine.live", "engine.pec.k", "a.b[0].c"}
+
+
+def reads_environment(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb") \
+                and isinstance(node.value, ast.Name) and node.value.id == "os":
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                any(a.name in ("environ", "getenv", "environb") for a in node.names):
+            return True
+    return False
+
+
+def test_the_environment_is_read_in_one_place():
+    readers = {relative(p) for p in SOURCES if not relative(p).startswith("testing/") and reads_environment(p)}
+    assert readers <= ALLOWED_ENVIRONMENT_READERS.keys(), readers - ALLOWED_ENVIRONMENT_READERS.keys()
 
 
 def test_the_modules_import_each_other_without_a_cycle():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 
-from megatron_pec.protocol import PeerAddress, ProtocolError
+from megatron_pec.protocol import JobInfo, PeerAddress, ProtocolError
 from megatron_pec.storage import Storage
 
 RENDEZVOUS = "pec_agents"  # under --save; Megatron ignores anything not named iter_* or the tracker
@@ -49,11 +49,7 @@ def holders(node: int, num_nodes: int, replicas: int, domains: dict[int, str]) -
     return chosen
 
 
-def advertised_host() -> str:
-    """The address peers reach this node's agent at: ``MEGATRON_PEC_AGENT_HOST`` if set; the loopback
-    address when the job's master is local (simulated nodes on one machine); else this host's address."""
-    if os.environ.get("MEGATRON_PEC_AGENT_HOST"):
-        return os.environ["MEGATRON_PEC_AGENT_HOST"]
-    if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+def advertised_host(job: JobInfo) -> str:
+    """The address peers reach this node's agent at: the one its trainers' launch named
+    (``config.Launch.agent_host``), else this host's address."""
+    return job.host or socket.gethostbyname(socket.gethostname())

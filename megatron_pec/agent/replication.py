@@ -41,7 +41,7 @@ class Replication:
                 return
             self.store = ReplicaStore(self.directory)
             self.server = ReplicaServer(self.store)
-            self.address = PeerAddress(job.node_rank, peers.advertised_host(), self.server.port,
+            self.address = PeerAddress(job.node_rank, peers.advertised_host(job), self.server.port,
                                        job.domain or f"node {job.node_rank}", os.getpid())
             self.replicator = Replicator(self.directory, job, self.storage, self.on_push_done)
         self.publish(job)  # storage I/O: outside the lock
