@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import torch
 
@@ -29,7 +28,7 @@ from megatron_pec.gcpause import without_gc
 from megatron_pec.handover import HandOver, PendingSnapshot
 from megatron_pec.items import NON_EXPERT, item_name
 from megatron_pec.job import JobFacts
-from megatron_pec.loader import LoadContext, Loader, RestoreResult
+from megatron_pec.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
@@ -219,46 +218,62 @@ class Engine:
         ``pretrained`` (--pretrained-checkpoint): when ``root`` holds nothing, fine-tune from it,
         as Megatron does; it must then hold a megatron-pec checkpoint."""
         phases = self.restore_phases = Phases()
-        with phases("waiting for the agent"):
+        with phases("waiting for the agent"):  # load step 2
             self.handover.wait()
             self.session.settle()
-        excluded: set[int] = set()
-        while True:
-            with phases("the rest of the loader"):  # (the loader's own phases inside)
-                result = self._decide(root, pretrained, excluded, phases)
-            if result is None:
-                self.session.begin(None)
-                return 0, 0
-            self._apply(result, scheduler, rng_key_prefix, phases)
-            with phases("checking on the device"):
-                problem = self._checked_after_copy(result)
-            if self.adapter.collectives.all_ok(problem is None):
-                return self._restored(result, phases, saved_here=bool(root) and os.path.abspath(root) == self.job.save_root)
-            log.warning(f"cannot restore iteration {result.iteration}: {problem or 'another rank cannot'}; "
-                        "falling back to an older checkpoint", rank=self.rank)
-            excluded.add(result.iteration)
-
-    def _decide(self, root: str | None, pretrained: str | None, excluded: set[int],
-                phases: Phases) -> RestoreResult | None:
-        """What to restore, from ``root`` or else ``pretrained`` (--pretrained-checkpoint: fine-tuning
-        from it, as Megatron does; it must then hold a megatron-pec checkpoint)."""
-        after_copy = self.check_on_device and self.stager is not None and \
-            not (self.config.no_load_optim or self.config.finetune)
-        result = Loader(self._load_context(phases), CheckpointDir(root, self.storage), excluded,
-                        after_copy).load() if root else None
-        if result is None and pretrained:
+        restored = None
+        if root:
+            restored = self._restore(CheckpointDir(root, self.storage), self.config.finetune, scheduler,
+                                     rng_key_prefix, phases)
+        if restored is None and pretrained:
             log.info(f"no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint {pretrained} "
                      "(weights only, iteration 0)", rank0=True)
-            self.config = dataclasses.replace(self.config, finetune=True)
-            result = Loader(self._load_context(phases), CheckpointDir(pretrained, self.storage), excluded).load()
-            if result is None:
+            restored = self._restore(CheckpointDir(pretrained, self.storage), True, scheduler, rng_key_prefix, phases)
+            if restored is None:
                 raise CheckpointError(
                     f"--pretrained-checkpoint {pretrained} holds no megatron-pec checkpoint; megatron-pec cannot "
                     "read Megatron's own formats yet: load it once with unpatched Megatron-LM and save with "
                     "megatron-pec, or point --pretrained-checkpoint at a megatron-pec --save directory")
-        return result
+        if restored is None:
+            self.session.begin(None)
+            return 0, 0
+        return restored
 
-    def _checked_after_copy(self, result: RestoreResult) -> str | None:
+    def _restore(self, directory: CheckpointDir, finetune: bool, scheduler, rng_key_prefix: str,
+                 phases: Phases) -> tuple[int, float] | None:
+        """Load steps 3-7 from ``directory``, the one fallback loop: the loader lists what each rank can
+        read once and plans (reads, verifies, agrees, decides; no side effects); this applies the plan and
+        checks it where it landed; an iteration some rank cannot restore is excluded and the loader plans
+        again. Only once a restore succeeded is what an abandoned run left after it retired.
+
+        ``finetune``: weights only, the iteration starts at 0 (--finetune, or --pretrained-checkpoint).
+        Returns ``(iteration, flops)``, None when ``directory`` holds nothing to restore."""
+        load_optim = not (self.config.no_load_optim or finetune)
+        loader = Loader(self._load_context(phases), directory,
+                        checked_after_copy=self.check_on_device and self.stager is not None and load_optim)
+        with phases("the rest of the loader"):  # (the loader's own phases inside)
+            found = loader.candidates()
+        excluded: set[int] = set()
+        while True:
+            with phases("the rest of the loader"):
+                plan = loader.plan(found, excluded)
+            if plan is None:
+                if not found.manifests:  # node markers of an abandoned run must not join a new commit
+                    self._retire_after(directory, 0, finetune, phases)
+                return None
+            if isinstance(plan, Refused):
+                problem = plan.why
+            else:
+                self._apply(plan, finetune, scheduler, rng_key_prefix, phases)
+                with phases("checking on the device"):
+                    problem = self._checked_after_copy(plan)
+                if self.adapter.collectives.all_ok(problem is None):
+                    return self._restored(directory, plan, finetune, phases)
+            log.warning(f"cannot restore iteration {plan.iteration}: {problem or 'another rank cannot'}; "
+                        "falling back to an older checkpoint", rank=self.rank)
+            excluded.add(plan.iteration)
+
+    def _checked_after_copy(self, result: RestorePlan) -> str | None:
         """The items restored from node memory, checked where they landed (the device): their sums over
         the live optimizer state equal the recorded ones; else what does not."""
         if not result.check_after_copy:
@@ -299,27 +314,52 @@ class Engine:
                            slice_items={s.name: s.item for s in self.adapter.slices}, slots=self.files,
                            phases=phases)
 
-    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str, phases: Phases) -> None:
-        """Phase 9: the loader's decision into Megatron (through the adapter) and into the PEC bookkeeping."""
+    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases) -> None:
+        """Load step 6: the plan into Megatron (through the adapter) and into the PEC bookkeeping."""
         config = self.config
-        load_optim = not (config.no_load_optim or config.finetune)
-        self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
-                             load_rng=not (config.no_load_rng or config.finetune), finetune=config.finetune,
+        self.adapter.restore(plan.small, plan.tensors, scheduler, load_optim=not (config.no_load_optim or finetune),
+                             load_rng=not (config.no_load_rng or finetune), finetune=finetune,
                              rng_key_prefix=rng_key_prefix, phases=phases)
         with phases("PEC state"):
-            self.book.adopt(result.pec, result.tokens_at_target, result.resharded)
+            self.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
 
-    def _restored(self, result: RestoreResult, phases: Phases, saved_here: bool) -> tuple[int, float]:
-        """The restore is done: say so (where the time went included) and start the new timeline
-        (``saved_here``: it came from the --save directory or its node memory)."""
-        config = self.config
-        iteration = 0 if config.finetune else result.iteration
-        self.history.restore(iteration, saved_here)
-        result.log(self.rank)
+    def _restored(self, directory: CheckpointDir, plan: RestorePlan, finetune: bool,
+                  phases: Phases) -> tuple[int, float]:
+        """Load step 7, the restore is done: retire what an abandoned run left after it, say so (where the
+        time went included) and start the new timeline."""
+        iteration = 0 if finetune else plan.iteration
+        self.history.restore(iteration, here=directory.root == self.job.save_root)
+        self._retire_after(directory, plan.iteration, finetune, phases)
+        plan.log(self.rank)
         with phases("telling the agent the new timeline"):
             self.session.begin(iteration)
         log.info(f"restore took {phases.total():.3f} s ({phases.describe()})", rank=self.rank)
-        return iteration, result.small["num_floating_point_operations_so_far"]
+        return iteration, plan.small["num_floating_point_operations_so_far"]
+
+    def _retire_after(self, directory: CheckpointDir, iteration: int, finetune: bool, phases: Phases) -> None:
+        """Rank 0 of the job that saves into ``directory`` (it keeps the directory's books; every later save
+        needs it, so this precedes them all): de-commit what an abandoned run left there after
+        ``iteration``, where training resumes (``CheckpointDir.retire_after``). A fine-tune resumes at 0
+        beside the loaded run's commits, which stay."""
+        if self.rank != 0 or directory.root != self.job.save_root:
+            return
+        if finetune:
+            if iteration:
+                log.warning(f"--finetune saves into {directory.root}, the directory it loaded iteration {iteration} "
+                            "from: the loaded run's checkpoints stay committed beside the fine-tune's, and a restart "
+                            "resumes from the newest committed iteration whichever run saved it; give the fine-tune "
+                            "its own --save")
+            return
+        with phases("listing sources"):  # (the directory's books, as its listing)
+            try:
+                retired = directory.retire_after(iteration)
+            except OSError as exc:
+                log.warning(f"cannot retire the iterations after {iteration} under {directory.root} ({exc}); until "
+                            "they are saved again their old manifests or node markers remain")
+                return
+        if retired:
+            log.info(f"iterations {retired} under {directory.root} belong to an abandoned run after the restored "
+                     f"iteration {iteration}; removed their manifests and node markers (training saves them again)")
 
     def close(self, detach: bool = True) -> None:
         """``detach=False`` (the trainer is crashing): leave at once without a clean detach, so the

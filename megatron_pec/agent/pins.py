@@ -29,9 +29,10 @@ from megatron_pec.protocol import Pin
 
 def pins(rank: int, job, memory: NodeMemory, checkpoints: CheckpointDir, replicating: list[int],
          writing: list[Pin], persisted: tuple | None) -> list[Pin]:
-    """The rank's pins now (``job``: its ``JobInfo``; ``checkpoints``: its --save); ``replicating``: the iterations of its snapshots
-    being sent or to send; ``writing``: the pins of its writes in flight; ``persisted``: (run, iteration)
-    of the newest snapshot this agent wrote the rank's file of, which may still commit."""
+    """The rank's pins now (``job``: its ``JobInfo``; ``checkpoints``: its --save); ``replicating``: the
+    iterations of its snapshots being sent or to send; ``writing``: the pins of its writes in flight;
+    ``persisted``: (run, iteration) of the newest snapshot this agent wrote the rank's file of, which may
+    still commit."""
     out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))] + list(writing)
     if not job.replicas:
         committed = memory.newest(rank, lambda r: (r.run, r.iteration) == persisted or
