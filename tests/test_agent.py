@@ -55,6 +55,17 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "megatron_pec", *args], capture_output=True, text=True, cwd=REPO)
 
 
+def test_every_job_of_the_worker_has_its_one_handler_and_every_trainer_message_too():
+    from megatron_pec import protocol
+    from megatron_pec.agent import jobs
+    from megatron_pec.agent.server import Agent
+
+    assert set(Agent.HANDLERS) == {getattr(jobs, name) for name in jobs.__all__} - {jobs.Shutdown}
+    sent_by_trainers = {protocol.Hello, protocol.Begin, protocol.SnapshotReady, protocol.Flush, protocol.Settle,
+                        protocol.Detach, protocol.Stop}
+    assert set(Agent.MESSAGES) == sent_by_trainers
+
+
 def test_two_nodes_commit_persist_subset_and_verify(trainers):
     t0, t1 = trainers(0), trainers(1)
     root = t0.root

@@ -28,7 +28,7 @@ from megatron_pec.protocol import RankFile, SnapshotReady
 class Write:
     """The rank file of a persistent snapshot the worker recorded."""
 
-    link: object                 # the announcing trainer's ``server.Link``
+    link: object                 # the announcing trainer's ``trainers.Link``
     msg: SnapshotReady
     checked: CheckedSnapshot
     elsewhere: dict[str, str]    # item -> the slot file of its region, where not the home
