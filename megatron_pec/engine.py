@@ -1,4 +1,6 @@
-"""The per-process checkpoint engine: a save's phases 1-4 (plan, snapshot, notify) and applying a restore.
+"""The per-process checkpoint engine: a save's steps 1-4 (lease, agree and plan, snapshot, hand over), the
+planned exit's save (save step 8), and a restore's fallback loop (load steps 2, 6, 7: settle, apply the
+loader's plan and check it, retire and begin); the steps are numbered as in docs/design.md.
 
 One ``Engine`` per trainer process, built on the first ``load_checkpoint`` or ``save_checkpoint``
 (collective: every rank builds it). Building it does all expensive set-up - the Megatron

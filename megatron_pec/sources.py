@@ -1,4 +1,5 @@
-"""Phase 8, source: where each rank can read a version of its state - node memory or storage.
+"""Load steps 3 (list) and 4 (read): where each rank can read a version of its state - node memory or
+storage - and each read, verified.
 
 Runs on every rank, for its own rank only; no communication. A source is
 trusted only after its checksums match (memory: the per-item checksums the

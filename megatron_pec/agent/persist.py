@@ -1,5 +1,5 @@
-"""Agent phase 5: check a snapshot's header (the worker) and persist its persist-level items as a rank
-file (the writer).
+"""Save steps 5 and 6 in the agent: check a snapshot's header (the worker records it) and persist its
+persist-level items as a rank file (the writer).
 
 The header (in the snapshot's home slot) carries each written item's checksum, computed by the trainer
 where the bytes came from (``sum64``): that is the snapshot's record, and a memory-only snapshot is
