@@ -150,8 +150,9 @@ class Pec(Method):
         from megatron_pec.storage import default_storage
 
         c = self.ctx
-        self.engine = Engine(self._args(), c.model, c.optimizer, default_storage())
-        self.checkpoints = CheckpointDir(self.root, self.engine.storage)
+        self.storage = default_storage()
+        self.engine = Engine(self._args(), c.model, c.optimizer, self.storage)
+        self.checkpoints = CheckpointDir(self.root, self.storage)
         # The first checkpoint of a run holds every expert (PEC needs a full base); take it here so
         # the measured saves are steady-state ones.
         self.save(c.next_iteration())
@@ -232,7 +233,7 @@ class Pec(Method):
             _stop_agent(node)
         barrier()
         drop_file_cache(files_under(self.root))
-        fresh = Engine(self._args("_cold"), c.model, c.optimizer, self.engine.storage)
+        fresh = Engine(self._args("_cold"), c.model, c.optimizer, self.storage)
         barrier()
         t = time.perf_counter()
         fresh.load(self.root, c.scheduler)
