@@ -133,10 +133,12 @@ def _slot_facts() -> dict:
 
 
 def _rank_file_facts(root: Path) -> dict:
-    from megatron_pec import manifest
+    from megatron_pec.checkpoint_dir import CheckpointDir
+    from megatron_pec.storage import default_storage
 
-    newest = manifest.committed_iterations(str(root))[0]
-    path = Path(manifest.rank_file(str(root), newest, 0))
+    checkpoints = CheckpointDir(str(root), default_storage())
+    newest = checkpoints.committed_iterations()[0]
+    path = Path(checkpoints.rank_file(newest, 0))
     with open(path, "rb") as f:
         return {"rank_file_header_bytes": 8 + int.from_bytes(f.read(8), "little")}
 

@@ -159,10 +159,14 @@ class Pec(Method):
         return a
 
     def setup(self):
+        from megatron_pec.checkpoint_dir import CheckpointDir
         from megatron_pec.engine import Engine
+        from megatron_pec.storage import default_storage
 
         c = self.ctx
-        self.engine = Engine(self._args(), c.model, c.optimizer)
+        self.storage = default_storage()
+        self.engine = Engine(self._args(), c.model, c.optimizer, self.storage)
+        self.checkpoints = CheckpointDir(self.root, self.storage)
         # The first checkpoint of a run holds every expert (PEC needs a full base); take it here so
         # the measured saves are steady-state ones.
         self.save(c.next_iteration())
@@ -196,26 +200,20 @@ class Pec(Method):
     def wait_persisted(self, it):
         # Committed = the manifest exists (written after every rank file is durable). The agent
         # releases the slot later, after carrying experts forward for node memory: not waited for.
-        from megatron_pec.manifest import manifest_path
-
         if it is None:
             self.engine.flush()
         else:
             deadline = time.monotonic() + 300
-            while not os.path.exists(manifest_path(self.root, it)) and time.monotonic() < deadline:
+            while not self.checkpoints.is_committed(it) and time.monotonic() < deadline:
                 time.sleep(0.001)
         barrier()
 
     def written_bytes(self, it):
-        from megatron_pec.manifest import rank_file
-
-        path = rank_file(self.root, it, self.ctx.rank)
+        path = self.checkpoints.rank_file(it, self.ctx.rank)
         return os.path.getsize(path) if os.path.exists(path) else 0
 
     def committed(self, it) -> bool:
-        from megatron_pec.manifest import manifest_path
-
-        return os.path.exists(manifest_path(self.root, it))
+        return self.checkpoints.is_committed(it)
 
     def snapshot_bytes(self):
         from megatron_pec.agent.memory import NodeMemory
@@ -265,7 +263,7 @@ class Pec(Method):
             _stop_agent(node)
         barrier()
         drop_file_cache(files_under(self.root))
-        fresh = Engine(self._args("_cold"), c.model, c.optimizer)
+        fresh = Engine(self._args("_cold"), c.model, c.optimizer, self.storage)
         barrier()
         t = time.perf_counter()
         fresh.load(self.root, c.scheduler)

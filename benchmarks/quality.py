@@ -266,10 +266,11 @@ class Runner:
         """The iteration a restart will restore: newest complete snapshot every rank has in node
         memory, else the newest committed iteration on storage (what megatron-pec's agree step picks)."""
         from megatron_pec.agent.memory import NodeMemory
-        from megatron_pec.manifest import committed_iterations
+        from megatron_pec.checkpoint_dir import CheckpointDir
+        from megatron_pec.storage import default_storage
 
         time.sleep(1.0)  # the agent finishes what the killed trainers announced
-        best = max(committed_iterations(ckpt), default=0)
+        best = max(CheckpointDir(ckpt, default_storage()).committed_iterations(), default=0)
         memory = NodeMemory.read(node)
         newest = [memory.newest(rank) for rank in (0, 1)]
         if all(newest):

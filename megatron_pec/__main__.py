@@ -7,6 +7,9 @@ import json
 import os
 import sys
 
+from megatron_pec.checkpoint_dir import CheckpointDir
+from megatron_pec.storage import default_storage
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_pec", description=__doc__)
@@ -29,21 +32,24 @@ def main(argv=None) -> int:
     p.add_argument("--idle-timeout", type=float, default=600.0)
     p.add_argument("--keep-shm", action="store_true")
     args = parser.parse_args(argv)
+    storage = default_storage()  # every command reads and writes checkpoint directories through it
 
     if args.command == "agent":
         from megatron_pec.agent.server import main as agent_main
 
-        return agent_main(args.dir, args.node_rank, args.idle_timeout, args.keep_shm)
+        return agent_main(args.dir, args.node_rank, args.idle_timeout, args.keep_shm, storage)
     if not os.path.isdir(args.dir):
         print(f"error: {args.dir} is not a directory", file=sys.stderr)
         return 2
     from megatron_pec import inspection
 
+    directory = CheckpointDir(args.dir, storage)
+
     if args.command == "export":
         from megatron_pec.export import ExportError, export, progress_bar
 
         try:
-            summary = export(args.dir, args.out, args.iteration, int(args.max_shard_gb * 2**30), progress_bar())
+            summary = export(directory, args.out, args.iteration, int(args.max_shard_gb * 2**30), progress_bar())
         except ExportError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -53,10 +59,10 @@ def main(argv=None) -> int:
               + (f"; {older} experts at older versions (PLT so far {summary['plt']:.2%})" if older else ""))
         return 0
     if args.command == "inspect":
-        report = inspection.inspect(args.dir)
+        report = inspection.inspect(directory)
         print(json.dumps(report, indent=1) if args.json else inspection.format_inspect(report))
         return 0
-    problems = inspection.verify(args.dir, args.iteration)
+    problems = inspection.verify(directory, args.iteration)
     for line in problems:
         print(f"FAIL {line}")
     if not problems:

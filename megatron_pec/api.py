@@ -77,7 +77,9 @@ def _get_engine(model, optimizer):
 
         if _engine is not None:
             _engine.close()
-        _engine = Engine(_args(), _chunks(model), optimizer)
+        from megatron_pec.storage import default_storage
+
+        _engine = Engine(_args(), _chunks(model), optimizer, default_storage())
         if not getattr(sys.excepthook, "megatron_pec", False):
             sys.excepthook = _recording_crash(sys.excepthook)
         atexit.register(_close_at_exit, _engine)

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from megatron_pec.byteruns import runs
+
 try:
     from zlib_ng.zlib_ng import crc32
     IMPLEMENTATION = "zlib-ng"
@@ -55,9 +57,8 @@ def accumulator(like):
 
 def item_checks(buffer, header, expected: dict) -> dict:
     """Each item of ``expected`` (item -> recorded checksum) computed over a whole-file ``buffer`` laid
-    out by ``header`` (its tensors in header order), the way its recorded checksum was."""
-    from megatron_pec.stformat import item_checksums
-
+    out by ``header`` (a ``stformat.Header``: its tensors in header order), the way its recorded
+    checksum was."""
     sums = [i for i, v in expected.items() if is_sum64(v)]
     crcs = [i for i in expected if i not in set(sums)]
     out = {}
@@ -66,8 +67,24 @@ def item_checks(buffer, header, expected: dict) -> dict:
 
         out.update(item_sums(buffer, header, set(sums)))
     if crcs:
-        out.update(item_checksums(buffer, header, set(crcs)))
+        out.update(item_crc32(buffer, header, set(crcs)))
     return out
+
+
+def item_crc32(buffer, header, items: set[str], chunk: int = 8 << 20) -> dict[str, int]:
+    """crc32 of each item's data (its tensors in header order) in a whole-file ``buffer`` laid out by
+    ``header`` (a ``stformat.Header``): what a trainer of an older release recorded. The same bytes in
+    a slot or a compact rank file give the same value."""
+    # an item's adjacent tensors joined: one crc call per run
+    picked = runs([e for e in header.tensors if e.item in items], lambda a, b: a.item == b.item and a.end == b.begin)
+    crcs, view = {}, memoryview(buffer)
+    for run in picked:
+        item, begin, end = run[0].item, header.data_start + run[0].begin, header.data_start + run[-1].end
+        crc = crcs.get(item, 0)
+        for offset in range(begin, end, chunk):
+            crc = crc32(view[offset:min(offset + chunk, end)], crc)
+        crcs[item] = crc
+    return {i: crcs.get(i, 0) for i in items}
 
 
 def shown(value) -> str:
@@ -80,4 +97,4 @@ def mismatch(where: str, item: str, actual, expected) -> str:
             f"{shown(expected) if expected is not None else 'none'}): the file is corrupt")
 
 
-__all__ = ["crc32", "IMPLEMENTATION", "accumulator", "item_checks", "is_sum64", "mismatch", "shown"]
+__all__ = ["crc32", "IMPLEMENTATION", "accumulator", "item_checks", "item_crc32", "is_sum64", "mismatch", "shown"]

@@ -7,14 +7,13 @@ Shared by the readers that place bytes by the layout records instead of by rank 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.sources import SourceError, read_checked_header, verify_items
 from megatron_pec.stformat import Header
-from megatron_pec.storage import PosixStorage
 
 
 @dataclass
@@ -33,8 +32,8 @@ class CommittedFile:
 
 
 class CommittedFiles:
-    def __init__(self, root: str, m: Manifest, storage: PosixStorage = PosixStorage(), error=SourceError):
-        self.root, self.m, self.storage, self.error = root, m, storage, error
+    def __init__(self, directory: CheckpointDir, m: Manifest, error=SourceError):
+        self.directory, self.m, self.error = directory, m, error
         self.files: dict[tuple[int, int], CommittedFile] = {}  # (version, rank) -> its file
 
     def holding(self, item: str, rank: int) -> CommittedFile:
@@ -47,7 +46,7 @@ class CommittedFiles:
                              + (f" at version {version}" if version is not None else ""))
         key = (version, rank)
         if key not in self.files:
-            path = os.path.join(self.root, entry.file)
+            path = self.directory.path(entry.file)
             header = self._header(path, entry)
             self.files[key] = CommittedFile(entry, path, header, {e.name: e for e in header.tensors})
         self.files[key].items.add(item)
@@ -57,7 +56,7 @@ class CommittedFiles:
         """Every item taken so far, streamed and checked against the manifest's per-item checksums."""
         for file in self.files.values():
             try:
-                verify_items(file.path, file.header, file.items, file.entry.item_checks)
+                verify_items(file.path, file.header, file.items, file.entry.item_checks, self.directory.storage)
             except SourceError as exc:
                 raise self.error(str(exc)) from None
 
@@ -67,7 +66,7 @@ class CommittedFiles:
         files = self.m.ranks if version == self.m.iteration else self.m.sources.get(str(version), {})
         out = {}
         for rank, entry in files.items():
-            path = os.path.join(self.root, entry.file)
+            path = self.directory.path(entry.file)
             try:
                 out[int(rank)] = SlotHeader.from_metadata(self._header(path, entry).metadata)
             except ProtocolError as exc:
@@ -76,7 +75,7 @@ class CommittedFiles:
 
     def _header(self, path: str, entry: RankFile) -> Header:
         try:
-            return read_checked_header(path, entry, self.storage)
+            return read_checked_header(path, entry, self.directory.storage)
         except SourceError as exc:
             raise self.error(str(exc)) from None
 

@@ -1,6 +1,11 @@
-"""The ``--pec-*`` flags and the one validated configuration built from Megatron's args.
+"""The ``--pec-*`` flags and the one validated configuration built from Megatron's args - and the
+one place the package reads its environment.
 
-Runs on every rank, once, when the engine is first used.
+Runs on every rank, once, when the engine is first used. ``PecConfig.from_args`` reads the process
+environment once: the launcher's facts about this process (``Launch``: torchrun's variables), the
+failure domain's default, and a test hook. Outside this module only ``faults.py`` (fault
+injection, a test hook by design) and the slot files' cgroup check (``MEGATRON_PEC_CGROUP_DIR``, a
+test hook) read it; ``tests/test_structure.py`` keeps it so.
 """
 
 from __future__ import annotations
@@ -8,7 +13,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from megatron_pec.policy import POLICIES
 
@@ -98,13 +104,12 @@ def megatron_flag_notes(args) -> list[str]:
     return notes
 
 
-def default_job_id(directory: str | None) -> str:
+def default_job_id(directory: str | None, run_id: str) -> str:
     """The node memory's job id when --pec-job-id is not given.
 
-    torchrun's run id when the launch named one; its static rendezvous says ``none`` for every
-    job, so two jobs sharing a --pec-shm-dir would share node directories: derive the id from the
+    torchrun's run id (``run_id``) when the launch named one; its static rendezvous says ``none`` for
+    every job, so two jobs sharing a --pec-shm-dir would share node directories: derive the id from the
     checkpoint directory instead (the same on every restart of the job, distinct between jobs)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return run_id
     if directory:
@@ -123,6 +128,28 @@ def flags_markdown() -> str:
             text = (action.help or "").replace("%%", "%").replace("%(default)s", str(action.default))
             rows.append(f"| `{action.option_strings[0]}` | {default} | {text} |")
     return "\n".join(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """What the launcher (torchrun) says about this process, read once from its environment."""
+
+    run_id: str = ""
+    """TORCHELASTIC_RUN_ID: names the job's node memory unless --pec-job-id does ("none": no name)."""
+    local_world_size: int = 1
+    """LOCAL_WORLD_SIZE: trainers on this node."""
+    node_rank: int | None = None
+    """GROUP_RANK: this node's rank; None: the global rank // LOCAL_WORLD_SIZE."""
+    agent_host: str = ""
+    """Where peer agents reach this node's agent: MEGATRON_PEC_AGENT_HOST if set; the loopback address
+    when MASTER_ADDR is local (simulated nodes on one machine); "": this host's address."""
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str]) -> "Launch":
+        host = env.get("MEGATRON_PEC_AGENT_HOST") or (
+            "127.0.0.1" if env.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost", "::1") else "")
+        return cls(run_id=env.get("TORCHELASTIC_RUN_ID", ""), local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+                   node_rank=int(env["GROUP_RANK"]) if env.get("GROUP_RANK") else None, agent_host=host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +181,11 @@ class PecConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    launch: Launch = field(default_factory=Launch)
+    """The launcher's facts about this process (torchrun's environment)."""
+    check_on_device: bool = False
+    """Test hook (MEGATRON_PEC_CHECK_ON_DEVICE=1): a restore from node memory checks the items where they
+    land, after the copy, on CPU ranks too, as on a GPU."""
 
     def __post_init__(self):
         for flag, value in (("--pec-snapshot-k", self.snapshot_k), ("--pec-persist-k", self.persist_k)):
@@ -183,11 +215,15 @@ class PecConfig:
             raise PecConfigError(f"--pec-job-id must be a plain name without '/' (got {self.job_id!r})")
 
     @classmethod
-    def from_args(cls, args) -> "PecConfig":
-        """Build from Megatron's args (or the example's); flags absent from ``args`` take their defaults."""
+    def from_args(cls, args, env: Mapping[str, str] | None = None) -> "PecConfig":
+        """Build from Megatron's args (or the example's); flags absent from ``args`` take their defaults.
+        ``env``: the process environment (``os.environ`` unless given)."""
+        env = os.environ if env is None else env
         defaults = vars(add_pec_args(argparse.ArgumentParser()).parse_args([]))
         get = lambda name: getattr(args, name, defaults.get(name))  # noqa: E731
-        job_id = get("pec_job_id") or default_job_id(getattr(args, "save", None) or getattr(args, "load", None))
+        launch = Launch.from_environment(env)
+        job_id = get("pec_job_id") or default_job_id(getattr(args, "save", None) or getattr(args, "load", None),
+                                                     launch.run_id)
         return cls(
             save=getattr(args, "save", None), load=getattr(args, "load", None),
             snapshot_k=get("pec_snapshot_k"), persist_k=get("pec_persist_k"), selection=get("pec_selection"),
@@ -196,9 +232,11 @@ class PecConfig:
             keep=get("pec_keep"), wait_for_slot=bool(get("pec_wait_for_slot")),
             keep_shm=bool(get("pec_keep_shm")), agent_idle_timeout=get("pec_agent_idle_timeout"),
             replicas=get("pec_replicas"),
-            failure_domain=get("pec_failure_domain") or os.environ.get("MEGATRON_PEC_FAILURE_DOMAIN") or None,
+            failure_domain=get("pec_failure_domain") or env.get("MEGATRON_PEC_FAILURE_DOMAIN") or None,
             replica_mbps=get("pec_replica_mbps"), replica_lag=get("pec_replica_lag"),
             no_load_optim=bool(getattr(args, "no_load_optim", False)),
             no_load_rng=bool(getattr(args, "no_load_rng", False)),
             finetune=bool(getattr(args, "finetune", False)),
+            launch=launch,
+            check_on_device=env.get("MEGATRON_PEC_CHECK_ON_DEVICE") == "1",
         )

@@ -1,4 +1,6 @@
-"""The per-process checkpoint engine: a save's phases 1-4 (plan, snapshot, notify) and applying a restore.
+"""The per-process checkpoint engine: a save's steps 1-4 (lease, agree and plan, snapshot, hand over), the
+planned exit's save (save step 8), and a restore's fallback loop (load steps 2, 6, 7: settle, apply the
+loader's plan and check it, retire and begin); the steps are numbered as in docs/design.md.
 
 One ``Engine`` per trainer process, built on the first ``load_checkpoint`` or ``save_checkpoint``
 (collective: every rank builds it). Building it does all expensive set-up - the Megatron
@@ -13,13 +15,13 @@ the PEC bookkeeping is ``book``; copies are ``stager``'s; the node agent and the
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from megatron_pec import faults, log, manifest, smallstate
+from megatron_pec import faults, log, smallstate
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import AgentSession
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.checksum import mismatch
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.errors import CheckpointError
@@ -27,19 +29,21 @@ from megatron_pec.gcpause import without_gc
 from megatron_pec.handover import HandOver, PendingSnapshot
 from megatron_pec.items import NON_EXPERT, item_name
 from megatron_pec.job import JobFacts
-from megatron_pec.loader import LoadContext, Loader, RestoreResult
+from megatron_pec.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.save_history import SaveHistory
 from megatron_pec.slots import NUM_SLOTS, SlotFiles, SlotSpaceError
-from megatron_pec.sources import megatron_format
 from megatron_pec.stager import Stager
 from megatron_pec.stformat import layout as tensor_layout
+from megatron_pec.storage import Storage
 
 
 class Engine:
-    def __init__(self, args, model_chunks, optimizer):
+    def __init__(self, args, model_chunks, optimizer, storage: Storage):
+        """``storage``: what every checkpoint directory this engine saves to or loads from is read and
+        written through."""
         from megatron_pec.megatron.adapter import MegatronAdapter
 
         try:
@@ -48,6 +52,7 @@ class Engine:
             raise CheckpointError(str(exc)) from None
         self.adapter = MegatronAdapter(args, model_chunks, optimizer)
         self.optimizer = optimizer  # the engine serves this optimizer; api rebuilds it for another
+        self.storage = storage
         log.set_rank(self.adapter.rank)
         for note in megatron_flag_notes(args):
             log.warning(note, rank0=True)
@@ -64,10 +69,9 @@ class Engine:
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
         self.restore_phases = Phases()  # ... and the latest restore's
         self.history = SaveHistory(self.job.session)
-        # A restore from node memory checks its bytes where they land: on the GPU (MEGATRON_PEC_CHECK_ON_DEVICE=1
-        # runs the same path on CPU ranks; else they are checked in node memory, before the copy).
-        self.check_on_device = os.environ.get("MEGATRON_PEC_CHECK_ON_DEVICE",
-                                              "1" if torch.cuda.is_available() else "0") == "1"
+        # A restore from node memory checks its bytes where they land: on the GPU (a test hook runs the same
+        # path on CPU ranks; else they are checked in node memory, before the copy).
+        self.check_on_device = torch.cuda.is_available() or self.config.check_on_device
         self.handover = HandOver(self._complete)
         self.adapter.before_each_step(self._before_step)
         if self.config.save:
@@ -82,7 +86,7 @@ class Engine:
         --save (what ``export`` and restores onto another topology read)."""
         error = None
         try:
-            manifest.write_rank_layout(self.job.save_root, self.job.layout)
+            CheckpointDir(self.job.save_root, self.storage).write_rank_layout(self.job.layout)
         except OSError as exc:
             error = f"cannot write under --save {self.job.save_root}: {exc.strerror or exc}"
         self.adapter.collectives.raise_if_any(error)
@@ -124,7 +128,7 @@ class Engine:
     # ---- save ----------------------------------------------------------------------------------------
     @without_gc
     def save(self, iteration: int, scheduler, flops: float, persistent: bool, rng_key_prefix: str = "") -> None:
-        """Phases 1-4: every rank snapshots or none does (the PEC bookkeeping must stay identical)."""
+        """Save steps 1-4: every rank snapshots or none does (the PEC bookkeeping must stay identical)."""
         if not self.config.save:
             raise CheckpointError("save_checkpoint was called but --save is not set")
         if persistent and self.history.unchanged_since_restore(iteration):
@@ -213,45 +217,62 @@ class Engine:
         ``pretrained`` (--pretrained-checkpoint): when ``root`` holds nothing, fine-tune from it,
         as Megatron does; it must then hold a megatron-pec checkpoint."""
         phases = self.restore_phases = Phases()
-        with phases("waiting for the agent"):
+        with phases("waiting for the agent"):  # load step 2
             self.handover.wait()
             self.session.settle()
-        excluded: set[int] = set()
-        while True:
-            with phases("the rest of the loader"):  # (the loader's own phases inside)
-                result = self._decide(root, pretrained, excluded, phases)
-            if result is None:
-                self.session.begin(None)
-                return 0, 0
-            self._apply(result, scheduler, rng_key_prefix, phases)
-            with phases("checking on the device"):
-                problem = self._checked_after_copy(result)
-            if self.adapter.collectives.all_ok(problem is None):
-                return self._restored(result, phases, saved_here=bool(root) and os.path.abspath(root) == self.job.save_root)
-            log.warning(f"cannot restore iteration {result.iteration}: {problem or 'another rank cannot'}; "
-                        "falling back to an older checkpoint", rank=self.rank)
-            excluded.add(result.iteration)
-
-    def _decide(self, root: str | None, pretrained: str | None, excluded: set[int],
-                phases: Phases) -> RestoreResult | None:
-        """What to restore, from ``root`` or else ``pretrained`` (--pretrained-checkpoint: fine-tuning
-        from it, as Megatron does; it must then hold a megatron-pec checkpoint)."""
-        after_copy = self.check_on_device and self.stager is not None and \
-            not (self.config.no_load_optim or self.config.finetune)
-        result = Loader(self._load_context(phases), root, excluded, after_copy).load() if root else None
-        if result is None and pretrained:
+        restored = None
+        if root:
+            restored = self._restore(CheckpointDir(root, self.storage), self.config.finetune, scheduler,
+                                     rng_key_prefix, phases)
+        if restored is None and pretrained:
             log.info(f"no checkpoint under --load {root}; fine-tuning from --pretrained-checkpoint {pretrained} "
                      "(weights only, iteration 0)", rank0=True)
-            self.config = dataclasses.replace(self.config, finetune=True)
-            result = Loader(self._load_context(phases), pretrained, excluded).load()
-            if result is None:
+            restored = self._restore(CheckpointDir(pretrained, self.storage), True, scheduler, rng_key_prefix, phases)
+            if restored is None:
                 raise CheckpointError(
                     f"--pretrained-checkpoint {pretrained} holds no megatron-pec checkpoint; megatron-pec cannot "
                     "read Megatron's own formats yet: load it once with unpatched Megatron-LM and save with "
                     "megatron-pec, or point --pretrained-checkpoint at a megatron-pec --save directory")
-        return result
+        if restored is None:
+            self.session.begin(None)
+            return 0, 0
+        return restored
 
-    def _checked_after_copy(self, result: RestoreResult) -> str | None:
+    def _restore(self, directory: CheckpointDir, finetune: bool, scheduler, rng_key_prefix: str,
+                 phases: Phases) -> tuple[int, float] | None:
+        """Load steps 3-7 from ``directory``, the one fallback loop: the loader lists what each rank can
+        read once and plans (reads, verifies, agrees, decides; no side effects); this applies the plan and
+        checks it where it landed; an iteration some rank cannot restore is excluded and the loader plans
+        again. Only once a restore succeeded is what an abandoned run left after it retired.
+
+        ``finetune``: weights only, the iteration starts at 0 (--finetune, or --pretrained-checkpoint).
+        Returns ``(iteration, flops)``, None when ``directory`` holds nothing to restore."""
+        load_optim = not (self.config.no_load_optim or finetune)
+        loader = Loader(self._load_context(phases), directory,
+                        checked_after_copy=self.check_on_device and self.stager is not None and load_optim)
+        with phases("the rest of the loader"):  # (the loader's own phases inside)
+            found = loader.candidates()
+        excluded: set[int] = set()
+        while True:
+            with phases("the rest of the loader"):
+                plan = loader.plan(found, excluded)
+            if plan is None:
+                if not found.manifests:  # node markers of an abandoned run must not join a new commit
+                    self._retire_after(directory, 0, finetune, phases)
+                return None
+            if isinstance(plan, Refused):
+                problem = plan.why
+            else:
+                self._apply(plan, finetune, scheduler, rng_key_prefix, phases)
+                with phases("checking on the device"):
+                    problem = self._checked_after_copy(plan)
+                if self.adapter.collectives.all_ok(problem is None):
+                    return self._restored(directory, plan, finetune, phases)
+            log.warning(f"cannot restore iteration {plan.iteration}: {problem or 'another rank cannot'}; "
+                        "falling back to an older checkpoint", rank=self.rank)
+            excluded.add(plan.iteration)
+
+    def _checked_after_copy(self, result: RestorePlan) -> str | None:
         """The items restored from node memory, checked where they landed (the device): their sums over
         the live optimizer state equal the recorded ones; else what does not."""
         if not result.check_after_copy:
@@ -268,7 +289,7 @@ class Engine:
     def megatron_checkpoint(self, root: str) -> str | None:
         """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:
         every rank must see the same)."""
-        found = megatron_format(root)
+        found = CheckpointDir(root, self.storage).megatron_format()
         coll = self.adapter.collectives
         if coll.all_ok(found is None):
             return None
@@ -289,27 +310,52 @@ class Engine:
                            slice_items={s.name: s.item for s in self.adapter.slices}, slots=self.files,
                            phases=phases)
 
-    def _apply(self, result: RestoreResult, scheduler, rng_key_prefix: str, phases: Phases) -> None:
-        """Phase 9: the loader's decision into Megatron (through the adapter) and into the PEC bookkeeping."""
+    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases) -> None:
+        """Load step 6: the plan into Megatron (through the adapter) and into the PEC bookkeeping."""
         config = self.config
-        load_optim = not (config.no_load_optim or config.finetune)
-        self.adapter.restore(result.small, result.tensors, scheduler, load_optim=load_optim,
-                             load_rng=not (config.no_load_rng or config.finetune), finetune=config.finetune,
+        self.adapter.restore(plan.small, plan.tensors, scheduler, load_optim=not (config.no_load_optim or finetune),
+                             load_rng=not (config.no_load_rng or finetune), finetune=finetune,
                              rng_key_prefix=rng_key_prefix, phases=phases)
         with phases("PEC state"):
-            self.book.adopt(result.pec, result.tokens_at_target, result.resharded)
+            self.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
 
-    def _restored(self, result: RestoreResult, phases: Phases, saved_here: bool) -> tuple[int, float]:
-        """The restore is done: say so (where the time went included) and start the new timeline
-        (``saved_here``: it came from the --save directory or its node memory)."""
-        config = self.config
-        iteration = 0 if config.finetune else result.iteration
-        self.history.restore(iteration, saved_here)
-        result.log(self.rank)
+    def _restored(self, directory: CheckpointDir, plan: RestorePlan, finetune: bool,
+                  phases: Phases) -> tuple[int, float]:
+        """Load step 7, the restore is done: retire what an abandoned run left after it, say so (where the
+        time went included) and start the new timeline."""
+        iteration = 0 if finetune else plan.iteration
+        self.history.restore(iteration, here=directory.root == self.job.save_root)
+        self._retire_after(directory, plan.iteration, finetune, phases)
+        plan.log(self.rank)
         with phases("telling the agent the new timeline"):
             self.session.begin(iteration)
         log.info(f"restore took {phases.total():.3f} s ({phases.describe()})", rank=self.rank)
-        return iteration, result.small["num_floating_point_operations_so_far"]
+        return iteration, plan.small["num_floating_point_operations_so_far"]
+
+    def _retire_after(self, directory: CheckpointDir, iteration: int, finetune: bool, phases: Phases) -> None:
+        """Rank 0 of the job that saves into ``directory`` (it keeps the directory's books; every later save
+        needs it, so this precedes them all): de-commit what an abandoned run left there after
+        ``iteration``, where training resumes (``CheckpointDir.retire_after``). A fine-tune resumes at 0
+        beside the loaded run's commits, which stay."""
+        if self.rank != 0 or directory.root != self.job.save_root:
+            return
+        if finetune:
+            if iteration:
+                log.warning(f"--finetune saves into {directory.root}, the directory it loaded iteration {iteration} "
+                            "from: the loaded run's checkpoints stay committed beside the fine-tune's, and a restart "
+                            "resumes from the newest committed iteration whichever run saved it; give the fine-tune "
+                            "its own --save")
+            return
+        with phases("listing sources"):  # (the directory's books, as its listing)
+            try:
+                retired = directory.retire_after(iteration)
+            except OSError as exc:
+                log.warning(f"cannot retire the iterations after {iteration} under {directory.root} ({exc}); until "
+                            "they are saved again their old manifests or node markers remain")
+                return
+        if retired:
+            log.info(f"iterations {retired} under {directory.root} belong to an abandoned run after the restored "
+                     f"iteration {iteration}; removed their manifests and node markers (training saves them again)")
 
     def close(self, detach: bool = True) -> None:
         """``detach=False`` (the trainer is crashing): leave at once without a clean detach, so the

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_pec import manifest, smallstate
+from megatron_pec import smallstate
+from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.committed import CommittedFiles
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Manifest, RankLayout, SlotHeader
 from megatron_pec.stformat import ITEMSIZE, dtype_code
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 SIDECAR = "pec_export.json"
 
@@ -47,14 +48,13 @@ class GlobalTensor:
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
-def export(root: str, out_dir: str, iteration: int | None = None, max_shard_bytes: int = 5 << 30,
-           progress=None, storage=PosixStorage()) -> dict:
-    """Write iteration ``iteration`` (default: the newest committed) of ``root`` to ``out_dir``; returns
-    the summary also written to ``out_dir/pec_export.json``. ``progress(done_bytes, total_bytes)``."""
-    root = os.path.abspath(root)
-    m = _manifest(root, iteration, storage)
-    layouts = _layouts(root, m, storage)
-    files = CommittedFiles(root, m, storage, ExportError)
+def export(directory: CheckpointDir, out_dir: str, iteration: int | None = None, max_shard_bytes: int = 5 << 30,
+           progress=None) -> dict:
+    """Write iteration ``iteration`` (default: the newest committed) of ``directory`` to ``out_dir``;
+    returns the summary also written to ``out_dir/pec_export.json``. ``progress(done_bytes, total_bytes)``."""
+    m = _manifest(directory, iteration)
+    layouts = _layouts(directory, m)
+    files = CommittedFiles(directory, m, ExportError)
     tensors = _tensors(layouts, files)
     small = _small_states(files, layouts)
     _add_buffers(tensors, layouts, small)
@@ -63,12 +63,11 @@ def export(root: str, out_dir: str, iteration: int | None = None, max_shard_byte
     total = sum(t.nbytes for t in tensors.values())
     files.verify()  # every item read is verified before any byte is exported
     done = 0
-    with _OpenFiles() as handles:
-        for file_name, entries in shards:
-            done = _write_shard(os.path.join(out_dir, file_name), entries, handles, done, total, progress)
+    for file_name, entries in shards:
+        done = _write_shard(os.path.join(out_dir, file_name), entries, directory.storage, done, total, progress)
     pec = json.loads(next(iter(small.values())).pec) if small else {}
     summary = {
-        "source": root, "iteration": m.iteration, "fingerprint": m.fingerprint, "topology": m.topology,
+        "source": directory.root, "iteration": m.iteration, "fingerprint": m.fingerprint, "topology": m.topology,
         "world_size": m.world_size, "expert_versions": m.experts,
         "experts_older_than_iteration": sum(1 for v in m.experts.values() if v < m.iteration),
         "plt": pec.get("plt"), "lost_tokens": pec.get("lost_tokens"), "recoveries": pec.get("recoveries"),
@@ -84,27 +83,27 @@ def export(root: str, out_dir: str, iteration: int | None = None, max_shard_byte
 
 
 # ---- what to read ----------------------------------------------------------------------------------
-def _manifest(root: str, iteration: int | None, storage) -> Manifest:
-    committed = manifest.committed_iterations(root, storage)
+def _manifest(directory: CheckpointDir, iteration: int | None) -> Manifest:
+    committed = directory.committed_iterations()
     if not committed:
-        raise ExportError(f"no committed megatron-pec checkpoint under {root}")
+        raise ExportError(f"no committed megatron-pec checkpoint under {directory.root}")
     if iteration is None:
         iteration = committed[0]
     elif iteration not in committed:
-        raise ExportError(f"iteration {iteration} is not committed under {root}; committed: "
+        raise ExportError(f"iteration {iteration} is not committed under {directory.root}; committed: "
                           f"{', '.join(map(str, sorted(committed)))}")
     try:
-        return manifest.read_manifest(root, iteration, storage)
-    except manifest.ManifestError as exc:
+        return directory.read_manifest(iteration)
+    except ManifestError as exc:
         raise ExportError(str(exc)) from None
 
 
-def _layouts(root: str, m: Manifest, storage) -> dict[int, RankLayout]:
+def _layouts(directory: CheckpointDir, m: Manifest) -> dict[int, RankLayout]:
     layouts = {}
     for rank in sorted(map(int, m.ranks)):
         try:
-            layouts[rank] = manifest.read_rank_layout(root, m.fingerprint, rank, storage)
-        except manifest.ManifestError as exc:
+            layouts[rank] = directory.read_rank_layout(m.fingerprint, rank)
+        except ManifestError as exc:
             raise ExportError(
                 f"iteration {m.iteration} has no readable layout record ({exc}); checkpoints written before "
                 "megatron-pec recorded layouts cannot be exported: restore one with this megatron-pec and save "
@@ -192,23 +191,7 @@ def _prepare(out_dir: str, names: list[str]) -> None:
                           "was overwritten)")
 
 
-class _OpenFiles(dict):
-    """Rank files kept open while tensors are assembled from their slices."""
-
-    def get_file(self, path: str):
-        if path not in self:
-            self[path] = open(path, "rb")  # buffered: readinto fills the whole view
-        return self[path]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for f in self.values():
-            f.close()
-
-
-def _write_shard(path: str, tensors: list[GlobalTensor], handles: _OpenFiles, done: int, total: int,
+def _write_shard(path: str, tensors: list[GlobalTensor], storage: Storage, done: int, total: int,
                  progress) -> int:
     body, offset = {}, 0
     for t in tensors:
@@ -221,7 +204,7 @@ def _write_shard(path: str, tensors: list[GlobalTensor], handles: _OpenFiles, do
     with open(tmp, "wb") as out:
         out.write(len(head).to_bytes(8, "little") + head)
         for t in tensors:
-            out.write(_assemble(t, handles))
+            out.write(_assemble(t, storage))
             done += t.nbytes
             if progress is not None:
                 progress(done, total)
@@ -231,7 +214,7 @@ def _write_shard(path: str, tensors: list[GlobalTensor], handles: _OpenFiles, do
     return done
 
 
-def _assemble(tensor: GlobalTensor, handles: _OpenFiles) -> bytes | bytearray:
+def _assemble(tensor: GlobalTensor, storage: Storage) -> bytes | bytearray:
     if tensor.raw is not None:
         if len(tensor.raw) != tensor.nbytes:
             raise ExportError(f"buffer {tensor.name} holds {len(tensor.raw)} bytes for shape {tensor.shape}")
@@ -240,10 +223,10 @@ def _assemble(tensor: GlobalTensor, handles: _OpenFiles) -> bytes | bytearray:
     out = bytearray(tensor.nbytes)
     view = memoryview(out)
     for begin, end, path, offset in tensor.pieces:
-        f = handles.get_file(path)
-        f.seek(offset)
-        if f.readinto(view[begin * size:end * size]) != (end - begin) * size:
-            raise ExportError(f"{path} ended while reading {tensor.name}")
+        try:
+            view[begin * size:end * size] = storage.read_range(path, offset, (end - begin) * size)
+        except OSError as exc:
+            raise ExportError(f"{path} is unreadable while reading {tensor.name}: {exc.strerror or exc}") from None
     return out
 
 

@@ -1,5 +1,9 @@
 """Deterministic fault-injection points, off and free by default.
 
+A test hook by design, armed from the environment: besides ``config.py`` (the one configuration) the
+only module that reads it, because its variables must reach every process of a test - trainers and
+the node agents they start, which never build a ``PecConfig`` - and must cost nothing when unset.
+
 ``MEGATRON_PEC_FAULT`` arms points, comma-separated, each ``point=action[@n][:rank]``:
 ``action`` is ``kill`` (SIGKILL this process), ``enospc`` or ``eio`` (raise that
 OSError) or ``stall`` (sleep ``MEGATRON_PEC_FAULT_STALL_S``, default 3 s: slow storage, a

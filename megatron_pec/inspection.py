@@ -9,44 +9,43 @@ partial restores rely on).
 from __future__ import annotations
 
 import json
-import os
 
-from megatron_pec import manifest
+from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.protocol import ProtocolError, SlotHeader
 from megatron_pec.sources import SourceError, read_rank_file
 from megatron_pec.stformat import FormatError, read_header
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 
-def _read_header(path: str, storage: PosixStorage) -> SlotHeader:
+def _read_header(path: str, storage: Storage) -> SlotHeader:
     _, layout = read_header(lambda offset, n: storage.read_range(path, offset, n), storage.size(path))
     return SlotHeader.from_metadata(layout.metadata)
 
 
-def inspect(root: str, storage=PosixStorage()) -> dict:
-    committed = set(manifest.committed_iterations(root, storage))
-    report = {"root": os.path.abspath(root), "tracker": manifest.read_tracker(root, storage), "iterations": []}
+def inspect(directory: CheckpointDir) -> dict:
+    committed = set(directory.committed_iterations())
+    report = {"root": directory.root, "tracker": directory.read_tracker(), "iterations": []}
     kept_for: dict[int, list[int]] = {}  # older iteration -> committed ones that read expert versions from it
-    for i in manifest.iterations_on_disk(root, storage):
+    for i in directory.iterations_on_disk():
         entry = {"iteration": i, "committed": i in committed}
         if i in committed:
-            m = manifest.read_manifest(root, i, storage)
+            m = directory.read_manifest(i)
             entry.update(topology=m.topology, world_size=m.world_size, num_nodes=m.num_nodes,
                          bytes_per_rank={r: e.size for r, e in sorted(m.ranks.items(), key=lambda t: int(t[0]))},
                          experts_saved=sorted({x for e in m.ranks.values() for x in e.items if x != "dense"}),
                          expert_versions=m.experts, referenced_iterations=sorted(int(k) for k in m.sources))
             for k in m.sources:
                 kept_for.setdefault(int(k), []).append(i)
-            first = os.path.join(root, m.ranks[min(m.ranks, key=int)].file)
+            first = directory.path(m.ranks[min(m.ranks, key=int)].file)
             try:
-                pec = json.loads(_read_header(first, storage).pec)
+                pec = json.loads(_read_header(first, directory.storage).pec)
                 entry.update(plt=pec.get("plt"), lost_tokens=pec.get("lost_tokens"),
                              snapshot_k=pec.get("snapshot", {}).get("k"), persist_k=pec.get("persist", {}).get("k"),
                              recoveries=pec.get("recoveries"))
             except (OSError, FormatError, ProtocolError, ValueError) as exc:
                 entry["error"] = f"cannot read {first}: {exc}"
         else:
-            entry["files"] = storage.listdir(manifest.pec_dir(root, i))
+            entry["files"] = directory.storage.listdir(directory.pec_dir(i))
         report["iterations"].append(entry)
     for entry in report["iterations"]:
         if not entry["committed"] and entry["iteration"] in kept_for:
@@ -81,28 +80,28 @@ def format_inspect(report: dict) -> str:
     return "\n".join(lines)
 
 
-def verify(root: str, iteration: int | None = None, storage=PosixStorage()) -> list[str]:
+def verify(directory: CheckpointDir, iteration: int | None = None) -> list[str]:
     """Problems found (empty = sound) in the committed iterations (or just ``iteration``)."""
     problems = []
-    committed = manifest.committed_iterations(root, storage)
+    committed = directory.committed_iterations()
     if iteration is not None:
         if iteration not in committed:
-            return [f"iteration {iteration} is not committed under {root}"]
+            return [f"iteration {iteration} is not committed under {directory.root}"]
         committed = [iteration]
     if not committed:
-        return [f"no committed megatron-pec checkpoint under {root}"]
+        return [f"no committed megatron-pec checkpoint under {directory.root}"]
     for i in committed:
         try:
-            m = manifest.read_manifest(root, i, storage)
-        except manifest.ManifestError as exc:
+            m = directory.read_manifest(i)
+        except ManifestError as exc:
             problems.append(str(exc))
             continue
         files = [(i, e) for e in m.ranks.values()]
         files += [(int(v), e) for v, ranks in m.sources.items() for e in ranks.values()]
         for version, entry in files:
-            path = os.path.join(root, entry.file)
+            path = directory.path(entry.file)
             try:
-                read_rank_file(path, entry, storage, deep=True)
+                read_rank_file(path, entry, directory.storage, deep=True)
             except SourceError as exc:
                 problems.append(f"iteration {i} (file of {version}): {exc}")
             except OSError as exc:

@@ -56,14 +56,16 @@ class JobFacts:
             job_id=config.job_id, fingerprint=self.fingerprint, save=self.save_root,
             local_world_size=self.local_world_size, node_rank=self.node_rank, num_nodes=self.num_nodes,
             topology=self.topology, keep=config.keep, replicas=self.replicas, domain=config.failure_domain or "",
-            replica_mbps=config.replica_mbps, session=self.session, replica_lag=config.replica_lag))
+            replica_mbps=config.replica_mbps, session=self.session, replica_lag=config.replica_lag,
+            host=config.launch.agent_host))
 
     @classmethod
     def build(cls, config: PecConfig, adapter) -> "JobFacts":
         """Collective: every rank calls it once, with its Megatron adapter."""
         coll = adapter.collectives
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        node_rank = int(os.environ.get("GROUP_RANK", adapter.rank // local_world_size))
+        local_world_size = config.launch.local_world_size
+        node_rank = config.launch.node_rank
+        node_rank = adapter.rank // local_world_size if node_rank is None else node_rank
         num_nodes = adapter.world_size // local_world_size
         every = coll.gather([int(adapter.local_fingerprint[:15], 16), secrets.randbits(48)], 2)
         fingerprint = hashlib.sha256(",".join(str(row[0]) for row in every).encode()).hexdigest()[:16]

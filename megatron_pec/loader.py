@@ -1,26 +1,28 @@
-"""Phases 7-8 of a load and the decision of phase 9: agree on the iteration, pick and read sources,
-account PLT - and return what to restore. The engine applies it (``Engine.load``).
+"""Load steps 3-5: what every rank restores, decided without side effects - a ``RestorePlan``. The
+engine acts on it (``Engine.load``: load steps 6-7, the fallback loop, the retirement after success).
 
 Runs on every rank (collective). Communication is limited to a few small
 all-gathers/all-reduces (``Collectives``): every rank reads its own shard back,
-no scatter. Nothing here knows Megatron or writes another object's state.
+no scatter. Nothing here knows Megatron, writes a file or changes another object's state.
 
-7. agree    the newest iteration every rank can restore (memory or storage); if a
-            rank then finds its copy corrupt, all ranks drop it and try the next.
-8. source   non-expert state from the agreed iteration T; each expert from the newest
-            version <= T that every rank holding a shard of it can read; every item
-            read and verified against its checksum.
-9. decide   the tensors per slice, the small state, the PEC state with this restore's
-            PLT folded in (Dynamic-K applied): a ``RestoreResult``.
+3. list     each rank's candidates: node-memory snapshots (the agent's index) and committed
+            iterations of its configuration, once per load (``Loader.candidates``).
+4. agree    the newest iteration every rank can restore, none the caller excluded; non-expert
+   and read state from it (T); each expert from the newest version <= T that every rank holding
+            a shard of it can read; every item read and verified against its checksum
+            (``Loader.plan``). An iteration some rank cannot read is ``Refused``: the engine
+            excludes it and asks again.
+5. decide   the tensors per slice, the small state, the PEC state with this restore's
+            PLT folded in (Dynamic-K applied): a ``RestorePlan``.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_pec import log, manifest, plt, reshard
+from megatron_pec import log, plt, reshard
+from megatron_pec.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
 from megatron_pec.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.errors import CheckpointError
@@ -30,7 +32,6 @@ from megatron_pec.phases import Phases
 from megatron_pec.protocol import JobKey, Manifest
 from megatron_pec.smallstate import loads as load_small_state
 from megatron_pec.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
-from megatron_pec.storage import PosixStorage
 
 MAX_CANDIDATES = 32
 LIST_OLDER = 64  # a restore log line names at most this many experts restored from older versions
@@ -70,7 +71,32 @@ class LoadContext:
 
 
 @dataclass
-class RestoreResult:
+class Candidates:
+    """What one rank can restore from (load step 3), listed once per load and planned from until a plan
+    sticks (``Loader.plan``)."""
+
+    memory: list[Source]                 # node-memory snapshots the agent says may serve a restore
+    stored: dict[int, Source]            # committed iteration -> this rank's file of it (this configuration)
+    manifests: dict[int, Manifest]       # ... and its manifest
+    error: str | None = None             # this rank could not list its sources (every rank raises)
+    reshard: Manifest | None = None      # the newest committed iteration, saved by another layout: reshard it
+
+    @property
+    def iterations(self) -> set[int]:
+        return {s.iteration for s in self.memory if s.iteration >= 0} | set(self.stored)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The ranks agreed on ``iteration`` and some rank cannot restore it: every rank excludes it and plans
+    again (``Engine.load``)."""
+
+    iteration: int
+    why: str | None  # this rank's reason (None: another rank's)
+
+
+@dataclass
+class RestorePlan:
     """What the loader decided: iteration ``iteration`` of ``source`` with these item versions."""
 
     iteration: int
@@ -85,7 +111,7 @@ class RestoreResult:
     # item -> (its recorded checksum, where it came from): memory items the restore verifies once the
     # bytes are on the device (``Loader(checked_after_copy=True)``)
     check_after_copy: dict[str, tuple] = field(default_factory=dict)
-    newest: int = -1                        # the newest iteration any rank planned (what a lost node was at)
+    newest: int = -1                        # the newest iteration any rank has a source of (a lost node's)
 
     def log(self, rank: int) -> None:
         """Every rank: where it restored from and which experts are older; rank 0: the PLT."""
@@ -117,13 +143,14 @@ class PlanVote:
     cannot: int                  # 1: this rank cannot restore its plan
     iteration: int               # the iteration planned (-1: none)
     lowest_iteration: int        # the same; after the reduction the lowest any rank planned
+    newest: int                  # the newest iteration this rank has a source of, excluded or not (-1: none)
     accounting: list[list[int]]  # ACCOUNT_VECTORS columns of the PLT accounting (-1: unknown here)
     high: list[int] | None = None     # the newest version planned (-2: not held)
     low: list[int] | None = None      # the oldest version planned (NONE: not held)
     lacking: list[int] | None = None  # 1: a rank planned a version but has no source for it
 
     def values(self) -> list[int]:
-        out = [self.failed, self.cannot, self.iteration, -self.lowest_iteration]
+        out = [self.failed, self.cannot, self.iteration, -self.lowest_iteration, self.newest]
         out += [v for column in self.accounting for v in column]
         if self.high is not None:
             out += self.high + [-v for v in self.low] + self.lacking
@@ -131,9 +158,10 @@ class PlanVote:
 
     @classmethod
     def of_values(cls, values: list[int], n: int, versions: bool) -> "PlanVote":
-        columns = [values[4 + i * n:4 + (i + 1) * n] for i in range(ACCOUNT_VECTORS + (3 if versions else 0))]
+        columns = [values[5 + i * n:5 + (i + 1) * n] for i in range(ACCOUNT_VECTORS + (3 if versions else 0))]
         high, low, lacking = (columns[-3], [-v for v in columns[-2]], columns[-1]) if versions else (None,) * 3
-        return cls(values[0], values[1], values[2], -values[3], columns[:ACCOUNT_VECTORS], high, low, lacking)
+        return cls(values[0], values[1], values[2], -values[3], values[4], columns[:ACCOUNT_VECTORS], high, low,
+                   lacking)
 
 
 @dataclass
@@ -146,25 +174,34 @@ class Agreement:
     every_rank_can: bool          # ... and every rank can restore its plan for it
     accounted: list[list[int]]    # the PLT accounting's columns, completed over the ranks
     state: PecState | None        # the dense source's PEC state (None without MoE or on failure)
-    newest: int = -1              # the newest iteration any rank planned
+    newest: int = -1              # the newest iteration any rank has a source of (what a lost node was at)
     versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
 
 
 class Loader:
-    def __init__(self, ctx: LoadContext, root: str, excluded=(), checked_after_copy: bool = False):
-        """``excluded``: iterations not to restore (found corrupt after a copy); ``checked_after_copy``: node
-        memory's bytes are verified by the restore once on the device, not here before."""
-        self.ctx, self.root = ctx, os.path.abspath(root)
-        self.excluded, self.checked_after_copy = set(excluded), checked_after_copy
-        self.storage = PosixStorage()
+    """Plans a restore from one checkpoint directory (and this rank's node memory): load steps 3-5.
+
+    The engine calls ``candidates`` once per load, then ``plan`` until a plan sticks, excluding each
+    iteration some rank could not restore (``Engine.load``, the one fallback loop). Both are collective
+    (every rank calls them, in the same order); they read and verify bytes, log what they find, and
+    change nothing outside this object: no file is written or removed, no configuration changed."""
+
+    def __init__(self, ctx: LoadContext, directory: CheckpointDir, checked_after_copy: bool = False):
+        """``checked_after_copy``: node memory's bytes are verified by the restore once on the device, not
+        here before."""
+        self.ctx, self.directory, self.root = ctx, directory, directory.root
+        self.checked_after_copy = checked_after_copy
+        self.storage = directory.storage
         self.rank = ctx.rank
         self.coll = ctx.collectives
         self.names = [item_name(x) for x in ctx.all_experts]  # the vectors' index space, spelled once
         self.held = [item_name(x) for x in ctx.experts_held]
 
-    # ---- 7. agree ------------------------------------------------------------------------------
-    def load(self) -> RestoreResult | None:
-        """The restore every rank agreed on, read and verified; None when there is nothing to restore."""
+    # ---- 3. list: what this rank can read --------------------------------------------------------------
+    def candidates(self) -> Candidates:
+        """This rank's node-memory snapshots and the committed iterations of this configuration; or, when
+        the newest committed iteration was saved by another layout and no rank has node memory, that one
+        to reshard (deciding so is the one collective here)."""
         ctx, phases = self.ctx, self.ctx.phases
         error, memory, stored, manifests = None, [], {}, {}
         with phases("listing sources"):
@@ -177,60 +214,80 @@ class Loader:
             newest = self._newest_committed()
         other = newest if newest is not None and newest.fingerprint != ctx.job.fingerprint else None
         if other is not None and self.coll.all_ok(error is None and not memory):
-            return self._reshard(other)
+            return Candidates(memory, {}, {}, reshard=other)
         with phases("listing sources"):
             if error is None:
                 try:
-                    stored, manifests = storage_sources(self.root, self.rank, ctx.job.fingerprint, ctx.job.topology,
-                                                        self.storage, {newest.iteration: newest} if newest else None)
+                    known = {newest.iteration: newest} if newest else None
+                    stored, manifests = storage_sources(self.directory, self.rank, ctx.job.fingerprint,
+                                                        ctx.job.topology, known)
                 except SourceError as exc:
                     error = str(exc)
             self._warn_stale_tracker(manifests)
-        candidates = ({s.iteration for s in memory if s.iteration >= 0} | set(stored)) - self.excluded
-        # First every rank plans its own newest iteration: the plan's all-reduce also says whether it
-        # is every rank's (usually), then that one collective is the whole agreement. Otherwise, and
-        # after a rank could not read the agreed iteration, the ranks agree on an iteration first.
-        excluded = set(self.excluded)
-        target = max(candidates) if candidates and error is None else None
-        newest = -1
-        while True:
-            plan, unreadable, agreed = self._plan(target, memory, stored, manifests, error)
-            newest = max(newest, agreed.newest)
-            if agreed.failed:
-                raise CheckpointError(error or ANOTHER_RANK_FAILED)
-            if agreed.every_rank_can:
-                with phases("listing sources"):  # (the directory's bookkeeping)
-                    self._retire_newer(target)
-                    self._warn_finetune_into_loaded(target)
-                with phases("deciding"):
-                    return self._decide(target, plan, agreed.accounted, agreed.state, newest)
-            if agreed.same_iteration:
-                log.warning(f"cannot restore iteration {target}: {unreadable or 'another rank cannot'}; falling back "
-                            "to an older checkpoint", rank=self.rank)
-                excluded.add(target)
-            with phases("agreeing"):
-                target = self._agree(candidates, excluded)
-            if target is None:
-                if excluded:
-                    raise CheckpointError(f"no valid checkpoint left under {self.root} after rejecting iterations "
-                                          f"{sorted(excluded)}; see the messages above")
-                log.info(f"no checkpoint found under {self.root}; training from scratch", rank0=True)
-                if not manifests:
-                    self._retire_newer(0)  # node markers of an abandoned run must not join a new commit
-                return None
+        return Candidates(memory, stored, manifests, error)
 
-    # ---- another layout -------------------------------------------------------------------------
     def _newest_committed(self) -> Manifest | None:
         """The manifest of the newest committed iteration (another layout's too), if readable."""
-        committed = manifest.committed_iterations(self.root, self.storage)
+        committed = self.directory.committed_iterations()
         if not committed:
             return None
         try:
-            return manifest.read_manifest(self.root, committed[0], self.storage)
-        except manifest.ManifestError:
+            return self.directory.read_manifest(committed[0])
+        except ManifestError:
             return None  # the normal path skips it with its warning
 
-    def _reshard(self, m: Manifest) -> RestoreResult:
+    def _warn_stale_tracker(self, manifests: dict) -> None:
+        """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
+        tracker = self.directory.read_tracker()
+        if self.rank == 0 and tracker and tracker.isdigit() and int(tracker) not in manifests:
+            log.warning(f"{self.root}/{TRACKER} names iteration {tracker}, which has no valid manifest; "
+                        "ignoring it and using the newest committed iteration")
+
+    # ---- 4. agree on an iteration ----------------------------------------------------------------------
+    def plan(self, found: Candidates, excluded: set[int]) -> RestorePlan | Refused | None:
+        """What every rank restores from ``found``, read and verified: a ``RestorePlan``; ``Refused`` when
+        the ranks agreed on an iteration some rank cannot restore (the caller excludes it and asks again);
+        None when there is nothing to restore. ``excluded``: iterations not to restore. Raises
+        CheckpointError on every rank when a rank could not list its sources, or every candidate was
+        excluded.
+
+        First every rank plans its own newest iteration: the plan's all-reduce also says whether it is
+        every rank's (usually), then that one collective is the whole agreement. Otherwise the ranks agree
+        on the newest iteration they all have and plan that."""
+        if found.reshard is not None:
+            return self._reshard(found.reshard)
+        mine = found.iterations - excluded
+        target = max(mine) if mine and found.error is None else None
+        plan, unreadable, agreed = self._plan(target, found)
+        if not agreed.failed and not agreed.same_iteration:
+            with self.ctx.phases("agreeing"):
+                target = self._agree(mine)
+            if target is None:
+                return self._nothing(excluded)
+            plan, unreadable, agreed = self._plan(target, found)
+        if agreed.failed:
+            raise CheckpointError(found.error or ANOTHER_RANK_FAILED)
+        if not agreed.every_rank_can:
+            return Refused(target, unreadable)
+        with self.ctx.phases("deciding"):
+            return self._decide(target, plan, agreed.accounted, agreed.state, agreed.newest)
+
+    def _nothing(self, excluded: set[int]) -> None:
+        if excluded:
+            raise CheckpointError(f"no valid checkpoint left under {self.root} after rejecting iterations "
+                                  f"{sorted(excluded)}; see the messages above")
+        log.info(f"no checkpoint found under {self.root}; training from scratch", rank0=True)
+        return None
+
+    def _agree(self, mine: set[int]) -> int | None:
+        """The newest iteration every rank can restore (``mine``: this rank's, none excluded)."""
+        mine = sorted(mine, reverse=True)[:MAX_CANDIDATES]
+        every = self.coll.gather(mine, MAX_CANDIDATES)
+        common = set.intersection(*({x for x in row if x >= 0} for row in every))
+        return max(common) if common else None
+
+    # ---- another layout -------------------------------------------------------------------------
+    def _reshard(self, m: Manifest) -> RestorePlan:
         """Iteration ``m`` onto this rank's slices from the files of another layout (``reshard.py``)."""
         ctx, error, done = self.ctx, None, None
         where = f"checkpoint {self.root} iteration {m.iteration}"
@@ -245,86 +302,42 @@ class Loader:
             error = f"{where} was saved with another configuration ({reshard.change(m.topology, topology)}): {why}"
         else:
             try:
-                done = reshard.Resharder(self.root, m, layout, self.rank, self._stage_experts(), self.storage).restore()
+                done = reshard.Resharder(self.directory, m, layout, self.rank, self._stage_experts()).restore()
             except (reshard.ReshardError, SourceError) as exc:
                 error = f"cannot restore {where} onto this layout: {exc}"
         self.coll.raise_if_any(error)
         if done.pec is not None:
             self._choose_k(done.pec)
-        self._retire_newer(m.iteration)
-        self._warn_finetune_into_loaded(m.iteration)
-        return RestoreResult(m.iteration, f"storage (resharded: {reshard.change(m.topology, topology)})",
-                             done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
-                             resharded=True)
+        return RestorePlan(m.iteration, f"storage (resharded: {reshard.change(m.topology, topology)})",
+                           done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
+                           resharded=True)
 
-    def _retire_newer(self, target: int) -> None:
-        """Rank 0: de-commit what an abandoned run left after ``target`` in the --save directory
-        (see ``manifest.retire_after``). Every later save needs rank 0, so this precedes them all."""
-        if self.ctx.config.finetune or not self._saves_here():
-            return
-        try:
-            retired = manifest.retire_after(self.root, target, self.storage)
-        except OSError as exc:
-            log.warning(f"cannot retire the iterations after {target} under {self.root} ({exc}); until they are "
-                        "saved again their old manifests or node markers remain")
-            return
-        if retired:
-            log.info(f"iterations {retired} under {self.root} belong to an abandoned run after the restored iteration "
-                     f"{target}; removed their manifests and node markers (training saves them again)")
-
-    def _saves_here(self) -> bool:
-        """Rank 0 of a job whose --save is the directory this loader reads (the one that keeps its books)."""
-        save = self.ctx.config.save
-        return self.rank == 0 and bool(save) and os.path.abspath(save) == self.root
-
-    def _warn_finetune_into_loaded(self, target: int) -> None:
-        """Rank 0: a fine-tune saving into the directory it loaded starts at iteration 0 beside the loaded
-        run's committed iterations (never written over: generations), which a restart may resume from."""
-        if self.ctx.config.finetune and self._saves_here():
-            log.warning(f"--finetune saves into {self.root}, the directory it loaded iteration {target} from: the "
-                        "loaded run's checkpoints stay committed beside the fine-tune's, and a restart resumes from "
-                        "the newest committed iteration whichever run saved it; give the fine-tune its own --save")
-
-    def _warn_stale_tracker(self, manifests: dict) -> None:
-        """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
-        tracker = manifest.read_tracker(self.root, self.storage)
-        if self.rank == 0 and tracker and tracker.isdigit() and int(tracker) not in manifests:
-            log.warning(f"{self.root}/{manifest.TRACKER} names iteration {tracker}, which has no valid manifest; "
-                        "ignoring it and using the newest committed iteration")
-
-    def _agree(self, mine: set[int], excluded: set[int]) -> int | None:
-        """The newest iteration every rank can restore."""
-        mine = sorted((i for i in mine if i not in excluded), reverse=True)[:MAX_CANDIDATES]
-        every = self.coll.gather(mine, MAX_CANDIDATES)
-        common = set.intersection(*({x for x in row if x >= 0} for row in every))
-        return max(common) if common else None
-
-    # ---- 8. source -----------------------------------------------------------------------------
-    def _plan(self, target: int | None, memory: list[Source], stored: dict[int, Source], manifests: dict,
-              listing_error: str | None = None) -> tuple[dict, str | None, Agreement]:
+    # ---- 4. ... and read it: each item's source, opened and verified -----------------------------------
+    def _plan(self, target: int | None, found: Candidates) -> tuple[dict, str | None, Agreement]:
         """Sources for T's non-expert state and each held expert's version, agreed across ranks, opened
         and verified: (plan, this rank's error, the ``Agreement``). ``target``: the iteration this rank
-        plans (None: none); ``listing_error``: this rank could not list its sources (all ranks raise).
+        plans (None: none); ``found.error``: this rank could not list its sources (all ranks raise).
 
         Optimistic: each rank first plans the newest version of each expert it can read itself; the
         all-reduce that agrees on the plan also says whether every rank holding an expert planned
         the same version of it, which is the usual case. Only where they differ is the plan redone
         from the agreed (oldest) versions: two more all-reduces."""
-        phases = self.ctx.phases
-        if target is None or listing_error is not None:
-            plan, error = {NON_EXPERT: None}, listing_error or "no checkpoint to restore"
+        phases, memory, stored, manifests = self.ctx.phases, found.memory, found.stored, found.manifests
+        newest = max(found.iterations, default=-1)
+        if target is None or found.error is not None:
+            plan, error = {NON_EXPERT: None}, found.error or "no checkpoint to restore"
             with phases("agreeing"):
                 # (``planned={}``: the same vote as a rank that planned, so the all-reduce's sizes match)
-                return plan, error, self._vote(target, plan, error, planned={}, failed=listing_error is not None)
+                return plan, error, self._vote(target, plan, error, newest, planned={}, failed=found.error is not None)
         with phases("reading and checking"):
             dense, dense_error = self._dense_source(target, memory, stored)
         manifest_t = manifests.get(max((i for i in manifests if i <= target), default=None))
-        newest = {item: self._newest_version(item, target, memory, manifest_t) for item in self.held}
-        plan = self._sources(dense, newest, memory, stored, manifest_t)
+        planned = {item: self._newest_version(item, target, memory, manifest_t) for item in self.held}
+        plan = self._sources(dense, planned, memory, stored, manifest_t)
         with phases("reading and checking"):
             error = self._open(plan, target, dense_error)
         with phases("agreeing"):
-            agreed = self._vote(target, plan, error, planned=newest)
+            agreed = self._vote(target, plan, error, newest, planned=planned)
         if agreed.versions is None:
             return plan, error, agreed
         # Ranks planned different versions: every rank takes the oldest planned; where some rank lacks
@@ -336,11 +349,11 @@ class Loader:
             if redo:
                 version = manifest_t.experts.get(item) if manifest_t else None
                 plan[item] = None if version is None else \
-                    expert_source_for(item, version, [], stored, self.root, self.rank, manifest_t)
+                    expert_source_for(item, version, [], stored, self.directory, self.rank, manifest_t)
         with phases("reading and checking"):
             error = self._open(plan, target, dense_error)
         with phases("agreeing"):
-            return plan, error, self._vote(target, plan, error)
+            return plan, error, self._vote(target, plan, error, newest)
 
     @staticmethod
     def _newest_version(item: str, target: int, memory: list[Source], manifest_t: Manifest | None) -> int | None:
@@ -355,7 +368,7 @@ class Loader:
         """The dense source and, per held expert, a source of the given version (None: none here)."""
         plan = {NON_EXPERT: dense}
         for item, version in versions.items():
-            plan[item] = expert_source_for(item, version, memory, stored, self.root, self.rank, manifest_t) \
+            plan[item] = expert_source_for(item, version, memory, stored, self.directory, self.rank, manifest_t) \
                 if version is not None else None
         return plan
 
@@ -375,10 +388,11 @@ class Loader:
                     error = str(exc)
         return error
 
-    def _vote(self, target: int | None, plan: dict[str, Source | None], error: str | None,
+    def _vote(self, target: int | None, plan: dict[str, Source | None], error: str | None, newest: int,
               planned: dict | None = None, failed: bool = False) -> Agreement:
         """The ``Agreement`` on this rank's plan for ``target``: one MAX all-reduce of every rank's
-        ``PlanVote`` (a rank that cannot contributes only its flags).
+        ``PlanVote`` (a rank that cannot contributes only its flags; ``newest``: the newest iteration it has
+        a source of).
 
         With ``planned`` (the version this rank planned per held expert) the vote also carries which
         versions each expert was planned at; unless all agree, ``versions`` is then, per held expert,
@@ -394,11 +408,11 @@ class Loader:
             known = {i: (-1 if v is None else v) for i, v in planned.items()}
             versions = [self._expert_vector(known, -2), self._expert_vector(known, NONE),
                         self._expert_vector({i: int(plan[i] is None and v is not None) for i, v in planned.items()}, 0)]
-        mine = PlanVote(int(failed), int(error is not None), iteration, iteration, accounting, *versions)
+        mine = PlanVote(int(failed), int(error is not None), iteration, iteration, newest, accounting, *versions)
         every = PlanVote.of_values(self.coll.reduce(mine.values(), "max"), n, planned is not None)
         same_iteration = every.iteration == every.lowest_iteration >= 0
         agreed = Agreement(bool(every.failed), same_iteration, same_iteration and not every.cannot,
-                           every.accounting, state, every.iteration)
+                           every.accounting, state, every.newest)
         if planned is None or not same_iteration:
             return agreed
         if not any(every.lacking) and all(lo == NONE or lo == hi for hi, lo in zip(every.high, every.low)):
@@ -429,9 +443,9 @@ class Loader:
         position = {name: i for i, name in enumerate(self.names)}
         return [bool(merged[position[n]]) for n in self.held]
 
-    # ---- 9. decide -----------------------------------------------------------------------------
+    # ---- 5. decide -------------------------------------------------------------------------------------
     def _decide(self, target: int, plan: dict[str, Source], accounted: list[list[int]],
-                state: PecState | None, newest: int = -1) -> RestoreResult:
+                state: PecState | None, newest: int = -1) -> RestorePlan:
         dense = plan[NON_EXPERT]
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for name, item in self.ctx.slice_items.items():
@@ -443,7 +457,7 @@ class Loader:
         after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
                       if source.kind == "memory" and source.checked_after_copy}
         pec, report, tokens_at_target = self._account(target, state, accounted)
-        return RestoreResult(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
+        return RestorePlan(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
                              tokens_at_target, report, check_after_copy=after_copy, newest=newest)
 
     def _accounting(self, plan: dict[str, Source], state: PecState) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Lost-token accounting (PLT, "portion of lost tokens", PEC §4) — pure.
 
-Run by every rank at restore (phase 9, after the sources are chosen) and by the
+Run by every rank at restore (load step 5, decide: after the sources are chosen) and by the
 ``inspect`` tool. A partial checkpoint restores some experts from versions
 older than the target iteration; the work those experts did since is lost:
 

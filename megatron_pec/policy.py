@@ -1,4 +1,4 @@
-"""Expert selection policies: which experts a checkpoint saves (phase 1, *plan*).
+"""Expert selection policies: which experts a checkpoint saves (save step 2, *plan*).
 
 Every rank of the trainer calls :func:`select_experts` / :func:`select_two_level`
 once per save with the same inputs (token counts are all-reduced beforehand) and

@@ -1,16 +1,22 @@
 """Every record that crosses a process or file boundary: typed, versioned, validated on decode.
 
-Three families, one codec:
+Four families, 30 records, one codec (the sections below, in this order):
 
-* **agent messages** (newline-delimited JSON over the node agent's Unix socket):
-  trainer -> agent ``Hello`` (job constants, once per connection), ``Begin`` (the
-  timeline this trainer writes), ``SnapshotReady``, ``Flush``, ``Detach``, ``Stop``;
-  agent -> trainer ``Ready``, ``Begun``, ``Released``, ``Flushed``.
-* **node memory**: ``SlotHeader`` (the ``__metadata__`` of a slot and of a persisted
-  rank file) and ``MemoryIndex`` (the agent's ``slots.json``: ``SlotRecord`` per slot,
-  the timeline ``Segment`` list per rank).
-* **storage**: ``NodeMarker`` and ``Manifest`` (the commit marker), each listing ``RankFile``;
-  ``RankLayout`` (where each stored tensor lies in the global parameters).
+* **agent messages** (14; newline-delimited JSON over the node agent's Unix socket):
+  trainer -> agent ``Hello`` (with ``JobInfo``, the job constants, once per connection),
+  ``Begin`` (the timeline this trainer writes), ``SnapshotReady``, ``Flush``, ``Settle``,
+  ``Detach``, ``Stop``; agent -> trainer ``Ready``, ``Begun``, ``Released``, ``Granted``
+  (each with its ``Pin`` list), ``Flushed``.
+* **node memory** (5): ``SlotHeader`` (the ``__metadata__`` of a slot and of a persisted
+  rank file) and ``MemoryIndex`` (the agent's ``slots.json``: ``RankMemory`` per rank, with a
+  ``SlotRecord`` per slot and the timeline ``Segment`` list).
+* **replication between node agents** (6; TCP, one request per connection): ``PeerAddress``
+  (published under --save), ``ReplicaPush``, ``ReplicaPull``, ``ReplicaReply``; a holder's
+  ``ReplicaIndex`` of ``ReplicaEntry``.
+* **storage** (5): ``NodeMarker`` and ``Manifest`` (the commit marker), each listing ``RankFile``;
+  ``RankLayout`` (where each stored tensor lies in the global parameters, its ``GlobalParam``).
+
+``JobKey`` (what must match for node memory to serve a restore) is a plain tuple, not a record.
 
 Each record is encoded with ``type`` and ``v`` (its version). ``decode`` checks both
 and every field's type, and raises ``ProtocolError`` naming the record and the field;
@@ -191,6 +197,7 @@ class JobInfo(Record):
     replica_mbps: float | None = None  # send bandwidth cap
     session: str = ""         # this launch of the job (the same on every rank): names its saves' files
     replica_lag: int = 2      # --pec-replica-lag: snapshots a replica may lag before the next snapshot waits
+    host: str = ""            # where peer agents reach this node's agent ("": this host's address)
 
     @property
     def key(self) -> JobKey:

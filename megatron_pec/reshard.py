@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pec import manifest, plt
+from megatron_pec import plt
+from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.committed import CommittedFile, CommittedFiles
 from megatron_pec.items import NON_EXPERT, ExpertId, parse_item
 from megatron_pec.pec_state import PecState
 from megatron_pec.protocol import Manifest, RankLayout, SlotHeader
 from megatron_pec.smallstate import loads as load_small_state
 from megatron_pec.stformat import ITEMSIZE, torch_dtype
-from megatron_pec.storage import PosixStorage
 
 KEEP_SAME = ("tp", "pp", "cp")  # parallel sizes a resharding restore cannot change yet
 
@@ -62,19 +62,18 @@ class Resharded:
 
 
 class Resharder:
-    def __init__(self, root: str, m: Manifest, mine: RankLayout, rank: int, stage: set[ExpertId],
-                 storage=PosixStorage()):
-        self.root, self.m, self.mine, self.rank, self.stage, self.storage = root, m, mine, rank, stage, storage
+    def __init__(self, directory: CheckpointDir, m: Manifest, mine: RankLayout, rank: int, stage: set[ExpertId]):
+        self.m, self.mine, self.rank, self.stage, self.storage = m, mine, rank, stage, directory.storage
         self.old = {}
         for r in sorted(map(int, m.ranks)):
             try:
-                self.old[r] = manifest.read_rank_layout(root, m.fingerprint, r, storage)
-            except manifest.ManifestError as exc:
+                self.old[r] = directory.read_rank_layout(m.fingerprint, r)
+            except ManifestError as exc:
                 raise ReshardError(
                     f"iteration {m.iteration} was saved with another parallel layout and has no readable layout "
                     f"record ({exc}); checkpoints written before megatron-pec recorded layouts restore only onto "
                     "the layout that wrote them") from None
-        self.files = CommittedFiles(root, m, storage, ReshardError)
+        self.files = CommittedFiles(directory, m, ReshardError)
 
     def restore(self) -> Resharded:
         pieces = self._pieces()

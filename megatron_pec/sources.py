@@ -1,4 +1,5 @@
-"""Phase 8, source: where each rank can read a version of its state - node memory or storage.
+"""Load steps 3 (list) and 4 (read): where each rank can read a version of its state - node memory or
+storage - and each read, verified.
 
 Runs on every rank, for its own rank only; no communication. A source is
 trusted only after its checksums match (memory: the per-item checksums the
@@ -11,17 +12,17 @@ decision (``NodeMemory.restorable``), never this module's.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from megatron_pec import log, manifest
-from megatron_pec.byteruns import byte_runs
+from megatron_pec import log
 from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.byteruns import byte_runs
+from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.checksum import accumulator, crc32, item_checks, mismatch
 from megatron_pec.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.slots import open_slot
 from megatron_pec.stformat import FormatError, Header, decode_header, read_header, tensor_at, tensor_views
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 
 class SourceError(RuntimeError):
@@ -48,7 +49,7 @@ class Source:
     _verified: set[str] = field(default_factory=set, repr=False)
     _pieces: dict[str, tuple[object, int]] = field(default_factory=dict, repr=False)  # name -> (buffer, offset)
 
-    def open(self, storage: PosixStorage, items: set[str] | None = None) -> None:
+    def open(self, storage: Storage, items: set[str] | None = None) -> None:
         """Make ``items`` (None: everything the source holds) readable, each verified against its
         checksum (a memory slot ``checked_after_copy``: by the restore, once the bytes are on the device).
         A memory slot is mapped; of a storage file only the header and those items are read when the
@@ -99,7 +100,7 @@ class Source:
                 raise SourceError(mismatch(self.where, item, actual[item], self.item_checks.get(item)))
         self._verified |= actual.keys()
 
-    def _read_items(self, storage: PosixStorage, items: set[str]) -> None:
+    def _read_items(self, storage: Storage, items: set[str]) -> None:
         """An older version's file, of which a restore needs a few experts: read the header and
         those experts' byte ranges only, each checked against its own crc."""
         entry = self.rank_file
@@ -165,7 +166,7 @@ class Source:
         return views
 
 
-def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
+def read_rank_file(path: str, entry: RankFile, storage: Storage,
                    deep: bool = False) -> tuple[memoryview, Header]:
     """A whole persisted rank file, checked against its manifest entry (size, crc32; ``deep`` also
     the header and per-item crc32s that partial restores rely on); raises SourceError (what is
@@ -186,7 +187,7 @@ def read_rank_file(path: str, entry: RankFile, storage: PosixStorage,
     return buffer, layout
 
 
-def read_checked_header(path: str, entry: RankFile, storage: PosixStorage) -> Header:
+def read_checked_header(path: str, entry: RankFile, storage: Storage) -> Header:
     """The header of a committed rank file, checked against its manifest entry (size, header crc32);
     raises SourceError."""
     try:
@@ -203,20 +204,27 @@ def read_checked_header(path: str, entry: RankFile, storage: PosixStorage) -> He
     return header
 
 
-def verify_items(path: str, header: Header, items: set[str], expected: dict, chunk: int = 8 << 20) -> None:
-    """Stream ``items`` of a file (a bounded buffer at a time) and compare each one's checksum with
-    ``expected`` (item -> recorded checksum); raises SourceError."""
+def verify_items(path: str, header: Header, items: set[str], expected: dict, storage: Storage,
+                 chunk: int = 8 << 20) -> None:
+    """Stream ``items`` of a file (a bounded buffer at a time, one ranged read per buffer of adjacent
+    tensors) and compare each one's checksum with ``expected`` (item -> recorded checksum); raises
+    SourceError."""
     missing = sorted(items - expected.keys())
     if missing:
         raise SourceError(f"{path} has no recorded checksum for {', '.join(missing[:3])}")
     accs = {item: accumulator(expected[item]) for item in items}
     try:
-        with open(path, "rb") as f:
-            for e in header.tensors:  # header order, as the checksums were computed
-                if e.item in accs:
-                    f.seek(header.data_start + e.begin)
-                    for offset in range(e.begin, e.end, chunk):
-                        accs[e.item].update(f.read(min(chunk, e.end - offset)))
+        for run in byte_runs([e for e in header.tensors if e.item in accs]):  # header order, as summed
+            at = 0  # the first entry of the run not yet wholly fed
+            for start in range(run[0].begin, run[-1].end, chunk):
+                end = min(start + chunk, run[-1].end)
+                data = memoryview(storage.read_range(path, header.data_start + start, end - start))
+                while at < len(run) and run[at].begin < end:
+                    e = run[at]
+                    accs[e.item].update(data[max(e.begin, start) - start:min(e.end, end) - start])
+                    if e.end > end:
+                        break  # it goes on in the next buffer
+                    at += 1
     except OSError as exc:
         raise SourceError(f"{path} is unreadable: {exc.strerror or exc}") from None
     for item in sorted(items):
@@ -242,12 +250,12 @@ def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None, checked_af
             for path, record, header in restorable]
 
 
-def storage_source(root: str, iteration: int, entry: RankFile) -> Source:
-    return Source("storage", iteration, {i: iteration for i in entry.items}, os.path.join(root, entry.file),
+def storage_source(directory: CheckpointDir, iteration: int, entry: RankFile) -> Source:
+    return Source("storage", iteration, {i: iteration for i in entry.items}, directory.path(entry.file),
                   entry.item_checks, rank_file=entry)
 
 
-def storage_sources(root: str, rank: int, fingerprint: str, topology: dict, storage: PosixStorage,
+def storage_sources(directory: CheckpointDir, rank: int, fingerprint: str, topology: dict,
                     known: dict[int, Manifest] | None = None) -> tuple[dict[int, Source], dict[int, Manifest]]:
     """Committed iterations readable by this rank: (iteration -> source, iteration -> manifest);
     ``known``: manifests the caller has read already.
@@ -255,48 +263,35 @@ def storage_sources(root: str, rank: int, fingerprint: str, topology: dict, stor
     Raises SourceError when the directory holds checkpoints that are not ours or
     were saved with a different topology (saying what differs).
     """
-    committed = manifest.committed_iterations(root, storage)
+    committed = directory.committed_iterations()
     if not committed:
-        _refuse_foreign(root, storage)
+        _refuse_foreign(directory)
         return {}, {}
     sources, manifests = {}, {}
     for i in committed:
         try:
-            m = (known or {}).get(i) or manifest.read_manifest(root, i, storage)
-        except manifest.ManifestError as exc:
+            m = (known or {}).get(i) or directory.read_manifest(i)
+        except ManifestError as exc:
             log.warning(f"skipping iteration {i}: {exc}", rank=rank)
             continue
         if m.fingerprint != fingerprint:
             if i == committed[0]:
-                raise SourceError(_mismatch(root, i, m.topology, topology))
+                raise SourceError(_mismatch(directory.root, i, m.topology, topology))
             continue
         entry = m.ranks.get(str(rank))
         if entry is None:
             continue
-        sources[i], manifests[i] = storage_source(root, i, entry), m
+        sources[i], manifests[i] = storage_source(directory, i, entry), m
     return sources, manifests
 
 
-def _refuse_foreign(root: str, storage: PosixStorage) -> None:
-    found = megatron_format(root, storage)
+def _refuse_foreign(directory: CheckpointDir) -> None:
+    found = directory.megatron_format()
     if found is not None:
         raise SourceError(
-            f"--load {root} holds {found}: it is not a megatron-pec checkpoint. megatron-pec switches to its own "
-            "format from it only inside Megatron-LM (its own loader reads it); otherwise point --load elsewhere.")
-
-
-def megatron_format(root: str, storage: PosixStorage = PosixStorage()) -> str | None:
-    """What ``root`` holds when it is a checkpoint of Megatron's own formats and not megatron-pec's
-    (``"Megatron's torch_dist checkpoint of iteration 4"``), else None."""
-    if manifest.committed_iterations(root, storage):
-        return None
-    for i in reversed(manifest.iterations_on_disk(root, storage)):
-        names = storage.listdir(manifest.iter_dir(root, i))
-        if names and "pec" not in names:
-            fmt = ("torch_dist" if "metadata.json" in names or ".metadata" in names
-                   else "torch" if any(n.startswith("mp_rank_") for n in names) else "unknown-format")
-            return f"Megatron's {fmt} checkpoint of iteration {i}"
-    return None
+            f"--load {directory.root} holds {found}: it is not a megatron-pec checkpoint. megatron-pec switches to "
+            "its own format from it only inside Megatron-LM (its own loader reads it); otherwise point --load "
+            "elsewhere.")
 
 
 def _mismatch(root: str, iteration: int, saved: dict, current: dict) -> str:
@@ -307,16 +302,16 @@ def _mismatch(root: str, iteration: int, saved: dict, current: dict) -> str:
             "node memory of this configuration cleared (--pec-shm-dir).")
 
 
-def expert_source_for(item: str, version: int, memory: list[Source], storage: dict[int, Source],
-                      root: str, rank: int, manifest_at_target: Manifest | None) -> Source | None:
+def expert_source_for(item: str, version: int, memory: list[Source], stored: dict[int, Source],
+                      directory: CheckpointDir, rank: int, manifest_at_target: Manifest | None) -> Source | None:
     """The source holding ``item`` at exactly ``version``: node memory first, else storage."""
     for s in memory:
         if s.items.get(item) == version:
             return s
-    if version in storage and item in storage[version].items:
-        return storage[version]
+    if version in stored and item in stored[version].items:
+        return stored[version]
     if manifest_at_target is not None:
         older = manifest_at_target.file_of(version, rank)
         if older is not None and item in older.items:
-            return storage_source(root, version, older)
+            return storage_source(directory, version, older)
     return None

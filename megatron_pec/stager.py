@@ -1,4 +1,4 @@
-"""Phase 3, snapshot: copying a rank's live optimizer state into a node-memory slot, and its checksums.
+"""Save step 3, snapshot: copying a rank's live optimizer state into a node-memory slot, and its checksums.
 
 One ``Stager`` per trainer owns everything a copy needs and nothing else touches: the copy stream
 and its events (GPU), the page-locked slot mappings, and the copy plan - per slot and item, the

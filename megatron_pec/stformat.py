@@ -19,7 +19,6 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_pec.byteruns import runs
 from megatron_pec.checksum import crc32
 from megatron_pec.jsontext import dumps_object
 
@@ -253,22 +252,6 @@ def read_head(read: Callable[[int, int], bytes], file_len: int) -> bytes:
     if size > MAX_HEADER or 8 + size > file_len:
         raise FormatError(f"header length {size} is implausible or exceeds the file")
     return bytes(read(0, 8 + size))  # (one buffer: no copy joining the length and the rest)
-
-
-def item_checksums(buffer, header: Header, items: set[str], chunk: int = 8 << 20) -> dict[str, int]:
-    """crc32 of each item's data (its tensors in header order) in a whole-file ``buffer``: what a
-    restore verifies, for just the items it reads. The same bytes in a slot or a compact rank file
-    give the same value."""
-    # an item's adjacent tensors joined: one crc call per run
-    picked = runs([e for e in header.tensors if e.item in items], lambda a, b: a.item == b.item and a.end == b.begin)
-    crcs, view = {}, memoryview(buffer)
-    for run in picked:
-        item, begin, end = run[0].item, header.data_start + run[0].begin, header.data_start + run[-1].end
-        crc = crcs.get(item, 0)
-        for offset in range(begin, end, chunk):
-            crc = crc32(view[offset:min(offset + chunk, end)], crc)
-        crcs[item] = crc
-    return {i: crcs.get(i, 0) for i in items}
 
 
 def tensor_view(buffer, header: Header, entry: TensorEntry):

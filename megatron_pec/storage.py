@@ -1,17 +1,22 @@
-"""Storage behind a small interface: atomic write, read, list, remove.
+"""Storage behind one small interface (``Storage``): atomic write, read, list, remove, lock.
 
-Used by the node agent (persist, commit) and by restore (read). Knows nothing
-of Megatron. ``write_atomic`` is the only way bytes become visible: tmp file,
-fsync, rename, directory fsync - so a reader never sees a torn file.
+Everything megatron-pec reads or writes under a checkpoint directory (--save, --load) goes through a
+``Storage``, injected once where a process starts using it - the engine (``api``), the node agent and
+the command line (``__main__``), which all take ``default_storage()`` - and handed on from there,
+mostly inside a ``checkpoint_dir.CheckpointDir``. Knows nothing of Megatron. ``write_atomic`` is the
+only way bytes become visible: tmp file, fsync, rename, directory fsync - so a reader never sees a
+torn file. Node memory (tmpfs slots) is not storage: ``slots.py`` and ``agent/memory.py`` own it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import queue
 import threading
-from typing import Iterable
+from contextlib import contextmanager
+from typing import ContextManager, Iterable, Protocol
 
 from megatron_pec import faults
 from megatron_pec.checksum import crc32
@@ -19,8 +24,55 @@ from megatron_pec.checksum import crc32
 CHUNK = 8 << 20
 
 
+class Storage(Protocol):
+    """What megatron-pec asks of the storage that holds checkpoint directories (paths are absolute).
+
+    Reads raise OSError (``FileNotFoundError`` for a missing file); writes raise OSError and leave
+    nothing partial visible."""
+
+    def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview],
+                     before_rename=None) -> tuple[int, int]:
+        """``chunks`` become ``path`` at once, durable; returns (size, crc32). ``before_rename()`` runs
+        once the bytes are durable and may raise to keep them from becoming ``path``."""
+
+    def write_text_atomic(self, path: str, text: str) -> None: ...
+
+    def write_text_once(self, path: str, text: str) -> None:
+        """``text`` becomes ``path`` atomically unless ``path`` exists (a record written once)."""
+
+    def read(self, path: str) -> bytes: ...
+
+    def read_range(self, path: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes from ``offset``; EIO when the file ends before."""
+
+    def read_checked(self, path: str) -> tuple[memoryview, int]:
+        """The whole file and its crc32, computed while it is read."""
+
+    def size(self, path: str) -> int: ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def listdir(self, path: str) -> list[str]:
+        """Sorted names in ``path``; empty when it does not exist."""
+
+    def remove(self, path: str) -> None:
+        """Remove a file; nothing when it does not exist."""
+
+    def remove_empty_dirs(self, path: str) -> None: ...
+
+    def fsync_dir(self, path: str) -> None: ...
+
+    def lock(self, path: str) -> ContextManager:
+        """An exclusive lock named ``path``, held for the ``with`` block (serialises commits)."""
+
+
+def default_storage() -> Storage:
+    """The storage the entry points inject: POSIX files, local or shared. The one place that builds it."""
+    return PosixStorage()
+
+
 class PosixStorage:
-    """Files under a local or shared POSIX file system."""
+    """Files under a local or shared POSIX file system (``Storage``)."""
 
     def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview], before_rename=None) -> tuple[int, int]:
         """Write ``chunks`` to ``path`` atomically; returns (size, crc32). ``before_rename()``, if given, runs
@@ -55,6 +107,18 @@ class PosixStorage:
 
     def write_text_atomic(self, path: str, text: str) -> None:
         self.write_atomic(path, [text.encode()])
+
+    def write_text_once(self, path: str, text: str) -> None:
+        # (not through write_atomic: the trainer writes these records, outside the agents' fault points)
+        if os.path.exists(path):
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:
@@ -128,6 +192,15 @@ class PosixStorage:
         finally:
             os.close(fd)
 
+    @contextmanager
+    def lock(self, path: str):
+        with open(path, "a") as f:  # (flock: every process of this host; a shared file system's own rules beyond)
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
 
 class RunningCrc:
     """crc32 of a byte stream, computed in a background thread so it overlaps the writes
@@ -152,3 +225,5 @@ class RunningCrc:
             self.thread.join()
         return self.crc
 
+
+__all__ = ["Storage", "PosixStorage", "RunningCrc", "default_storage", "CHUNK"]

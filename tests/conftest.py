@@ -44,12 +44,18 @@ def _stamp(path: str) -> tuple[int, str]:
     return os.stat(path).st_mtime_ns, hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def checkpoints(root):
+    """The checkpoint directory ``root`` (a ``CheckpointDir`` on POSIX storage), as the tests read it."""
+    from megatron_pec.checkpoint_dir import CheckpointDir
+    from megatron_pec.storage import PosixStorage
+    return CheckpointDir(str(root), PosixStorage())
+
+
 def committed_files(root) -> dict[str, tuple[int, str]]:
     """Every rank file a committed manifest of ``root`` references: path -> (mtime_ns, sha256)."""
-    from megatron_pec import manifest
-    return {path: _stamp(path) for iteration in manifest.committed_iterations(str(root))
+    return {path: _stamp(path) for iteration in checkpoints(root).committed_iterations()
             for path in (os.path.join(str(root), entry.file)
-                         for entry in manifest.read_manifest(str(root), iteration).ranks.values())}
+                         for entry in checkpoints(root).read_manifest(iteration).ranks.values())}
 
 
 def assert_committed_files_unchanged(before: dict[str, tuple[int, str]]) -> None:

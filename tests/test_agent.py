@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO
-from megatron_pec import manifest
+from conftest import REPO, checkpoints
 from megatron_pec.agent.client import AgentUnavailable, agent_pid, check_socket_path
 from megatron_pec.agent.memory import JobKey
 from megatron_pec.protocol import Flushed, Pin, Released, Settle, SlotHeader, SnapshotReady
@@ -56,28 +55,39 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "megatron_pec", *args], capture_output=True, text=True, cwd=REPO)
 
 
+def test_every_job_of_the_worker_has_its_one_handler_and_every_trainer_message_too():
+    from megatron_pec import protocol
+    from megatron_pec.agent import jobs
+    from megatron_pec.agent.server import Agent
+
+    assert set(Agent.HANDLERS) == {getattr(jobs, name) for name in jobs.__all__} - {jobs.Shutdown}
+    sent_by_trainers = {protocol.Hello, protocol.Begin, protocol.SnapshotReady, protocol.Flush, protocol.Settle,
+                        protocol.Detach, protocol.Stop}
+    assert set(Agent.MESSAGES) == sent_by_trainers
+
+
 def test_two_nodes_commit_persist_subset_and_verify(trainers):
     t0, t1 = trainers(0), trainers(1)
     root = t0.root
     t0.snapshot(10)
-    assert not manifest.committed_iterations(root), "one node's marker must not commit"
+    assert not checkpoints(root).committed_iterations(), "one node's marker must not commit"
     t1.snapshot(10)
-    assert manifest.committed_iterations(root) == [10]
+    assert checkpoints(root).committed_iterations() == [10]
     for t in (t0, t1):
         assert t.snapshot(20, ["L1.E1"])[1].error is None
-    m = manifest.read_manifest(root, 20)
+    m = checkpoints(root).read_manifest(20)
     assert m.ranks["0"].items == ["L1.E1", "dense"]
     assert m.experts == {"L1.E0": 10, "L1.E1": 20, "L1.E2": 10, "L1.E3": 10}
     assert set(m.sources) == {"10"}
-    full, partial = (os.path.getsize(manifest.rank_file(root, i, 0)) for i in (10, 20))
+    full, partial = (os.path.getsize(checkpoints(root).rank_file(i, 0)) for i in (10, 20))
     assert partial < full / 2
-    assert manifest.read_tracker(root) == "20"
+    assert checkpoints(root).read_tracker() == "20"
 
     report = json.loads(cli("inspect", root, "--json").stdout)
     assert [it["committed"] for it in report["iterations"]] == [True, True]
     assert cli("verify", root).returncode == 0
     # A flipped byte in an older file that iteration 20 still references is caught.
-    path = manifest.rank_file(root, 10, 1)
+    path = checkpoints(root).rank_file(10, 1)
     with open(path, "r+b") as f:
         f.seek(-3, os.SEEK_END)
         byte = f.read(1)
@@ -95,14 +105,14 @@ def test_partial_restore_reads_and_checks_only_the_experts_it_needs(trainers):
     root = t0.root
     for t in (t0, t1):
         t.snapshot(10)
-    entry = manifest.read_manifest(root, 10).ranks["0"]
+    entry = checkpoints(root).read_manifest(10).ranks["0"]
     assert set(entry.item_sums) == {"dense", "L1.E0", "L1.E1", "L1.E2", "L1.E3"} and not entry.item_crc32
     path = os.path.join(root, entry.file)
     with open(path, "rb") as f:
         header = decode_header(f.read(1 << 20), file_len=os.path.getsize(path))
     ranges = {e.item: (header.data_start + e.begin, header.data_start + e.end) for e in header.tensors}
 
-    source = storage_source(root, 10, entry)
+    source = storage_source(checkpoints(root), 10, entry)
     source.open(PosixStorage(), {"L1.E2"})
     assert source._buffer is None, "the whole file was read"
     assert all(float(t[0]) == 10.5 for t in source.tensors({"L1.E2/w.param", "L1.E2/w.exp_avg"}).values())
@@ -117,16 +127,16 @@ def test_partial_restore_reads_and_checks_only_the_experts_it_needs(trainers):
             f.write(bytes([byte[0] ^ 0x10]))
 
     flip(ranges["L1.E1"][0] + 5)
-    fresh = storage_source(root, 10, entry)
+    fresh = storage_source(checkpoints(root), 10, entry)
     fresh.open(PosixStorage(), {"L1.E2"})                       # untouched expert: still restorable
     with pytest.raises(SourceError, match="fails its checksum for L1.E1"):
         fresh.open(PosixStorage(), {"L1.E1"})
     with pytest.raises(SourceError, match="fails its checksum"):
-        storage_source(root, 10, entry).open(PosixStorage())  # a full read checks the whole file
+        storage_source(checkpoints(root), 10, entry).open(PosixStorage())  # a full read checks the whole file
     flip(ranges["L1.E1"][0] + 5)
     flip(20)                                                   # inside the header's JSON
     with pytest.raises(SourceError, match="header checksum"):
-        storage_source(root, 10, entry).open(PosixStorage(), {"L1.E2"})
+        storage_source(checkpoints(root), 10, entry).open(PosixStorage(), {"L1.E2"})
 
 
 def test_a_flush_leaves_the_agents_cpu_time_by_phase(trainers):
@@ -155,8 +165,8 @@ def test_retention_keeps_referenced_versions(trainers):
         for t in (t0, t1):
             t.snapshot(iteration, ["L1.E1"] if iteration > 10 else None)
     # keep=1 retains 30, and 10's files because experts E0/E2/E3 are still at version 10; 20 goes.
-    assert manifest.iterations_on_disk(t0.root) == [10, 30]
-    assert manifest.committed_iterations(t0.root) == [30]  # 10 holds files for 30, it is no restore point
+    assert checkpoints(t0.root).iterations_on_disk() == [10, 30]
+    assert checkpoints(t0.root).committed_iterations() == [30]  # 10 holds files for 30, it is no restore point
     assert cli("verify", t0.root).returncode == 0
 
 
@@ -167,8 +177,8 @@ def test_retention_never_leaves_a_committed_iteration_pointing_at_deleted_files(
     for iteration, persisted in ((10, None), (20, ["L1.E1"]), (30, ["L1.E0", "L1.E2", "L1.E3"])):
         for t in (t0, t1):
             t.snapshot(iteration, persisted)
-    assert manifest.read_manifest(t0.root, 30).experts == {"L1.E0": 30, "L1.E1": 20, "L1.E2": 30, "L1.E3": 30}
-    assert manifest.iterations_on_disk(t0.root) == [20, 30] and manifest.committed_iterations(t0.root) == [30]
+    assert checkpoints(t0.root).read_manifest(30).experts == {"L1.E0": 30, "L1.E1": 20, "L1.E2": 30, "L1.E3": 30}
+    assert checkpoints(t0.root).iterations_on_disk() == [20, 30] and checkpoints(t0.root).committed_iterations() == [30]
     result = cli("verify", t0.root)
     assert result.returncode == 0, result.stdout
     shown = cli("inspect", t0.root).stdout
@@ -180,11 +190,11 @@ def test_agent_reports_failed_persist_and_keeps_serving(trainers, monkeypatch):
     t = trainers(0, nodes=1)
     _, msg = t.snapshot(10)
     assert "ENOSPC" in msg.error or "No space" in msg.error
-    assert not manifest.committed_iterations(t.root)
+    assert not checkpoints(t.root).committed_iterations()
     assert not [n for _, _, fs in os.walk(t.root) for n in fs if n.endswith(".safetensors")], "partial file left"
     assert agent_pid(t.directory) is not None
     assert t.snapshot(20)[1].error is None
-    assert manifest.committed_iterations(t.root) == [20]
+    assert checkpoints(t.root).committed_iterations() == [20]
 
 
 def regions_of(t, rank=0):
@@ -246,7 +256,7 @@ def test_a_slot_of_an_older_trainer_is_checked_by_the_agent(trainers):
     assert released.recorded and released.error is None
     record = t.memory().slots[0][t.memory().newest(0)[0]]
     assert record.crcs and not record.sums
-    assert cli("verify", t.root).returncode == 0 and manifest.read_manifest(t.root, 1).ranks["0"].item_crc32
+    assert cli("verify", t.root).returncode == 0 and checkpoints(t.root).read_manifest(1).ranks["0"].item_crc32
 
 
 def test_a_corrupt_region_never_becomes_a_rank_file(trainers):
@@ -263,9 +273,9 @@ def test_a_corrupt_region_never_becomes_a_rank_file(trainers):
     assert t.client.send(SnapshotReady(home, 5, True, None, {}, t.book.announced(5, placement)))
     released = t.released(5)
     assert released.recorded and "fails its checksum for dense" in released.error
-    pec = os.path.dirname(manifest.rank_file(t.root, 5, 0))
+    pec = os.path.dirname(checkpoints(t.root).rank_file(5, 0))
     assert not [f for f in (os.listdir(pec) if os.path.isdir(pec) else []) if f.endswith(".safetensors")]
-    assert not manifest.committed_iterations(t.root)
+    assert not checkpoints(t.root).committed_iterations()
 
 
 def test_what_a_skipped_attempt_overwrote_is_dropped_from_node_memory(trainers):
@@ -348,7 +358,7 @@ def test_a_restarts_uncommitted_persist_keeps_its_dense_state_pinned(trainers):
     t.begin("run-2", 10)
     t.snapshot(11, written=("dense", "L1.E0"), persist=False)
     _, released = t.snapshot(12, written=("dense", "L1.E1"))
-    assert released.error is None and manifest.committed_iterations(t.root) == []
+    assert released.error is None and checkpoints(t.root).committed_iterations() == []
     assert Pin(12, ["dense"]) in released.pins
     for iteration in (13, 14):                                # each needs a region for the dense state
         _, released = t.snapshot(iteration, written=("dense",), persist=False)
@@ -406,7 +416,7 @@ def test_retire_removes_half_written_files_of_killed_agents_only(tmp_path):
         (d / f"rank_00000.safetensors.tmp{dead.pid}").write_bytes(b"half")
         (d / f"rank_00002.safetensors.tmp{os.getpid()}").write_bytes(b"being written")
         (d / "rank_00001.safetensors").write_bytes(b"whole")
-    manifest.retire_after(root, 4)
+    checkpoints(root).retire_after(4)
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("rank_*"))
     writing = f"iter_0000004/pec/rank_00002.safetensors.tmp{os.getpid()}"
     assert left == ["iter_0000004/pec/rank_00001.safetensors", writing, "iter_0000008/pec/rank_00001.safetensors"]
@@ -553,7 +563,7 @@ def test_snapshots_are_recorded_and_released_while_a_persist_is_written(trainers
     persisted = t.released(10)
     assert persisted.recorded and persisted.error is None and heard == [11, 12, 13, 10]
     assert t.book.newest[t.book.index["dense"]] == home13 and t.memory().newest(0)[1].iteration == 13
-    assert manifest.committed_iterations(t.root) == [10]
+    assert checkpoints(t.root).committed_iterations() == [10]
 
 
 def test_a_trainer_that_begins_while_a_persist_is_written_keeps_off_its_regions(trainers, monkeypatch):
@@ -572,4 +582,4 @@ def test_a_trainer_that_begins_while_a_persist_is_written_keeps_off_its_regions(
     while t.book.pins != committed_dense and time.monotonic() < deadline:
         for msg in t.client.poll(block_s=0.2):
             t.hear(msg)
-    assert t.book.pins == committed_dense and manifest.committed_iterations(t.root) == [13, 10]
+    assert t.book.pins == committed_dense and checkpoints(t.root).committed_iterations() == [13, 10]

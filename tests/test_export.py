@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import torchrun
-from megatron_pec import manifest
+from conftest import checkpoints, torchrun
 from megatron_pec.stformat import torch_dtype
 from megatron_pec.testing import launch
 from megatron_pec.testing.cluster import run_megatron_pec
@@ -81,7 +80,7 @@ def test_export_after_training_ends_under_pec_equals_the_live_model(tmp_path):
     trained model, not experts from older iterations."""
     train_and_keep_live_state(tmp_path, "--pec-snapshot-k", "2", "--pec-persist-k", "1",
                               env={"PEC_TEST_END": "exit"})
-    assert manifest.committed_iterations(str(tmp_path / "ckpt"))[0] == 4
+    assert checkpoints(tmp_path / "ckpt").committed_iterations()[0] == 4
     assert_export_equals_live(tmp_path, tmp_path / "hf")
 
 
@@ -105,7 +104,7 @@ def test_export_refuses_a_corrupt_file_and_a_missing_iteration(trained, tmp_path
     shutil.copytree(trained / "ckpt", ckpt)
     missing = run_megatron_pec("export", ckpt, tmp_path / "a", "--iteration", "3")
     assert missing.returncode == 1 and "iteration 3 is not committed" in missing.stderr, missing.stderr
-    entry = manifest.read_manifest(str(ckpt), 4).ranks["1"]
+    entry = checkpoints(ckpt).read_manifest(4).ranks["1"]
     path = ckpt / entry.file
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # the last tensor's bytes

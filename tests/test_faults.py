@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_committed_files_unchanged, committed_files
-from megatron_pec import manifest
+from conftest import REPO, assert_committed_files_unchanged, checkpoints, committed_files
 from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.checkpoint_dir import TRACKER
 from megatron_pec.items import item_name
 from megatron_pec.pec_state import PecState
 from megatron_pec.protocol import SlotHeader
@@ -106,7 +106,7 @@ def reference(clusters, tmp_path_factory) -> Reference:
     c = clusters(tmp_path_factory.mktemp("reference"), "fref")
     c.launch(FULL + ["--pec-keep-shm"])
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
-    assert sorted(manifest.committed_iterations(str(c.save))) == list(range(2, ITERS + 1, 2))
+    assert sorted(checkpoints(c.save).committed_iterations()) == list(range(2, ITERS + 1, 2))
     c.wait_agents_exited()
     archive = c.workdir / "checkpoints_archive"
     shutil.move(str(c.save), archive)
@@ -119,11 +119,11 @@ def reference(clusters, tmp_path_factory) -> Reference:
 
 
 def committed(root) -> list[int]:
-    return sorted(manifest.committed_iterations(str(root)))
+    return sorted(checkpoints(root).committed_iterations())
 
 
 def tracker(root) -> str | None:
-    return manifest.read_tracker(str(root))
+    return checkpoints(root).read_tracker()
 
 
 def assert_sound(root) -> None:
@@ -252,7 +252,7 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     # and tracker. Each point fires once per job (restarted agents inherit the environment).
     c.launch(FULL, faults={0: "before_node_marker=kill@1:0,before_manifest=kill,before_tracker=kill",
                            1: "persist_write=kill@3:1,before_manifest=kill,before_tracker=kill"})
-    c.wait_file(manifest.manifest_path(str(c.save), 8), timeout=LAUNCH_TIMEOUT)
+    c.wait_file(checkpoints(c.save).manifest_path(8), timeout=LAUNCH_TIMEOUT)
     # Every armed point has fired, and node 0 runs an agent again (one killed by a point is replaced at
     # its trainer's next save): the kill below hits a live agent, however the points fell.
     points = ("before_node_marker", "persist_write", "before_manifest", "before_tracker")
@@ -286,9 +286,9 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     assert f"connected to a new node agent (pid {replacement})" in c.log(0)
     # No torn file visible: iteration 2 has node 0's rank file but no marker and no rank 1 file, and
     # is not committed; 4 may have been committed by the other agent, but only whole.
-    iter2 = manifest.pec_dir(str(c.save), 2)
+    iter2 = checkpoints(c.save).pec_dir(2)
     assert not os.path.exists(os.path.join(iter2, "rank_00001.safetensors"))
-    assert not os.path.exists(manifest.node_marker(str(c.save), 2, 0))
+    assert not os.path.exists(checkpoints(c.save).node_marker(2, 0))
     assert 2 not in committed(c.save)
     # Which iteration each later point hit depends on how fast the restarted agents came back (a snapshot
     # announced to a dying agent is lost): the one killed between manifest and tracker is committed.
@@ -308,7 +308,7 @@ def _wait_for_recorded_persists(c) -> int:
     time.sleep(1.0)  # (a snapshot announced just before the pause is recorded by then)
     last = newest()
     if last % 2 == 0 and last > 2:
-        c.wait_file(manifest.manifest_path(str(c.save), last), timeout=LAUNCH_TIMEOUT)
+        c.wait_file(checkpoints(c.save).manifest_path(last), timeout=LAUNCH_TIMEOUT)
     return last
 
 
@@ -347,7 +347,7 @@ def test_snapshots_of_an_abandoned_run_are_never_restored(clusters, tmp_path):
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(3)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (8, "memory"), 1: (8, "memory")}
-    stored = set(manifest.read_manifest(str(c.save), 8).experts.values())
+    stored = set(checkpoints(c.save).read_manifest(8).experts.values())
     from_abandoned = {v for v in restores[1].older.values() if v in abandoned and v not in current | stored}
     assert not from_abandoned, (f"rank 1 restored experts from snapshot(s) {sorted(from_abandoned)} of the run "
                                 f"abandoned at the restore to 4: {restores[1].older}")
@@ -365,7 +365,7 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     c = clusters(tmp_path, "fnode")
     pec = with_flag(PEC, "--pec-keep", "0")  # the target's manifest is read at the end
     c.launch(pec)
-    c.wait_file(manifest.manifest_path(str(c.save), 8), timeout=LAUNCH_TIMEOUT)
+    c.wait_file(checkpoints(c.save).manifest_path(8), timeout=LAUNCH_TIMEOUT)
     c.wait_iteration(10)
     c.lose_node(1)
     assert not c.node_dir(1).exists()
@@ -387,7 +387,7 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     # Exactly a trainer crash's loss: each expert at the newest version its snapshot level recorded at
     # the target (read from the target's checkpoint, which the agents persisted after the restart).
     saved_at = {}  # each rank's file records the versions of the experts it holds
-    for entry in manifest.read_manifest(str(c.save), target).ranks.values():
+    for entry in checkpoints(c.save).read_manifest(target).ranks.values():
         path = os.path.join(str(c.save), entry.file)
         with open(path, "rb") as f:
             meta = decode_header(f.read(1 << 20), file_len=os.path.getsize(path)).metadata
@@ -548,7 +548,7 @@ def test_a_finished_job_relaunched_restores_its_last_iteration_whole_every_time(
     c.launch(job)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     c.wait_agents_exited()
-    assert committed(c.save)[-1] == 24 and set(manifest.read_manifest(str(c.save), 24).experts.values()) == {24}
+    assert committed(c.save)[-1] == 24 and set(checkpoints(c.save).read_manifest(24).experts.values()) == {24}
     assert_sound(c.save)
     files = {p: p.stat().st_mtime_ns for p in (c.save / "iter_0000024" / "pec").iterdir()}
     for launch, args in ((2, job), (3, with_flag(with_flag(job, "--pec-snapshot-k", "4"), "--pec-persist-k", "2"))):
@@ -574,7 +574,7 @@ def test_planned_exit_under_pec_loses_nothing(clusters, reference, tmp_path):
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     assert "iteration 7 saved once more with every expert" in c.logs()
     c.wait_agents_exited()
-    assert committed(c.save) == [5, 7] and set(manifest.read_manifest(str(c.save), 7).experts.values()) == {7}
+    assert committed(c.save) == [5, 7] and set(checkpoints(c.save).read_manifest(7).experts.values()) == {7}
     c.launch(RARE + pec)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(2)
@@ -658,7 +658,7 @@ def test_storage_enospc_eio_and_read_only_directory(clusters, reference, tmp_pat
         # write (mid-way through iteration 2's rank file) and the second rename (that file's).
         c.launch(FULL, faults={0: "persist_write=enospc@3:0", 1: "before_rename=eio@2:1"})
         # The trainers are paused while the mount changes, so later saves surely see each state.
-        c.wait_file(manifest.manifest_path(str(ckpt), 4), timeout=LAUNCH_TIMEOUT)
+        c.wait_file(checkpoints(ckpt).manifest_path(4), timeout=LAUNCH_TIMEOUT)
         c.pause()
         remount(ckpt, "ro")
         c.resume()
@@ -698,7 +698,7 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
     shutil.copytree(reference.archive, root)
     try:
         c = clusters(root.parent / "corrupt", "fcorrupt", save=root)
-        files = {i: manifest.read_manifest(str(root), i).ranks for i in (6, 8, 10, 12)}
+        files = {i: checkpoints(root).read_manifest(i).ranks for i in (6, 8, 10, 12)}
         path = lambda i, r: root / files[i][str(r)].file  # noqa: E731
         with open(path(12, 0), "r+b") as f:                  # a flipped byte in the tensor data
             f.seek(-100, os.SEEK_END)
@@ -708,10 +708,10 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
         with open(path(10, 1), "r+b") as f:                  # a truncated rank file
             f.truncate(os.path.getsize(path(10, 1)) // 2)
         os.unlink(path(8, 0))                                # a deleted rank file
-        m6 = json.loads(Path(manifest.manifest_path(str(root), 6)).read_text())
+        m6 = json.loads(Path(checkpoints(root).manifest_path(6)).read_text())
         m6["ranks"]["1"]["file"] = "iter_0000006/pec/rank_00007.safetensors"   # a manifest naming a missing file
-        Path(manifest.manifest_path(str(root), 6)).write_text(json.dumps(m6))
-        (root / manifest.TRACKER).write_text("14")          # a stale tracker
+        Path(checkpoints(root).manifest_path(6)).write_text(json.dumps(m6))
+        (root / TRACKER).write_text("14")          # a stale tracker
         shutil.copytree(reference.memory / "node0", c.node_dir(0))   # another job's slots, same config
 
         result = run_megatron_pec("verify", root)

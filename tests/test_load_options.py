@@ -3,7 +3,7 @@ and start at iteration 0; a --load directory in another format is refused with a
 
 import pytest
 
-from conftest import REPO, read_jsonl, torchrun
+from conftest import REPO, checkpoints, read_jsonl, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,7 +55,6 @@ def test_a_finetune_that_saves_an_iteration_the_directory_holds_commits_it_under
     committed: the first run's files of 4 are never written again, the finetune's save of 4 goes to files
     of its own and replaces the commit atomically (the first run's files go once unreferenced), and
     ``verify`` passes."""
-    from megatron_pec import manifest
     from megatron_pec.testing.cluster import run_megatron_pec
 
     ckpt = tmp_path / "ckpt"
@@ -63,10 +62,10 @@ def test_a_finetune_that_saves_an_iteration_the_directory_holds_commits_it_under
     torchrun(PRETRAIN, *common, "--train-iters", "6", "--pec-job-id", "a")
     first = {p.name: p.stat().st_mtime_ns for p in (ckpt / "iter_0000004" / "pec").iterdir()
              if p.name.startswith("rank_")}
-    generation = manifest.read_manifest(str(ckpt), 4).generation
+    generation = checkpoints(ckpt).read_manifest(4).generation
     proc = torchrun(PRETRAIN, *common, "--train-iters", "4", "--finetune", "--no-load-optim", "--pec-job-id", "b")
     assert "--finetune saves into" in proc.stdout + proc.stderr  # the restart would resume from the first run's 6
-    m = manifest.read_manifest(str(ckpt), 4)
+    m = checkpoints(ckpt).read_manifest(4)
     assert m.generation != generation and m.job_id == "b", m
     files = {p.name for p in (ckpt / "iter_0000004" / "pec").iterdir() if p.name.startswith("rank_")}
     assert not set(first) & {e.file.rsplit("/", 1)[-1] for e in m.ranks.values()}, (first, m.ranks)

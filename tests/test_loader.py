@@ -1,33 +1,48 @@
-"""The loader on its own: one real gloo process, a checkpoint directory made by hand, no Megatron."""
+"""The loader on its own (and the engine's load without Megatron): one real gloo process, a checkpoint
+directory made by hand."""
 
 import subprocess
 import sys
 
 from megatron_pec.testing.launch import free_port
 
-from conftest import REPO
+from conftest import REPO, checkpoints
 
 SCRIPT = r"""
 import argparse, os, sys
 from types import SimpleNamespace
 import torch.distributed as dist
-from megatron_pec import manifest
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.collectives import Collectives
 from megatron_pec.config import PecConfig
+from megatron_pec.engine import Engine
 from megatron_pec.loader import LoadContext, Loader
 from megatron_pec.protocol import NodeMarker
+from megatron_pec.storage import PosixStorage
 
 root, port = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 # A run that died at iteration 2: one node's marker was written, the other's never; nothing committed.
-os.makedirs(manifest.pec_dir(root, 2))
-manifest.write_node_marker(root, NodeMarker(iteration=2, node=1, job_id="j", fingerprint="f", topology={}, ranks={}))
+checkpoints = CheckpointDir(root, PosixStorage())
+os.makedirs(checkpoints.pec_dir(2))
+checkpoints.write_node_marker(NodeMarker(iteration=2, node=1, job_id="j", fingerprint="f", topology={}, ranks={}))
 config = PecConfig.from_args(argparse.Namespace(save=root, load=root, pec_job_id="j"))
 job = SimpleNamespace(rank=0, node_dir=os.path.join(root, "no_memory"), fingerprint="f", topology={}, held_names={},
-                      all_experts=(), expert_layout=None, layout=None)
-ctx = LoadContext(job=job, config=config, collectives=Collectives.over_all_ranks(), slice_items={})
-assert Loader(ctx, root).load() is None
-left = os.path.exists(manifest.node_marker(root, 2, 1))
+                      all_experts=(), expert_layout=None, layout=None, save_root=checkpoints.root)
+collectives = Collectives.over_all_ranks()
+# The loader decides and leaves the directory as it is ...
+loader = Loader(LoadContext(job=job, config=config, collectives=collectives, slice_items={}), checkpoints)
+assert loader.plan(loader.candidates(), set()) is None
+assert os.path.exists(checkpoints.node_marker(2, 1)), "the loader removed a file"
+# ... the engine acts: an engine without Megatron, only what a load that finds nothing touches.
+engine, began = Engine.__new__(Engine), []
+engine.config, engine.storage, engine.job, engine.rank, engine.files, engine.stager =     config, PosixStorage(), job, 0, None, None
+engine.check_on_device = False
+engine.adapter = SimpleNamespace(collectives=collectives, slices=[])
+engine.handover = SimpleNamespace(wait=lambda: None)
+engine.session = SimpleNamespace(settle=lambda: None, begin=began.append)
+assert engine.load(root, scheduler=None) == (0, 0) and began == [None]
+left = os.path.exists(checkpoints.node_marker(2, 1))
 print("stale marker left" if left else "stale marker retired")
 dist.destroy_process_group()
 """
@@ -36,7 +51,7 @@ dist.destroy_process_group()
 def test_training_from_scratch_retires_node_markers_of_an_abandoned_run(tmp_path):
     """A restart that finds nothing committed trains from scratch and saves iteration 2 again: the dead
     run's node marker of 2 must be gone first, or the next commit of 2 would combine it (and its sizes and
-    checksums) with the new run's files."""
+    checksums) with the new run's files. The loader only decides; the engine retires, after deciding."""
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt"), str(free_port())],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -52,7 +67,7 @@ def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_pl
 
     from megatron_pec.config import PecConfig
     from megatron_pec.items import NON_EXPERT, ExpertId, item_name
-    from megatron_pec.loader import LoadContext, Loader
+    from megatron_pec.loader import Candidates, LoadContext, Loader
 
     class Recording:
         def __init__(self):
@@ -68,10 +83,11 @@ def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_pl
                           expert_layout=None, layout=None)
     config = PecConfig.from_args(argparse.Namespace(save=str(tmp_path), load=str(tmp_path), pec_job_id="j"))
     nothing, planned = Recording(), Recording()
-    Loader(LoadContext(job=job, config=config, collectives=nothing, slice_items={}), str(tmp_path))._plan(
-        None, [], {}, {})
-    Loader(LoadContext(job=job, config=config, collectives=planned, slice_items={}), str(tmp_path))._vote(
-        2, {NON_EXPERT: None, "L1.E0": None, "L1.E1": None}, "cannot", planned={"L1.E0": 2, "L1.E1": 1})
+    directory = checkpoints(tmp_path)
+    Loader(LoadContext(job=job, config=config, collectives=nothing, slice_items={}), directory)._plan(
+        None, Candidates([], {}, {}))
+    Loader(LoadContext(job=job, config=config, collectives=planned, slice_items={}), directory)._vote(
+        2, {NON_EXPERT: None, "L1.E0": None, "L1.E1": None}, "cannot", 2, planned={"L1.E0": 2, "L1.E1": 1})
     assert nothing.sizes == planned.sizes[:1], (nothing.sizes, planned.sizes)
 
 
@@ -79,11 +95,11 @@ def test_the_fault_harness_reads_the_restore_line_the_loader_logs(capsys):
     """The campaign and the fault tests judge every restore from this line: a suffix the harness does not
     know (the peer-memory lag) made it read no restore at all."""
     from megatron_pec.items import NON_EXPERT
-    from megatron_pec.loader import RestoreResult
+    from megatron_pec.loader import RestorePlan
     from megatron_pec.testing.cluster import parse_restores
 
     def logged(source, newest):
-        RestoreResult(iteration=6, source=source, versions={NON_EXPERT: 6, "L1.E0": 6, "L1.E1": 4}, tensors={},
+        RestorePlan(iteration=6, source=source, versions={NON_EXPERT: 6, "L1.E0": 6, "L1.E1": 4}, tensors={},
                       small={}, pec=None, tokens_at_target={}, report=None, newest=newest).log(rank=1)
         return parse_restores(capsys.readouterr().out)[1]
 

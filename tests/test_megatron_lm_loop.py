@@ -26,10 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pec import manifest
 from megatron_pec.testing import launch, megatron_lm
 
-from conftest import assert_committed_files_unchanged, committed_files
+from conftest import assert_committed_files_unchanged, checkpoints, committed_files
 
 pytestmark = pytest.mark.multiprocess
 
@@ -131,7 +130,7 @@ def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, tmp_path):
         check_resumed(log, reference, 6)
 
         deadline = time.monotonic() + 60  # killed at iteration 9: the agent commits the persisted 8
-        while 8 not in manifest.committed_iterations(str(save)) and time.monotonic() < deadline:
+        while 8 not in checkpoints(save).committed_iterations() and time.monotonic() < deadline:
             time.sleep(0.2)
         lose_node_memory(shm)
         code, log = pretrain(patched_tree, *ckpt)
@@ -169,7 +168,7 @@ def test_megatron_lm_planned_exit_under_pec_loses_nothing(newest_tree, tmp_path)
         code, log = pretrain(newest_tree, *ckpt, "--exit-interval", "7")
         assert code == 0 and "exiting program at iteration 7" in log, log[-4000:]
         assert "iteration 7 saved once more with every expert" in log, log[-4000:]
-        m = manifest.read_manifest(str(save), 7)
+        m = checkpoints(save).read_manifest(7)
         assert set(m.experts.values()) == {7} and m.generation.endswith(".exit"), m
         code, log = pretrain(newest_tree, *ckpt)
         assert code == 0, log[-4000:]
@@ -235,7 +234,7 @@ def test_megatron_formats_in_and_out(tmp_path):
         code, log = pretrain(tree, *bf16, *ckpt, "--load", str(own), "--exit-interval", "6")
         assert code == 0, log[-4000:]
         assert {i: v for i, v in losses(log).items()} == {i: uninterrupted[i] for i in (5, 6)}
-        assert manifest.committed_iterations(str(switched))[0] == 6
+        assert checkpoints(switched).committed_iterations()[0] == 6
         code, log = pretrain(tree, *bf16, *ckpt, "--load", str(switched))
         assert code == 0, log[-4000:]
         assert restored(log) in ({(6, "storage")}, {(6, "memory")}), log[-4000:]

@@ -1,7 +1,8 @@
 """Replica placement and the peer address book (``agent/peers.py``): pure, no processes."""
 
 from megatron_pec.agent import peers
-from megatron_pec.protocol import PeerAddress
+from megatron_pec.config import Launch
+from megatron_pec.protocol import JobInfo, PeerAddress
 from megatron_pec.storage import PosixStorage
 
 
@@ -32,9 +33,13 @@ def test_addresses_are_published_and_read_back(tmp_path):
     assert peers.read_peers(save, "other", 3, storage) == {}        # another job's agents are not peers
 
 
-def test_the_advertised_host_follows_the_job(monkeypatch):
-    monkeypatch.delenv("MEGATRON_PEC_AGENT_HOST", raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "localhost")
-    assert peers.advertised_host() == "127.0.0.1"
-    monkeypatch.setenv("MEGATRON_PEC_AGENT_HOST", "10.1.2.3")
-    assert peers.advertised_host() == "10.1.2.3"
+def test_the_advertised_host_follows_the_launch():
+    """The trainers' launch says where their agent is reached (read once, in ``config``); the agent
+    advertises that, or its host's address."""
+    assert Launch.from_environment({"MASTER_ADDR": "localhost"}).agent_host == "127.0.0.1"
+    assert Launch.from_environment({"MASTER_ADDR": "10.0.0.1", "MEGATRON_PEC_AGENT_HOST": "10.1.2.3"}).agent_host \
+        == "10.1.2.3"
+    assert Launch.from_environment({"MASTER_ADDR": "10.0.0.1"}).agent_host == ""
+    job = JobInfo(job_id="j", fingerprint="f", save="/s", local_world_size=1, node_rank=0, num_nodes=2, topology={},
+                  keep=2, host="10.1.2.3")
+    assert peers.advertised_host(job) == "10.1.2.3"

@@ -11,10 +11,11 @@ import argparse
 import threading
 from types import SimpleNamespace
 
+from conftest import checkpoints
 from megatron_pec import loader
 from megatron_pec.config import PecConfig
 from megatron_pec.items import NON_EXPERT, ExpertId, item_name
-from megatron_pec.loader import LoadContext, Loader
+from megatron_pec.loader import Candidates, LoadContext, Loader, Refused
 from megatron_pec.pec_state import Level, PecState
 from megatron_pec.sources import Source, SourceError
 
@@ -78,7 +79,7 @@ def on_two_ranks(tmp_path, work):
                               expert_layout=SimpleNamespace(num_experts=2))
         ctx = LoadContext(job=job, config=config, collectives=collectives.of(rank), slice_items={})
         try:
-            results[rank] = work(Loader(ctx, str(tmp_path)))
+            results[rank] = work(Loader(ctx, checkpoints(tmp_path)))
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             failures.append(exc)
             collectives.barrier.abort()
@@ -94,14 +95,25 @@ def on_two_ranks(tmp_path, work):
 
 def plan_on_two_ranks(tmp_path, slots_of_rank: dict[int, list[RecordingSource]]):
     """Each rank's (plan, error, agreement) from ``Loader._plan``, and the number of collectives."""
-    return on_two_ranks(tmp_path, lambda ld: ld._plan(TARGET, slots_of_rank[ld.rank], {}, {}))
+    return on_two_ranks(tmp_path, lambda ld: ld._plan(TARGET, Candidates(slots_of_rank[ld.rank], {}, {})))
+
+
+def planned_until_one_sticks(ld: Loader):
+    """What the engine's fallback loop asks of the loader (``Engine._restore``, without applying):
+    (the plan that stuck, the refusals before it)."""
+    found, excluded, refused = ld.candidates(), set(), []
+    while isinstance(plan := ld.plan(found, excluded), Refused):
+        refused.append(plan)
+        excluded.add(plan.iteration)
+    return plan, refused
 
 
 def load_on_two_ranks(tmp_path, monkeypatch, slots_of_rank: dict[int, list[RecordingSource]]):
-    """Each rank's (iteration, versions) that ``Loader.load`` decided on, and the number of collectives."""
+    """Each rank's ((iteration, versions) that ``Loader.plan`` decided on, its refusals before), and the
+    number of collectives."""
     monkeypatch.setattr(loader, "memory_sources", lambda node_dir, rank, *_: slots_of_rank[rank])
     monkeypatch.setattr(Loader, "_decide", lambda self, target, plan, *_: (target, versions(plan)))
-    return on_two_ranks(tmp_path, lambda ld: ld.load())
+    return on_two_ranks(tmp_path, planned_until_one_sticks)
 
 
 def versions(plan) -> dict[str, int]:
@@ -145,7 +157,7 @@ def test_ranks_with_the_same_newest_iteration_agree_on_it_in_one_collective(tmp_
     experts = {ExpertId(1, 0): 10, ExpertId(1, 1): 10}
     results, calls = load_on_two_ranks(tmp_path, monkeypatch, {r: [memory_slot(10, experts)] for r in (0, 1)})
     assert calls == 1
-    assert results[0] == results[1] == (10, {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 10})
+    assert results[0] == results[1] == ((10, {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 10}), [])
 
 
 def test_ranks_with_different_newest_iterations_agree_on_the_newest_common_one(tmp_path, monkeypatch):
@@ -155,17 +167,17 @@ def test_ranks_with_different_newest_iterations_agree_on_the_newest_common_one(t
     slots = {0: [memory_slot(12, newer), memory_slot(10, older)], 1: [memory_slot(10, older)]}
     results, calls = load_on_two_ranks(tmp_path, monkeypatch, slots)
     assert calls == 3  # the optimistic all-reduce, the iterations' all-gather, the plan's all-reduce
-    assert results[0] == results[1] == (10, {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 10})
+    assert results[0] == results[1] == ((10, {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 10}), [])
 
 
-def test_a_rank_that_cannot_read_the_agreed_iteration_makes_every_rank_fall_back(tmp_path, monkeypatch, capfd):
+def test_a_rank_that_cannot_read_the_agreed_iteration_makes_every_rank_fall_back(tmp_path, monkeypatch):
+    """Every rank hears that iteration 10 is refused (rank 1 why), and the plan after excluding it is 8."""
     experts = {ExpertId(1, 0): 8, ExpertId(1, 1): 8}
     corrupt = memory_slot(10, {ExpertId(1, 0): 10, ExpertId(1, 1): 10})
     corrupt.corrupt = True
     slots = {0: [memory_slot(10, {ExpertId(1, 0): 10, ExpertId(1, 1): 10}), memory_slot(8, experts)],
              1: [corrupt, memory_slot(8, experts)]}
     results, _ = load_on_two_ranks(tmp_path, monkeypatch, slots)
-    assert results[0] == results[1] == (8, {NON_EXPERT: 8, "L1.E0": 8, "L1.E1": 8})
-    err = capfd.readouterr().err
-    assert "rank 1: cannot restore iteration 10: slot@10 fails its checksum" in err
-    assert "rank 0: cannot restore iteration 10: another rank cannot" in err
+    assert results[0][0] == results[1][0] == (8, {NON_EXPERT: 8, "L1.E0": 8, "L1.E1": 8})
+    assert results[0][1] == [Refused(10, None)]
+    assert results[1][1] == [Refused(10, "slot@10 fails its checksum")]

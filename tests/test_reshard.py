@@ -9,8 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_committed_files_unchanged, committed_files, torchrun
-from megatron_pec import manifest
+from conftest import assert_committed_files_unchanged, checkpoints, committed_files, torchrun
 from megatron_pec.testing.cluster import run_megatron_pec
 from test_export import read_safetensors
 
@@ -87,5 +86,5 @@ def test_restore_onto_another_parallel_layout(tmp_path, shm_dir, before, after, 
     # The new layout saves on and its commit stands alone (no reference into the old layout's files).
     verified = run_megatron_pec("verify", ckpt, "--iteration", "6")
     assert verified.returncode == 0, verified.stdout
-    first = manifest.read_manifest(str(ckpt), 6)
+    first = checkpoints(ckpt).read_manifest(6)
     assert not first.sources and set(first.experts.values()) == {6}, (first.sources, first.experts)

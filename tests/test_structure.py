@@ -5,6 +5,9 @@
 * production code never imports ``megatron_pec.testing``;
 * no module assigns attributes of another module's objects - apart from the few places whose job
   it is, listed here with the reason;
+* the process environment is read in ``config.py`` only, apart from the test hooks listed here;
+* the modules import each other without a cycle, imports inside functions counted (they hide a cycle
+  from the interpreter until the function runs, not from the reader);
 * the node agent starts without torch or Megatron.
 """
 
@@ -30,6 +33,15 @@ ALLOWED_FOREIGN_WRITES = {
 }
 
 
+# file -> why it reads the process environment (``config.PecConfig.from_args`` reads everything else)
+ALLOWED_ENVIRONMENT_READERS = {
+    "config.py": "the one configuration: the launcher's facts, the failure domain, two test hooks",
+    "faults.py": "fault injection, a test hook by design (MEGATRON_PEC_FAULT and its companions)",
+    "slots.py": "a test hook: MEGATRON_PEC_CGROUP_DIR points the tmpfs budget check at other files",
+    "agent/client.py": "hands the trainer's environment on to the agent process it starts",
+}
+
+
 def relative(path: Path) -> str:
     return path.relative_to(PACKAGE).as_posix()
 
@@ -43,6 +55,67 @@ def imports(path: Path) -> set[str]:
             names.add(node.module)
             names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports(path: Path, modules: set[str], root: Path = REPO) -> set[str]:
+    """The package's modules that ``path`` imports, wherever the import statement stands (module level,
+    inside a function or a class): ``from megatron_pec import log`` imports the module ``megatron_pec.log``,
+    ``from megatron_pec.log import info`` the module ``megatron_pec.log``; relative imports resolved."""
+    here = module_name(path, root)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != here)
+    return found
+
+
+def import_cycles(sources: list[Path], root: Path = REPO) -> list[list[str]]:
+    """Every strongly connected group of more than one module in the import graph of ``sources``
+    (Tarjan's algorithm), each sorted; empty when the graph has no cycle."""
+    modules = {module_name(p, root) for p in sources}
+    graph = {module_name(p, root): sorted(package_imports(p, modules, root)) for p in sources}
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
 
 
 def foreign_attribute_writes(path: Path) -> set[str]:
@@ -90,6 +163,40 @@ def test_the_scanner_sees_foreign_writes(tmp_path):
     sample.write_text("def f(engine, self):\n    engine.live = 1\n    self.x = 2\n    engine.pec.k += 1\n"
                       "    a.b[0].c = 3\n")
     assert foreign_attribute_writes(sample) == {"engine.live", "engine.pec.k", "a.b[0].c"}
+
+
+def reads_environment(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb") \
+                and isinstance(node.value, ast.Name) and node.value.id == "os":
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                any(a.name in ("environ", "getenv", "environb") for a in node.names):
+            return True
+    return False
+
+
+def test_the_environment_is_read_in_one_place():
+    readers = {relative(p) for p in SOURCES if not relative(p).startswith("testing/") and reads_environment(p)}
+    assert readers <= ALLOWED_ENVIRONMENT_READERS.keys(), readers - ALLOWED_ENVIRONMENT_READERS.keys()
+
+
+def test_the_modules_import_each_other_without_a_cycle():
+    assert not import_cycles(SOURCES), import_cycles(SOURCES)
+
+
+def test_the_cycle_check_sees_imports_inside_functions(tmp_path):
+    """The check above can fail: a cycle closed by an import inside a function is found."""
+    package = tmp_path / "megatron_pec"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from megatron_pec.b import g\n\ndef f():\n    return g()\n")
+    (package / "b.py").write_text("def g():\n    from megatron_pec import a\n    return a\n")
+    (package / "c.py").write_text("from . import a\n")
+    sources = sorted(package.rglob("*.py"))
+    names = {module_name(p, tmp_path) for p in sources}
+    assert names == {"megatron_pec", "megatron_pec.a", "megatron_pec.b", "megatron_pec.c"}
+    assert import_cycles(sources, tmp_path) == [["megatron_pec.a", "megatron_pec.b"]]
 
 
 def test_the_agent_starts_without_torch_or_megatron():

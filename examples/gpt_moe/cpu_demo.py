@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megatron_pec import manifest  # noqa: E402
+from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError  # noqa: E402
+from megatron_pec.storage import default_storage  # noqa: E402
 from megatron_pec.testing.cluster import Cluster, parse_plt, persist_only_plt  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "8",
@@ -108,7 +109,7 @@ class Echo:
 def lose_node_mid_run(c: Cluster, a) -> dict:
     """Wait for --kill-at, then lose node 1 (trainer, agent, node memory); returns what happened."""
     c.wait_iteration(a.kill_at, timeout=1800)
-    committed = manifest.committed_iterations(str(c.save))
+    committed = CheckpointDir(str(c.save), default_storage()).committed_iterations()
     agent = c.agent_pid(1)
     c.lose_node(1)
     reached = c.iteration()
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
                 if loss["stored"] is not None:  # now, before retention deletes that iteration
                     try:
                         loss["storage_only_plt"] = persist_only_plt(c.save, loss["stored"])
-                    except manifest.ManifestError:
+                    except ManifestError:
                         pass  # already retired by retention: the comparison is left out
             codes = c.wait_exit(1800)
         if codes != {0: 0, 1: 0}:

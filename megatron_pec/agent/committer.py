@@ -1,9 +1,9 @@
-"""Agent phase 6, commit - and the persists a restart relies on.
+"""Save step 6, commit - and the persists a restart relies on.
 
 Runs in the node agent's writer thread (``writer.py``; at a planned exit, once the writer stopped, in
 the agent's main thread). A node's part of an iteration is done when every local
 rank's file of it is durable: then the node marker is written, and whichever node's agent sees
-every marker writes the manifest and the tracker (``manifest.try_commit``). An iteration any of
+every marker writes the manifest and the tracker (``CheckpointDir.try_commit``). An iteration any of
 whose rank files failed is never committed. A snapshot held only in node memory is persisted
 here too: at a planned exit (the newest one), and after a restart restored it from memory.
 """
@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pec import log, manifest
+from megatron_pec import log
 from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.agent.persist import check_snapshot, write_rank_file
+from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.protocol import JobInfo, NodeMarker, RankFile, SlotRecord
 from megatron_pec.slots import SlotCache, slot_path
-from megatron_pec.storage import PosixStorage
 
 
 class Committer:
-    def __init__(self, directory: str, storage: PosixStorage, slots: SlotCache):
-        self.directory, self.storage, self.slots = directory, storage, slots
+    def __init__(self, directory: str, slots: SlotCache):
+        self.directory, self.slots = directory, slots
         # (save root, iteration, generation) -> rank files of one save; saves with a failed rank file
         self.pending: dict[tuple[str, int, str], dict[str, RankFile]] = {}
         self.failed: set[tuple[str, int, str]] = set()
@@ -30,11 +30,12 @@ class Committer:
     def failed_persist(self, root: str, iteration: int, generation: str) -> None:
         self.failed.add((root, iteration, generation))
 
-    def persisted(self, job: JobInfo, iteration: int, rank: int, entry: RankFile, generation: str) -> bool:
-        """Rank ``rank``'s file of save ``generation`` of ``iteration`` is durable; False when that save can
-        no longer commit (another local rank's file of it failed). Raises OSError or ManifestError when the
-        marker or the commit cannot be written."""
-        key = (job.save, iteration, generation)
+    def persisted(self, checkpoints: CheckpointDir, job: JobInfo, iteration: int, rank: int, entry: RankFile,
+                  generation: str) -> bool:
+        """Rank ``rank``'s file of save ``generation`` of ``iteration`` is durable in ``checkpoints`` (the job's
+        --save); False when that save can no longer commit (another local rank's file of it failed). Raises
+        OSError or ManifestError when the marker or the commit cannot be written."""
+        key = (checkpoints.root, iteration, generation)
         if key in self.failed:
             return False
         done = self.pending.setdefault(key, {})
@@ -44,11 +45,11 @@ class Committer:
         del self.pending[key]
         marker = NodeMarker(iteration=iteration, node=job.node_rank, job_id=job.job_id,
                             fingerprint=job.fingerprint, topology=job.topology, ranks=done, generation=generation)
-        manifest.write_node_marker(job.save, marker, self.storage)
+        checkpoints.write_node_marker(marker)
         try:
-            committed = manifest.try_commit(job.save, iteration, job.num_nodes, job.keep, generation, self.storage)
+            committed = checkpoints.try_commit(iteration, job.num_nodes, job.keep, generation)
         except OSError as exc:
-            if not self._committed_as(job.save, iteration, generation):
+            if not self._committed_as(checkpoints, iteration, generation):
                 raise
             # every node's marker was durable and another node's agent wrote the same manifest
             log.info(f"could not write the commit of iteration {iteration} ({exc}); another node's agent did")
@@ -57,11 +58,12 @@ class Committer:
             log.info(f"committed iteration {iteration}")
         return True
 
-    def _committed_as(self, root: str, iteration: int, generation: str) -> bool:
+    @staticmethod
+    def _committed_as(checkpoints: CheckpointDir, iteration: int, generation: str) -> bool:
         """The manifest of ``iteration`` is this save's (not an earlier save's it was to replace)."""
         try:
-            return manifest.read_manifest(root, iteration, self.storage).generation == generation
-        except (OSError, manifest.ManifestError):
+            return checkpoints.read_manifest(iteration).generation == generation
+        except (OSError, ManifestError):
             return False
 
     def persist_newest(self, served: dict, memory: NodeMemory) -> None:
@@ -80,31 +82,32 @@ class Committer:
         save ``generation``, unless storage holds a newer iteration or this save already. Where the
         committed file of the iteration holds every item the snapshot wrote, that file (never written
         again) is this rank's part of the save: every rank takes part, so the save can commit."""
-        rank, job, iteration = link.rank, link.job, copy.record.iteration
-        root = job.save
+        rank, job, iteration, checkpoints = link.rank, link.job, copy.record.iteration, link.checkpoints
         try:
-            committed = manifest.committed_iterations(root, self.storage)
+            committed = checkpoints.committed_iterations()
             if committed and committed[0] > iteration:
                 return
             entry = None
             if committed and committed[0] == iteration:
-                held = manifest.read_manifest(root, iteration, self.storage)
+                held = checkpoints.read_manifest(iteration)
                 if held.generation == generation:
                     return  # this save is committed
                 entry = held.ranks.get(str(rank))
-            if job.node_rank in manifest.persisted_nodes(root, iteration, generation, self.storage):
+            if job.node_rank in checkpoints.persisted_nodes(iteration, generation):
                 return  # persisted by this node already; another node's agent has yet to commit it
-            self.failed.discard((root, iteration, generation))  # a failed persist of it is retried now
+            self.failed.discard((checkpoints.root, iteration, generation))  # a failed persist of it is retried now
             if entry is not None and copy.written <= set(entry.items):
-                self.persisted(job, iteration, rank, entry, generation)
+                self.persisted(checkpoints, job, iteration, rank, entry, generation)
                 return
-            target = manifest.fresh_rank_file(root, iteration, rank, generation, self.storage)
+            target = checkpoints.fresh_rank_file(iteration, rank, generation)
             elsewhere = {item: slot_path(self.directory, rank, place) for item, place in copy.places.items()}
             checked = check_snapshot(slot_path(self.directory, rank, copy.slot), iteration, copy.record.run, job.key,
                                      self.slots)
-            file = write_rank_file(checked, set(checked.snapshot.items), target, self.storage, self.slots, elsewhere)
+            file = write_rank_file(checked, set(checked.snapshot.items), target, checkpoints.storage, self.slots,
+                                   elsewhere)
             log.info(f"{why}: persisted rank {rank}'s snapshot of iteration {iteration}")
-            self.persisted(job, iteration, rank, RankFile(file=manifest.relative(root, target), **file), generation)
+            self.persisted(checkpoints, job, iteration, rank, RankFile(file=checkpoints.relative(target), **file),
+                           generation)
         except Exception as exc:  # storage keeps what it had: said, never hidden
             log.info(f"{why}: cannot persist rank {rank}'s iteration {iteration}: {type(exc).__name__}: {exc}")
 

@@ -1,5 +1,6 @@
 """The node agent's work, as typed jobs: what the connections (and the writer, ``writer.py``) queue
-and the worker loop runs, in arrival order (``server.Agent._work``). The loop stops on ``Shutdown``.
+and the worker loop runs, in arrival order, each through its handler in ``server.Agent.HANDLERS``. The
+loop stops on ``Shutdown``. ``link``: the trainer's ``trainers.Link``.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from megatron_pec.protocol import Begin, SnapshotReady
 
 
 @dataclass(frozen=True)
-class Persist:
-    """Phase 5 for an announced snapshot: check and record it; release it, or hand its rank file to the
-    writer."""
+class RecordSnapshot:
+    """Save step 5 for every announced snapshot, memory-only or persistent: check its header and record
+    it in node memory; release a memory-only one, hand a persistent one's rank file to the writer."""
 
-    link: object  # the announcing trainer's ``server.Link``
+    link: object  # the announcing trainer's
     msg: SnapshotReady
 
 
@@ -82,5 +83,5 @@ class Shutdown:
     """Stop the worker (everything queued before is done)."""
 
 
-__all__ = ["Persist", "Pull", "Settle", "Resume", "Flush", "Written", "WrittenFromMemory", "Drained", "Repin",
+__all__ = ["RecordSnapshot", "Pull", "Settle", "Resume", "Flush", "Written", "WrittenFromMemory", "Drained", "Repin",
            "Shutdown"]

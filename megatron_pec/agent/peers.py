@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import socket
 
-from megatron_pec.protocol import PeerAddress, ProtocolError
-from megatron_pec.storage import PosixStorage
+from megatron_pec.protocol import JobInfo, PeerAddress, ProtocolError
+from megatron_pec.storage import Storage
 
 RENDEZVOUS = "pec_agents"  # under --save; Megatron ignores anything not named iter_* or the tracker
 
@@ -22,11 +22,11 @@ def address_path(save: str, job_id: str, node: int) -> str:
     return os.path.join(save, RENDEZVOUS, job_id, f"node_{node:04d}.json")
 
 
-def publish(save: str, job_id: str, address: PeerAddress, storage: PosixStorage) -> None:
+def publish(save: str, job_id: str, address: PeerAddress, storage: Storage) -> None:
     storage.write_text_atomic(address_path(save, job_id, address.node), address.dumps())
 
 
-def read_peers(save: str, job_id: str, num_nodes: int, storage: PosixStorage) -> dict[int, PeerAddress]:
+def read_peers(save: str, job_id: str, num_nodes: int, storage: Storage) -> dict[int, PeerAddress]:
     """The published addresses that can be read (a missing or damaged one is simply absent)."""
     peers = {}
     for node in range(num_nodes):
@@ -49,11 +49,7 @@ def holders(node: int, num_nodes: int, replicas: int, domains: dict[int, str]) -
     return chosen
 
 
-def advertised_host() -> str:
-    """The address peers reach this node's agent at: ``MEGATRON_PEC_AGENT_HOST`` if set; the loopback
-    address when the job's master is local (simulated nodes on one machine); else this host's address."""
-    if os.environ.get("MEGATRON_PEC_AGENT_HOST"):
-        return os.environ["MEGATRON_PEC_AGENT_HOST"]
-    if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+def advertised_host(job: JobInfo) -> str:
+    """The address peers reach this node's agent at: the one its trainers' launch named
+    (``config.Launch.agent_host``), else this host's address."""
+    return job.host or socket.gethostbyname(socket.gethostname())

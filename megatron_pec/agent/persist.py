@@ -1,5 +1,5 @@
-"""Agent phase 5: check a snapshot's header (the worker) and persist its persist-level items as a rank
-file (the writer).
+"""Save steps 5 and 6 in the agent: check a snapshot's header (the worker records it) and persist its
+persist-level items as a rank file (the writer).
 
 The header (in the snapshot's home slot) carries each written item's checksum, computed by the trainer
 where the bytes came from (``sum64``): that is the snapshot's record, and a memory-only snapshot is
@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from megatron_pec.agent.memory import header_problem
-from megatron_pec.checksum import crc32, item_checks, mismatch
+from megatron_pec.checksum import crc32, item_checks, item_crc32, mismatch
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import JobKey, ProtocolError, SlotHeader
 from megatron_pec.slots import SlotCache
-from megatron_pec.stformat import encode_header, item_checksums
-from megatron_pec.storage import PosixStorage
+from megatron_pec.stformat import encode_header
+from megatron_pec.storage import Storage
 
 
 class SnapshotMismatch(RuntimeError):
@@ -63,10 +63,10 @@ def check_snapshot(path: str, iteration: int, run: str, job: JobKey, slots: Slot
             raise SnapshotMismatch(f"{path} has no checksum for {', '.join(unsummed[:3])}")
         return CheckedSnapshot(path, snapshot, header, {i: snapshot.sums[i] for i in written}, True)
     # a trainer of an older release: its bytes are checked here, as it did
-    return CheckedSnapshot(path, snapshot, header, item_checksums(mapping, header, set(written)), False)
+    return CheckedSnapshot(path, snapshot, header, item_crc32(mapping, header, set(written)), False)
 
 
-def write_rank_file(checked: CheckedSnapshot, keep: set[str], target: str, storage: PosixStorage, slots: SlotCache,
+def write_rank_file(checked: CheckedSnapshot, keep: set[str], target: str, storage: Storage, slots: SlotCache,
                     elsewhere: dict[str, str] | None = None, cpu=None) -> dict:
     """Persist the items ``keep`` of ``checked`` to ``target`` (``elsewhere``: item -> the slot file its region is
     in, if not the home), each checked against its checksum before the rename (``cpu``: the agent's ledger,
@@ -111,7 +111,7 @@ def _check(path: str, actual: dict, expected: dict) -> None:
             raise SnapshotMismatch(mismatch(f"{path} (in node memory)", item, actual[item], expected[item]))
 
 
-def _write_compact(where: dict, header, snapshot: SlotHeader, keep: set[str], target: str, storage: PosixStorage,
+def _write_compact(where: dict, header, snapshot: SlotHeader, keep: set[str], target: str, storage: Storage,
                    before_rename) -> dict:
     """``where``: item -> the mapping of the slot file its bytes are in (all slots share ``header``'s layout)."""
     entries, offset = [], 0

@@ -21,21 +21,22 @@ shrink while it waits for a region.
 
 from __future__ import annotations
 
-from megatron_pec import manifest
 from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Pin
 
 
-def pins(rank: int, job, memory: NodeMemory, storage, replicating: list[int], writing: list[Pin],
-         persisted: tuple | None) -> list[Pin]:
-    """The rank's pins now (``job``: its ``JobInfo``); ``replicating``: the iterations of its snapshots
-    being sent or to send; ``writing``: the pins of its writes in flight; ``persisted``: (run, iteration)
-    of the newest snapshot this agent wrote the rank's file of, which may still commit."""
+def pins(rank: int, job, memory: NodeMemory, checkpoints: CheckpointDir, replicating: list[int],
+         writing: list[Pin], persisted: tuple | None) -> list[Pin]:
+    """The rank's pins now (``job``: its ``JobInfo``; ``checkpoints``: its --save); ``replicating``: the
+    iterations of its snapshots being sent or to send; ``writing``: the pins of its writes in flight;
+    ``persisted``: (run, iteration) of the newest snapshot this agent wrote the rank's file of, which may
+    still commit."""
     out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))] + list(writing)
     if not job.replicas:
         committed = memory.newest(rank, lambda r: (r.run, r.iteration) == persisted or
-                                  storage.exists(manifest.manifest_path(job.save, r.iteration)))
+                                  checkpoints.is_committed(r.iteration))
         if committed is not None:
             out.append(Pin(committed[1].iteration, [NON_EXPERT]))
     return out

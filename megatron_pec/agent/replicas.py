@@ -48,7 +48,7 @@ from megatron_pec.protocol import (
 )
 from megatron_pec.slots import REPLICA_SLOTS
 from megatron_pec.stformat import MAX_HEADER, FormatError, decode_header
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 REPLICA_DIR = "replicas"
 INDEX = "index.json"
@@ -271,7 +271,7 @@ class ReplicaServer:
 class Replicator:
     """Sends recorded snapshots to this node's holders in a background thread."""
 
-    def __init__(self, node_dir: str, job: JobInfo, storage: PosixStorage, on_done=None):
+    def __init__(self, node_dir: str, job: JobInfo, storage: Storage, on_done=None):
         """``on_done()``: called after each push ends (its pins are gone)."""
         self.node_dir, self.job, self.storage, self.on_done = node_dir, job, storage, on_done
         self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
@@ -405,7 +405,7 @@ class Replicator:
             return ReplicaReply.loads(_read_line(sock))
 
 
-def pull(node_dir: str, job: JobInfo, rank: int, slot_path: str, storage: PosixStorage
+def pull(node_dir: str, job: JobInfo, rank: int, slot_path: str, storage: Storage
          ) -> tuple[SlotRecord, list[Segment]] | str:
     """Fetch ``rank``'s replica from this node's holders into ``slot_path`` (a slot file of the same
     layout), verified item by item; returns its record (``origin`` = the holder) and lineage, or why

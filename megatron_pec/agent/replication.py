@@ -15,11 +15,11 @@ from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
 from megatron_pec.protocol import JobInfo, PeerAddress
 from megatron_pec.slots import slot_path
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 
 class Replication:
-    def __init__(self, directory: str, storage: PosixStorage, on_push_done=None):
+    def __init__(self, directory: str, storage: Storage, on_push_done=None):
         """``on_push_done()``: called after each push ends (a trainer may be waiting for its regions)."""
         self.directory, self.storage, self.on_push_done = directory, storage, on_push_done
         self.replicator: Replicator | None = None
@@ -41,7 +41,7 @@ class Replication:
                 return
             self.store = ReplicaStore(self.directory)
             self.server = ReplicaServer(self.store)
-            self.address = PeerAddress(job.node_rank, peers.advertised_host(), self.server.port,
+            self.address = PeerAddress(job.node_rank, peers.advertised_host(job), self.server.port,
                                        job.domain or f"node {job.node_rank}", os.getpid())
             self.replicator = Replicator(self.directory, job, self.storage, self.on_push_done)
         self.publish(job)  # storage I/O: outside the lock

@@ -3,18 +3,22 @@ owns node memory.
 
 Started detached by a trainer (or by hand with ``python -m megatron_pec agent``), it outlives
 trainer crashes so their snapshots stay in node memory. It never imports torch or Megatron. Two
-threads do its work:
+threads do its work, save steps 5-7 (docs/design.md):
 
-5. record   the worker, for each announced snapshot in arrival order: check its header (the trainer
-            wrote each item's checksum there) and record its regions in node memory (``memory.py``):
-            it is restorable now, every item at its newest version. A memory-only snapshot is
-            released at once: it costs the agent its header and its index entry, whatever its size.
-6. persist  the writer (``writer.py``), for each persistent snapshot in arrival order: write the rank
-   and     file (tmp, fsync, rename; each persisted item checked on the way); when all local ranks of
-   commit   an iteration are persisted, write this node's marker; whichever node completes last writes
-            manifest and tracker (``committer.py``). Snapshots keep being recorded meanwhile.
-   release  the worker answers the trainer with the regions it must keep (``pins.py``) and sends the
-            snapshot to the node's replica holders (``replication.py``).
+5. record     the worker, for each announced snapshot in arrival order: check its header (the trainer
+              wrote each item's checksum there) and record its regions in node memory (``memory.py``):
+              it is restorable now, every item at its newest version. A memory-only snapshot is
+              released at once: it costs the agent its header and its index entry, whatever its size.
+6. persist    the writer (``writer.py``), for each persistent snapshot in arrival order: write the rank
+   and        file (tmp, fsync, rename; each persisted item checked on the way); when all local ranks of
+   commit     an iteration are persisted, write this node's marker; whichever node completes last writes
+              manifest and tracker (``committer.py``). Snapshots keep being recorded meanwhile; the
+              worker answers the trainer with the regions it must keep (``pins.py``) once written.
+7. replicate  the worker offers each recorded snapshot to the node's replica holders (``replication.py``).
+
+The worker runs typed jobs (``jobs.py``) through one table (``Agent.HANDLERS``); the connections'
+messages go through another (``Agent.MESSAGES``). Who is connected, and what each rank waits for, is
+``trainers.Trainers``'.
 
 Protocol (``protocol.py`` records, newline-delimited JSON over ``<node dir>/agent.sock``):
 a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` with its pins), then
@@ -28,16 +32,13 @@ serving.
 
 from __future__ import annotations
 
-import collections
 import fcntl
-import itertools
 import os
 import queue
 import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 
 from megatron_pec import faults, log
 from megatron_pec.agent import jobs, writer
@@ -48,6 +49,8 @@ from megatron_pec.agent.memory import INDEX, NodeMemory
 from megatron_pec.agent.persist import check_snapshot
 from megatron_pec.agent.pins import pins
 from megatron_pec.agent.replication import Replication
+from megatron_pec.agent.trainers import Link, Trainers
+from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.protocol import (
     Begin,
     Begun,
@@ -56,7 +59,6 @@ from megatron_pec.protocol import (
     Flushed,
     Granted,
     Hello,
-    JobInfo,
     Pin,
     ProtocolError,
     Ready,
@@ -68,62 +70,36 @@ from megatron_pec.protocol import (
     decode_message,
 )
 from megatron_pec.slots import SlotCache, slot_path
-from megatron_pec.storage import PosixStorage
+from megatron_pec.storage import Storage
 
 SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
 LOCKFILE = "agent.lock"  # held by a trainer starting an agent, and by an agent from its last job to its exit
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
 
-_LINKS = itertools.count()
-
-
-@dataclass
-class Link:
-    """One trainer's connection: who it is, which timeline it writes, the pins it heard last."""
-
-    conn: socket.socket
-    rank: int
-    job: JobInfo
-    run: str | None = None            # set by Begin
-    pins: tuple = ((), None)          # (pins, hold) it heard last
-    serial: int = field(default_factory=lambda: next(_LINKS))  # unlike id(), never reused
-
-    def begin(self, run: str) -> None:
-        self.run = run
-
-    def told(self, pins: tuple[list[Pin], str | None]) -> tuple[list[Pin], str | None]:
-        self.pins = pins
-        return pins
-
 
 class Agent:
-    """The server: connections, the worker loop, and the order of phases 5 and 6. What node memory
-    holds is ``memory``'s, writes and commits ``writer``'s, replication ``replication``'s."""
+    """The server: connections, the worker loop, and the order of save steps 5-7. What node memory
+    holds is ``memory``'s, writes and commits ``writer``'s, replication ``replication``'s, who is
+    connected ``trainers``'."""
 
-    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool):
+    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage):
         self.directory, self.node_rank = directory, node_rank
         self.idle_timeout, self.keep_shm = idle_timeout, keep_shm
-        self.storage = PosixStorage()
+        self.storage = storage                          # every job's --save is read and written through it
         self.slots = SlotCache()                        # slot mappings and tables, kept across snapshots
         self.jobs: queue.Queue = queue.Queue()
-        self.lock = threading.Lock()
-        self.unrecorded: collections.Counter = collections.Counter()  # rank -> snapshots (and pulls) not yet recorded
-        self.send_locks: dict[socket.socket, threading.Lock] = {}     # the worker and a client thread both answer
-        self.links: dict[int, Link] = {}                # rank -> its current trainer
-        self.served: dict[int, Link] = {}               # rank -> its latest trainer, connected or not
-        self.detached: set[int] = set()
+        self.trainers = Trainers()                      # shared by the connections' threads and the worker
         self.planned_exit = False                       # every trainer detached cleanly
         # started once a job asks for it; a push that ends frees the regions it pinned
         self.replication = Replication(directory, self.storage, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
         self.writing: dict[int, list[Pin]] = {}         # rank -> pins of its writes in flight (the worker's)
         self.persisted: dict[int, tuple] = {}           # rank -> (run, iteration) of the newest file written
-        self.pending_work = False  # a job is queued or running
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
         self.cpu = CpuLedger(directory)                 # CPU time by phase (benchmarks)
-        self.writer = writer.Writer(directory, self.storage, self.slots, self.cpu, self.jobs.put)
+        self.writer = writer.Writer(directory, self.slots, self.cpu, self.jobs.put)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -161,18 +137,15 @@ class Agent:
             server.close()
             os.unlink(sock_path)  # no longer serving: a trainer must not find a socket to connect to
             if self.planned_exit:
-                self.writer.committer.persist_newest(self.served, self.memory)
+                self.writer.committer.persist_newest(self.trainers.latest(), self.memory)
             self.replication.close()
             self._cleanup()
         return 0
 
     def _check_idle(self) -> None:
-        with self.lock:
-            busy = bool(self.links) or not self.jobs.empty() or self.pending_work or self.writer.busy
-            everyone_left = bool(self.served) and set(self.served) <= self.detached and not self.links
-        if busy:
+        if self.trainers.busy() or not self.jobs.empty() or self.writer.busy:
             self.last_activity = time.monotonic()
-        elif everyone_left:
+        elif self.trainers.everyone_left():
             log.info("all trainers detached cleanly; exiting")
             self.planned_exit = True
             self.stopping.set()
@@ -198,79 +171,71 @@ class Agent:
             if name.endswith(".tmp"):
                 os.unlink(os.path.join(self.directory, name))
 
-    # ---- connections ----------------------------------------------------------------------------
+    # ---- connections: one thread each, messages through ``MESSAGES`` ----------------------------------
     def _client(self, conn: socket.socket) -> None:
         link = None
         try:
             for line in conn.makefile("r"):
                 msg = decode_message(line)
-                if isinstance(msg, Hello):
-                    link = self._hello(conn, msg)
-                elif link is None and not isinstance(msg, Stop):
+                handle = self.MESSAGES.get(type(msg))
+                if handle is None:
+                    raise ProtocolError(f"{msg.KIND} is no message a trainer sends")
+                if link is None and not isinstance(msg, (Hello, Stop)):
                     raise ProtocolError(f"{msg.KIND} before hello")
-                elif isinstance(msg, Settle):
-                    self._settle(link)
-                elif isinstance(msg, (Begin, SnapshotReady, Flush)):
-                    with self.lock:
-                        self.pending_work = True
-                        if isinstance(msg, SnapshotReady):
-                            self.unrecorded[link.rank] += 1
-                    self.jobs.put(jobs.Resume(link, msg) if isinstance(msg, Begin) else
-                                  jobs.Persist(link, msg) if isinstance(msg, SnapshotReady) else jobs.Flush(link))
-                elif isinstance(msg, Detach):
-                    with self.lock:
-                        self.detached.add(link.rank)
-                elif isinstance(msg, Stop):
-                    self.stopping.set()
+                link = handle(self, conn, link, msg) or link
         except (OSError, ValueError) as exc:
             log.info(f"connection from rank {link.rank if link else None} broke: {exc}")
         finally:
-            with self.lock:
-                if link is not None and self.links.get(link.rank) is link:
-                    del self.links[link.rank]
-                self.send_locks.pop(conn, None)
+            self.trainers.gone(link, conn)
             conn.close()
 
-    def _hello(self, conn: socket.socket, msg: Hello) -> Link:
-        link = Link(conn, msg.rank, msg.job)
-        with self.lock:
-            self.links[msg.rank] = link  # a new trainer: grants of the old one are void
-            self.served[msg.rank] = link
-            self.detached.discard(msg.rank)
-        self._send(conn, Ready(os.getpid()))
+    def _hello(self, conn: socket.socket, link: Link | None, msg: Hello) -> Link:
+        link = Link(conn, msg.rank, msg.job, CheckpointDir(msg.job.save, self.storage))
+        self.trainers.hello(link)  # a new trainer: grants of the old one are void
+        self.trainers.send(conn, Ready(os.getpid()))
         if msg.job.replicas and msg.job.num_nodes > 1:
             # After Ready, before this trainer's next message is read: the pull is the first job of
             # this trainer, and a failure here cannot break its handshake.
             self.replication.start(msg.job)
             if not self.memory.slots.get(msg.rank):  # e.g. a replacement node: ask the peers
-                with self.lock:
-                    self.pending_work = True
-                    self.unrecorded[msg.rank] += 1  # a restore waits for what the pull brings
+                self.trainers.queued(awaited_rank=msg.rank)  # a restore waits for what the pull brings
                 self.jobs.put(jobs.Pull(link))
         return link
 
-    def _send(self, conn: socket.socket, msg: Record) -> None:
-        with self.lock:
-            lock = self.send_locks.setdefault(conn, threading.Lock())
-        with lock:  # whole lines: the worker and the connection's own thread may answer at once
-            try:
-                conn.sendall((msg.dumps() + "\n").encode())
-            except OSError:
-                pass  # the trainer is gone; its snapshot is still recorded
-
-    def _settle(self, link: Link) -> None:
+    def _settle(self, conn: socket.socket, link: Link, msg: Settle) -> None:
         """A restore starts: answered at once when every snapshot announced for the rank is recorded
         and a pull from peers' replicas for it has ended (what a restore needs), not queued behind
         commits; else in order."""
-        with self.lock:
-            settled = self.unrecorded[link.rank] == 0
-            self.pending_work |= not settled
-        if settled:
-            self._send(link.conn, Flushed())
+        if self.trainers.settled(link.rank):
+            self.trainers.send(conn, Flushed())
         else:
             self.jobs.put(jobs.Settle(link))
 
-    # ---- the worker: phases 5 and 6 in order ----------------------------------------------------
+    def _begin(self, conn: socket.socket, link: Link, msg: Begin) -> None:
+        self.trainers.queued()
+        self.jobs.put(jobs.Resume(link, msg))
+
+    def _announced(self, conn: socket.socket, link: Link, msg: SnapshotReady) -> None:
+        self.trainers.queued(awaited_rank=link.rank)  # a restore waits until it is recorded
+        self.jobs.put(jobs.RecordSnapshot(link, msg))
+
+    def _flush_asked(self, conn: socket.socket, link: Link, msg: Flush) -> None:
+        self.trainers.queued()
+        self.jobs.put(jobs.Flush(link))
+
+    def _detach(self, conn: socket.socket, link: Link, msg: Detach) -> None:
+        self.trainers.detach(link.rank)
+
+    def _stop(self, conn: socket.socket, link: Link | None, msg: Stop) -> None:
+        self.stopping.set()
+
+    MESSAGES = {Hello: _hello, Settle: _settle, Begin: _begin, SnapshotReady: _announced, Flush: _flush_asked,
+                Detach: _detach, Stop: _stop}
+
+    def _send(self, link: Link, msg: Record) -> None:
+        self.trainers.send(link.conn, msg)
+
+    # ---- the worker: save steps 5-7 in order, jobs through ``HANDLERS`` --------------------------------
     def _work(self) -> None:
         """Jobs in arrival order; when idle, tell trainers waiting for a region that pins shrank."""
         while True:
@@ -281,44 +246,37 @@ class Agent:
                 continue
             if isinstance(job, jobs.Shutdown):
                 return
-            try:
-                self._do(job)
+            try:  # each job is answered even when it fails (a trainer waits for the answer)
+                self.HANDLERS[type(job)](self, job)
             except Exception as exc:  # (node memory full, storage unreachable): said, and the agent keeps serving
                 log.info(f"{type(job).__name__} failed: {type(exc).__name__}: {exc}")
-            with self.lock:  # after every step: a stale "busy" kept the agent alive forever
-                self.pending_work = not self.jobs.empty()
+            self.trainers.done(more_queued=not self.jobs.empty())
 
-    def _do(self, job) -> None:
-        """One job; each is answered even when it fails (a trainer waits for the answer)."""
-        if isinstance(job, jobs.Flush):
-            self.writer.put(writer.Drain(job.link))  # answered once the writes before it ended
-        elif isinstance(job, jobs.Drained):
-            self._write_cpu_ledger()
-            self._send(job.link.conn, Flushed())
-        elif isinstance(job, jobs.Persist):
-            self._record(job)
-        elif isinstance(job, jobs.Written):
-            self._written(job.link, job.msg, job.error, job.committable)
-        elif isinstance(job, jobs.WrittenFromMemory):
-            self.writing[job.rank].remove(Pin(job.iteration, None, newest=True))
-            self._repin()
-        elif isinstance(job, jobs.Repin):
-            self._repin()
-        elif isinstance(job, jobs.Pull):
-            try:
-                self.replication.pull(job.link.job, job.link.rank, self.memory)
-            finally:
-                self._recorded(job.link.rank)
-        elif isinstance(job, jobs.Settle):  # every earlier snapshot is recorded
-            self._send(job.link.conn, Flushed())
-        elif isinstance(job, jobs.Resume):
-            self._resume(job.link, job.msg)
+    def _flush(self, job: jobs.Flush) -> None:
+        self.writer.put(writer.Drain(job.link))  # answered once the writes before it ended
 
-    def _record(self, job: jobs.Persist) -> None:
-        """Phase 5: check the header, record the snapshot's regions, offer it to the replicas; release it,
-        or hand its rank file to the writer (released once written)."""
+    def _drained(self, job: jobs.Drained) -> None:
+        self._write_cpu_ledger()
+        self._send(job.link, Flushed())
+
+    def _settled(self, job: jobs.Settle) -> None:  # every earlier snapshot is recorded
+        self._send(job.link, Flushed())
+
+    def _pull(self, job: jobs.Pull) -> None:
+        try:
+            self.replication.pull(job.link.job, job.link.rank, self.memory)
+        finally:
+            self.trainers.recorded(job.link.rank)
+
+    def _written_from_memory(self, job: jobs.WrittenFromMemory) -> None:
+        self.writing[job.rank].remove(Pin(job.iteration, None, newest=True))
+        self._repin()
+
+    def _record(self, job: jobs.RecordSnapshot) -> None:
+        """Save step 5: check the header, record the snapshot's regions, offer it to the replicas (7);
+        release it, or hand its rank file to the writer (6; released once written)."""
         link, msg = job.link, job.msg
-        rank, root = link.rank, link.job.save
+        rank, root = link.rank, link.checkpoints.root
         try:
             with self.cpu("checking"):
                 checked = check_snapshot(slot_path(self.directory, rank, msg.slot), msg.iteration, link.run or "",
@@ -326,7 +284,7 @@ class Agent:
         except Exception as exc:  # reported to the trainer; the agent keeps serving
             if msg.persist:
                 self.writer.put(writer.Failed(root, msg.iteration, msg.generation))
-            self._recorded(rank)
+            self.trainers.recorded(rank)
             self._release(link, msg, False, f"{type(exc).__name__}: {exc}")
             return
         try:
@@ -337,10 +295,10 @@ class Agent:
         except Exception as exc:  # e.g. node memory full: not restorable, said; training goes on
             if msg.persist:
                 self.writer.put(writer.Failed(root, msg.iteration, msg.generation))
-            self._recorded(rank)
+            self.trainers.recorded(rank)
             self._release(link, msg, False, f"cannot record it in node memory: {type(exc).__name__}: {exc}")
             return
-        self._recorded(rank)
+        self.trainers.recorded(rank)
         faults.point("agent_recorded", iteration=msg.iteration)
         with self.cpu("replicating"):
             self.replication.offer(link.job, rank, msg.iteration, self.memory)
@@ -351,9 +309,10 @@ class Agent:
         elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in msg.places.items()}
         self.writer.put(writer.Write(link, msg, checked, elsewhere))
 
-    def _written(self, link: Link, msg: SnapshotReady, error: str | None, committable: bool) -> None:
+    def _written(self, job: jobs.Written) -> None:
+        link, msg, error = job.link, job.msg, job.error
         self.writing[link.rank].remove(Pin(msg.iteration, None))
-        if error is None and committable:
+        if error is None and job.committable:
             newest = self.persisted.get(link.rank)
             # (a restart's new run resumes below the old run's iterations: its own writes count from then)
             if newest is None or newest[0] != link.run or newest[1] < msg.iteration:
@@ -363,19 +322,16 @@ class Agent:
     def _release(self, link: Link, msg: SnapshotReady, recorded: bool, error: str | None) -> None:
         if error is not None:
             log.info(f"rank {link.rank} iteration {msg.iteration}: {error}")
-        self._send(link.conn, Released(msg.slot, msg.iteration, error, recorded, *link.told(self._pins(link))))
-
-    def _recorded(self, rank: int) -> None:
-        with self.lock:
-            self.unrecorded[rank] -= 1
+        self._send(link, Released(msg.slot, msg.iteration, error, recorded, *link.told(self._pins(link))))
 
     # ---- the timeline and the pins ------------------------------------------------------------------
-    def _resume(self, link: Link, msg: Begin) -> None:
+    def _resume(self, job: jobs.Resume) -> None:
         """The trainer's timeline: abandon other runs after its resume point; it reads node memory's
         regions from the index, written here first. The snapshot it resumed from, if node memory holds
         it, is persisted where storage lacks it (the restore may have read it from memory), so a second
         failure does not fall back further than it: its regions are pinned before the trainer hears
         ``Begun``."""
+        link, msg = job.link, job.msg
         link.begin(msg.run)
         copy = None
         try:
@@ -388,27 +344,25 @@ class Agent:
                 copy = MemoryCopy.of(self.memory, link.rank, *resumed)
                 self.writing.setdefault(link.rank, []).append(Pin(msg.resumed_from, None, newest=True))
         finally:  # answered whatever failed: the trainer waits for it
-            self._send(link.conn, Begun(*link.told(self._pins(link))))
+            self._send(link, Begun(*link.told(self._pins(link))))
         if copy is not None:
             self.writer.put(writer.WriteFromMemory(link, copy, "resumed", f"{link.job.session}.resumed"))
 
     def _pins(self, link: Link) -> tuple[list[Pin], str | None]:
         """The rank's pins and, if the next snapshot must wait, why."""
-        return (pins(link.rank, link.job, self.memory, self.storage, self.replication.replicating(link.rank),
+        return (pins(link.rank, link.job, self.memory, link.checkpoints, self.replication.replicating(link.rank),
                      self.writing.get(link.rank, []), self.persisted.get(link.rank)),
                 self.replication.hold(link.rank, link.job.replica_lag))
 
-    def _repin(self) -> None:
+    def _repin(self, job: jobs.Repin | None = None) -> None:
         """Trainers hear of pins that changed since their last answer (a push ended, a newer iteration
         committed): one that waits for a region would not otherwise know it is free."""
-        with self.lock:
-            links = list(self.links.values())
-        for link in links:
+        for link in self.trainers.connected():
             if link.run is None:
                 continue
             now = self._pins(link)
             if now != link.pins:
-                self._send(link.conn, Granted(*link.told(now)))
+                self._send(link, Granted(*link.told(now)))
 
     def _write_cpu_ledger(self) -> None:
         try:
@@ -416,6 +370,10 @@ class Agent:
         except OSError as exc:  # (only the benchmarks read it)
             log.info(f"cannot write {self.cpu.path}: {exc}")
 
+    HANDLERS = {jobs.RecordSnapshot: _record, jobs.Written: _written, jobs.Resume: _resume, jobs.Flush: _flush,
+                jobs.Drained: _drained, jobs.Settle: _settled, jobs.Pull: _pull,
+                jobs.WrittenFromMemory: _written_from_memory, jobs.Repin: _repin}
 
-def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool) -> int:
-    return Agent(directory, node_rank, idle_timeout, keep_shm).serve()
+
+def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage) -> int:
+    return Agent(directory, node_rank, idle_timeout, keep_shm, storage).serve()

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_pec import log, manifest
+from megatron_pec import log
 from megatron_pec.agent import jobs
 from megatron_pec.agent.committer import Committer, MemoryCopy
 from megatron_pec.agent.persist import CheckedSnapshot, write_rank_file
@@ -28,7 +28,7 @@ from megatron_pec.protocol import RankFile, SnapshotReady
 class Write:
     """The rank file of a persistent snapshot the worker recorded."""
 
-    link: object                 # the announcing trainer's ``server.Link``
+    link: object                 # the announcing trainer's ``trainers.Link``
     msg: SnapshotReady
     checked: CheckedSnapshot
     elsewhere: dict[str, str]    # item -> the slot file of its region, where not the home
@@ -61,9 +61,9 @@ class Drain:
 
 
 class Writer:
-    def __init__(self, directory: str, storage, slots, cpu, tell_worker: Callable[[object], None]):
-        self.storage, self.slots, self.cpu, self.tell_worker = storage, slots, cpu, tell_worker
-        self.committer = Committer(directory, storage, slots)
+    def __init__(self, directory: str, slots, cpu, tell_worker: Callable[[object], None]):
+        self.slots, self.cpu, self.tell_worker = slots, cpu, tell_worker
+        self.committer = Committer(directory, slots)
         self.queue: queue.Queue = queue.Queue()
         self._unfinished = 0
         self._lock = threading.Lock()
@@ -116,19 +116,20 @@ class Writer:
     def _write(self, job: Write) -> tuple[str | None, bool]:
         """Write and commit: (the error a trainer hears, if any; whether the save may still commit)."""
         link, msg = job.link, job.msg
-        root = link.job.save
+        checkpoints = link.checkpoints
         try:
-            target = manifest.fresh_rank_file(root, msg.iteration, link.rank, msg.generation, self.storage)
+            target = checkpoints.fresh_rank_file(msg.iteration, link.rank, msg.generation)
             keep = job.checked.kept(set(msg.persist_items) if msg.persist_items is not None else None)
             with self.cpu("writing"):
-                file = write_rank_file(job.checked, keep, target, self.storage, self.slots, job.elsewhere, self.cpu)
+                file = write_rank_file(job.checked, keep, target, checkpoints.storage, self.slots, job.elsewhere,
+                                       self.cpu)
         except Exception as exc:  # reported to the trainer; the agent keeps serving
-            self.committer.failed_persist(root, msg.iteration, msg.generation)
+            self.committer.failed_persist(checkpoints.root, msg.iteration, msg.generation)
             return f"{type(exc).__name__}: {exc}", False
         try:
             with self.cpu("committing"):
-                committable = self.committer.persisted(link.job, msg.iteration, link.rank,
-                                                       RankFile(file=manifest.relative(root, target), **file),
+                committable = self.committer.persisted(checkpoints, link.job, msg.iteration, link.rank,
+                                                       RankFile(file=checkpoints.relative(target), **file),
                                                        msg.generation)
         except Exception as exc:  # the snapshot itself is sound: it still serves node memory
             return f"{type(exc).__name__}: {exc}", False

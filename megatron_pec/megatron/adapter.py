@@ -214,7 +214,7 @@ class MegatronAdapter:
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, small: dict, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
                 load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None) -> None:
-        """Phase 9 on this rank: saved slices into the optimizer shards, then model params (the DDP
+        """Load step 6 on this rank: saved slices into the optimizer shards, then model params (the DDP
         param all-gather), scheduler, RNG and Megatron's ``args`` side effects; each part timed in
         ``phases``.
 

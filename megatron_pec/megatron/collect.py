@@ -1,4 +1,5 @@
-"""Phase 2, collect: this rank's DistributedOptimizer shards as slices, plus small state.
+"""This rank's DistributedOptimizer shards as slices, plus small state: what save steps 3 (snapshot) and
+4 (describe) copy and record.
 
 Runs on every rank, with no communication. The slice table is built once
 (``build_slices``) from the optimizer's bucket ranges; ``live_views`` binds it

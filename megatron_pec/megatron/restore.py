@@ -1,4 +1,4 @@
-"""Phase 9, restore: saved slices back into the optimizer shards, then model params, RNG,
+"""Load step 6, apply: saved slices back into the optimizer shards, then model params, RNG,
 scheduler and Megatron's ``args``.
 
 Runs on every rank with its own slices; the only communication is the normal

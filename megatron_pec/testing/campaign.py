@@ -35,7 +35,8 @@ import time
 import traceback
 from pathlib import Path
 
-from megatron_pec import manifest
+from megatron_pec.checkpoint_dir import TRACKER, CheckpointDir
+from megatron_pec.storage import default_storage
 from megatron_pec.testing.cluster import Cluster, ClusterTimeout, parse_plt, persist_only_plt, run_megatron_pec
 
 # Every expert saved: a memory snapshot every iteration, a persisted checkpoint every 2.
@@ -58,6 +59,10 @@ TYPES = ("trainer_kill_point", "trainer_kill_random", "agent_kill_point", "agent
          "replica_corrupt", "two_nodes_lost", "planned_exit", "relaunch_finished", "restart_during_persist",
          "slow_replica_node_loss")
 REPLICA_LAG = 2  # --pec-replica-lag's default: how many snapshots a node's newest replica may lag
+
+
+def _checkpoints(root) -> CheckpointDir:
+    return CheckpointDir(str(root), default_storage())
 
 
 class Failure(AssertionError):
@@ -192,7 +197,7 @@ class Campaign:
     def _restart_and_finish(self, c: Cluster, spec: dict, result: dict, config: str) -> None:
         """After a launch that died: relaunch, finish, and check the restore (invariants 5, 7)."""
         reached = c.iteration()
-        before = set(manifest.committed_iterations(str(c.save)))
+        before = set(_checkpoints(c.save).committed_iterations())
         result["newest_committed_before"] = max(before, default=0)
         c.launch(self._train_args(config))
         codes = c.wait_exit(TIMEOUT)
@@ -223,11 +228,11 @@ class Campaign:
 
     def _common_end_checks(self, c: Cluster, result: dict, config: str) -> None:
         """Nothing partial is latest, everything committed is sound; bit-exact losses with every expert."""
-        committed = manifest.committed_iterations(str(c.save))
+        committed = _checkpoints(c.save).committed_iterations()
         if committed or config != "storage":
             verify = run_megatron_pec("verify", c.save)
             check(verify.returncode == 0, f"verify failed after recovery: {verify.stdout.strip()[-800:]}")
-        tracker = manifest.read_tracker(str(c.save))
+        tracker = _checkpoints(c.save).read_tracker()
         check(tracker is None or (tracker.isdigit() and int(tracker) in committed),
               f"tracker names {tracker}, committed: {committed}")
         if config in ("full", "storage"):
@@ -317,7 +322,7 @@ class Campaign:
         result["fired"] = True
         c.wait_stopped(TIMEOUT)  # the survivor notices by itself
         # The survivor's agent may still commit an iteration both nodes had saved: at least this one.
-        committed_at_loss = max(manifest.committed_iterations(str(c.save)), default=0)
+        committed_at_loss = max(_checkpoints(c.save).committed_iterations(), default=0)
         # What storage alone would cost, now: retention may retire that iteration before the run ends.
         storage_only = round(persist_only_plt(c.save, committed_at_loss), 6) if committed_at_loss else None
         self._restart_and_finish(c, spec, result, "pec")
@@ -452,13 +457,13 @@ class Campaign:
         failed = {int(i) for i in re.findall(r"snapshot of iteration (\d+) was not persisted", logs)}
         if error is not None:
             check(error in logs and failed, f"the error ({error}) was not reported to the trainer")
-        committed = set(manifest.committed_iterations(str(c.save)))
+        committed = set(_checkpoints(c.save).committed_iterations())
         for i in failed & committed:
             # Only a failure at the commit itself leaves the iteration committed: writing the tracker
             # (a hint), or this node's manifest write when every node's files were durable and
             # another node's agent wrote the same manifest (``verify`` below checks every file).
             said = re.findall(rf"snapshot of iteration {i} was not persisted: (.*)", logs)
-            check(said and all(manifest.TRACKER in line or "manifest.json" in line for line in said),
+            check(said and all(TRACKER in line or "manifest.json" in line for line in said),
                   f"iteration {i} failed ({said}) yet is committed")
         result.update(resumed_from="continued", iterations_lost=0, failed_iterations=sorted(failed))
         self._common_end_checks(c, result, "storage")
@@ -477,7 +482,7 @@ class Campaign:
         check(codes == {0: 0, 1: 0}, f"the planned exit failed: exit codes {codes}: {c.logs()[-1500:]}")
         result["fired"] = f"planned exit: iteration {exit_at} saved once more with every expert" in c.logs()
         c.wait_agents_exited()
-        m = manifest.read_manifest(str(c.save), exit_at)
+        m = _checkpoints(c.save).read_manifest(exit_at)
         check(set(m.experts.values()) == {exit_at}, f"iteration {exit_at} committed without every expert at it")
         self._relaunch(c, FULL + self._pec_args(spec["k"]), exit_at, result)
         check(c.iteration() == FULL_ITERS, "the restart did not finish training")
@@ -552,7 +557,7 @@ class Campaign:
         for iteration, kind in spec["damage"]:
             self._damage(c.save, iteration, kind, spec["node"], result)
         if spec["stale_tracker"]:
-            (c.save / manifest.TRACKER).write_text(str(FULL_ITERS + 2))
+            (c.save / TRACKER).write_text(str(FULL_ITERS + 2))
         result["fired"] = True
         verify = run_megatron_pec("verify", c.save)
         check(verify.returncode != 0, "verify accepted the damaged checkpoint")
@@ -571,11 +576,11 @@ class Campaign:
         check(c.iteration() == FULL_ITERS, "training did not finish after the fall-back")
         result.update(restored_iteration=expected, reached_iteration=FULL_ITERS,
                       iterations_lost=FULL_ITERS - expected, resumed_from="storage")
-        check(manifest.committed_iterations(root)[0] == FULL_ITERS, "the redone iterations were not committed")
+        check(_checkpoints(root).committed_iterations()[0] == FULL_ITERS, "the redone iterations were not committed")
         self._common_end_checks(c, result, "full")
 
     def _damage(self, root: Path, iteration: int, kind: str, rank: int, result: dict) -> None:
-        victim = root / manifest.read_manifest(str(root), iteration).ranks[str(rank)].file
+        victim = root / _checkpoints(root).read_manifest(iteration).ranks[str(rank)].file
         if kind == "flip_byte":
             with open(victim, "r+b") as f:
                 offset = self.rng.randrange(os.path.getsize(victim))
@@ -589,7 +594,7 @@ class Campaign:
         elif kind == "delete_rank_file":
             os.unlink(victim)
         elif kind == "manifest_missing_file":
-            path = Path(manifest.manifest_path(str(root), iteration))
+            path = Path(_checkpoints(root).manifest_path(iteration))
             m = json.loads(path.read_text())
             m["ranks"][str(rank)]["file"] = f"iter_{iteration:07d}/pec/rank_09999.safetensors"
             path.write_text(json.dumps(m))

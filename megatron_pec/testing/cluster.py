@@ -438,14 +438,15 @@ class Cluster:
 def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     """The PLT a restore of committed ``iteration`` from storage alone costs: every expert at the
     version its manifest records. Computed from the files' recorded cumulative token counts."""
-    from megatron_pec import manifest, plt
+    from megatron_pec import plt
+    from megatron_pec.checkpoint_dir import CheckpointDir
     from megatron_pec.items import parse_item
     from megatron_pec.protocol import SlotHeader
     from megatron_pec.stformat import read_header
-    from megatron_pec.storage import PosixStorage
+    from megatron_pec.storage import default_storage
 
-    root, storage = str(root), PosixStorage()
-    m = manifest.read_manifest(root, iteration)
+    root, storage = str(root), default_storage()
+    m = CheckpointDir(root, storage).read_manifest(iteration)
     tokens_at: dict[int, dict] = {}
 
     def tokens(version: int) -> dict:  # each rank's file has the counts of the experts it holds

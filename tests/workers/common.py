@@ -46,6 +46,14 @@ def setup(extra: list[str]):
     return args, model, optimizer, scheduler, data_from
 
 
+def checkpoints(save: str):
+    """The checkpoint directory ``save`` (a ``CheckpointDir`` on POSIX storage)."""
+    from megatron_pec.checkpoint_dir import CheckpointDir
+    from megatron_pec.storage import PosixStorage
+
+    return CheckpointDir(save, PosixStorage())
+
+
 def report(name: str, payload: dict) -> None:
     """Write this rank's results for the test to read."""
     import torch

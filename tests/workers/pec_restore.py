@@ -10,8 +10,8 @@ import sys
 import torch
 
 import megatron_pec
-from common import example, report, setup
-from megatron_pec import api, manifest
+from common import checkpoints, example, report, setup
+from megatron_pec import api
 from megatron_pec.items import item_name
 from megatron_pec.megatron import collect
 from megatron_pec.testing import launch
@@ -78,10 +78,10 @@ def main():
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     # 14 was a memory snapshot only; restored from memory, the agent persisted it after the restart.
     result["storage"] = check_restore(optimizer, 14, result["memory_1"]["lost"])
-    result["committed"] = sorted(manifest.committed_iterations(save))
+    result["committed"] = sorted(checkpoints(save).committed_iterations())
 
     rank = str(torch.distributed.get_rank())
-    result["persisted_bytes"] = {i: manifest.read_manifest(save, i).ranks[rank].size for i in (4, 8, 12)}
+    result["persisted_bytes"] = {i: checkpoints(save).read_manifest(i).ranks[rank].size for i in (4, 8, 12)}
     report("pec", result)
     torch.distributed.barrier()
 

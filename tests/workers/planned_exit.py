@@ -12,8 +12,8 @@ import time
 import torch
 
 import megatron_pec
-from common import example, report, setup
-from megatron_pec import api, manifest
+from common import checkpoints, example, report, setup
+from megatron_pec import api
 from megatron_pec.megatron import collect
 
 
@@ -43,8 +43,8 @@ def main():
     torch.distributed.barrier()
     iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)
     live = collect.live_views(api.current_engine().adapter.slices, optimizer)
-    m = manifest.read_manifest(save, 6)
-    report("exit", {"skipped": skipped, "committed": manifest.committed_iterations(save),
+    m = checkpoints(save).read_manifest(6)
+    report("exit", {"skipped": skipped, "committed": checkpoints(save).committed_iterations(),
                     "generation": m.generation, "experts": sorted(set(m.experts.values())),
                     "plt": api.current_engine().book.state.plt, "iteration": iteration,
                     "differences": sorted(k for k, v in at_exit.items() if not torch.equal(live[k], v))})

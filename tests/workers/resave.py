@@ -15,14 +15,14 @@ import sys
 import torch
 
 import megatron_pec
-from common import example, report, setup
-from megatron_pec import api, manifest
+from common import checkpoints, example, report, setup
+from megatron_pec import api
 from megatron_pec.megatron import collect
 from megatron_pec.testing import launch
 
 
 def digests(save: str) -> dict[str, str]:
-    pec = manifest.pec_dir(save, 4)
+    pec = checkpoints(save).pec_dir(4)
     return {f: hashlib.sha256(open(os.path.join(pec, f), "rb").read()).hexdigest() for f in sorted(os.listdir(pec))}
 
 
@@ -40,18 +40,18 @@ def main():
     engine = api.current_engine()
     engine.flush()
     torch.distributed.barrier()
-    first = manifest.read_manifest(save, 4)
+    first = checkpoints(save).read_manifest(4)
     before = digests(save)
     megatron_pec.save_checkpoint(4, model, optimizer, scheduler, 0, non_persistent_ckpt=False)  # (no step since)
     engine.flush()
     torch.distributed.barrier()
-    second = manifest.read_manifest(save, 4)
+    second = checkpoints(save).read_manifest(4)
     after = digests(save)
     iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)  # from node memory
     megatron_pec.save_checkpoint(iteration, model, optimizer, scheduler, 0, non_persistent_ckpt=False)
     engine.flush()
     torch.distributed.barrier()
-    untouched = digests(save) == after and manifest.read_manifest(save, 4).generation == second.generation
+    untouched = digests(save) == after and checkpoints(save).read_manifest(4).generation == second.generation
     live = {k: v.clone() for k, v in collect.live_views(engine.adapter.slices, optimizer).items()}
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # node memory gone: the next restore reads storage
@@ -70,7 +70,7 @@ def main():
         "second_files": sorted({os.path.basename(e.file) for e in second.ranks.values()}),
         "referenced": sorted({os.path.basename(e.file) for e in second.ranks.values()}
                              | {os.path.basename(e.file) for files in second.sources.values() for e in files.values()
-                                if os.path.dirname(e.file) == os.path.relpath(manifest.pec_dir(save, 4), save)}),
+                                if os.path.dirname(e.file) == os.path.relpath(checkpoints(save).pec_dir(4), save)}),
         "left": sorted(after),
         "differences": sorted(k for k, v in live.items() if not torch.equal(restored[k], v))})
     torch.distributed.barrier()
