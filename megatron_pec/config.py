@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from megatron_pec.budget import Budget
 from megatron_pec.policy import POLICIES
 
 DEFAULT_SHM_DIR = "/dev/shm/megatron_pec"
@@ -60,6 +61,12 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(persistent saves wait up to 10 s)")
     g.add_argument("--pec-keep-shm", action="store_true",
                    help="keep node-memory slot files when the agent exits")
+    g.add_argument("--pec-node-memory", default=None, metavar="BUDGET",
+                   help="hard budget for node memory: a multiple of the node's state (e.g. 1.5x) or GiB for "
+                        "the node (e.g. 24), its ranks' snapshots and the replicas it keeps of peers included. "
+                        "Snapshots take as many experts per layer as it holds (said at start-up). Default: "
+                        "two dense states and one spare expert region per expert a snapshot writes (2x the "
+                        "state with every expert, less with --pec-snapshot-k)")
     g.add_argument("--pec-replicas", type=int, default=None,
                    help="copies of every snapshot that node agents keep in other nodes' memory, so a lost "
                         "node restores from a peer instead of storage (default: 1 when the job spans more "
@@ -183,6 +190,8 @@ class PecConfig:
     finetune: bool = False
     launch: Launch = field(default_factory=Launch)
     """The launcher's facts about this process (torchrun's environment)."""
+    node_memory: Budget | None = None
+    """--pec-node-memory: the node's memory budget (None: what the snapshot K needs)."""
     check_on_device: bool = False
     """Test hook (MEGATRON_PEC_CHECK_ON_DEVICE=1): a restore from node memory checks the items where they
     land, after the copy, on CPU ranks too, as on a GPU."""
@@ -237,6 +246,13 @@ class PecConfig:
             no_load_optim=bool(getattr(args, "no_load_optim", False)),
             no_load_rng=bool(getattr(args, "no_load_rng", False)),
             finetune=bool(getattr(args, "finetune", False)),
-            launch=launch,
+            launch=launch, node_memory=_budget(get("pec_node_memory")),
             check_on_device=env.get("MEGATRON_PEC_CHECK_ON_DEVICE") == "1",
         )
+
+
+def _budget(text) -> Budget | None:
+    try:
+        return Budget.parse(text)
+    except ValueError as exc:
+        raise PecConfigError(str(exc)) from None

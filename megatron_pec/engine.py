@@ -15,10 +15,12 @@ the PEC bookkeeping is ``book``; copies are ``stager``'s; the node agent and the
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
-from megatron_pec import faults, log, smallstate
+from megatron_pec import budget, faults, log, smallstate
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import AgentSession
 from megatron_pec.checkpoint_dir import CheckpointDir
@@ -29,13 +31,15 @@ from megatron_pec.gcpause import without_gc
 from megatron_pec.handover import HandOver, PendingSnapshot
 from megatron_pec.items import NON_EXPERT, item_name
 from megatron_pec.job import JobFacts
+from megatron_pec.memlayout import MemoryLayout
 from megatron_pec.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.save_history import SaveHistory
-from megatron_pec.slots import NUM_SLOTS, SlotFiles, SlotSpaceError
+from megatron_pec.slots import HEADER_ALIGN, SlotFiles, SlotSpaceError
 from megatron_pec.stager import Stager
+from megatron_pec.stformat import encode_header, tensor_table
 from megatron_pec.stformat import layout as tensor_layout
 from megatron_pec.storage import Storage
 
@@ -64,6 +68,7 @@ class Engine:
                                     items, idle_timeout=self.config.agent_idle_timeout,
                                     keep_shm=self.config.keep_shm, wait_for_slot=self.config.wait_for_slot)
         self.files: SlotFiles | None = None
+        self.memory_plan: budget.MemoryPlan | None = None
         self.stager: Stager | None = None
         self.stats = {"saves": 0, "skipped": 0}
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
@@ -93,17 +98,63 @@ class Engine:
 
     def _start_memory_tier(self) -> None:
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slot_slices])
+        # (several nodes, no replicas: the agent keeps the newest committed dense state for survivors)
+        layout = MemoryLayout.of(entries, 0, homes=3 if self.job.num_nodes > 1 and not self.job.replicas else 2)
+        plan, error = self._plan_memory(layout)
+        self.adapter.collectives.raise_if_any(error)
+        # Every rank takes the same snapshot K (the PEC bookkeeping is identical everywhere): the least any
+        # rank's node memory holds.
+        (k,) = self.adapter.collectives.reduce([plan.k], "min")
+        self.book.limit_k(k)
+        if self.rank % self.job.local_world_size == 0:
+            log.info(plan.describe(self.job.local_world_size), rank=self.rank)
+        if k < plan.asked_k:
+            log.warning(f"the node memory budget holds snapshot-K {k} per layer, not the asked {plan.asked_k}: "
+                        f"snapshots save {k} experts per layer (raise --pec-node-memory to "
+                        f"{plan.needed_for_asked * self.job.local_world_size / 2**30:.2f} GiB for K={plan.asked_k})",
+                        rank0=True, once=True)
         error = None
         try:
             check_socket_path(self.job.node_dir)
-            self.files = SlotFiles(self.job.node_dir, self.rank, entries, self.job.local_world_size,
-                                   self.job.replicas, reserve=self._header_reserve())
+            self.files = SlotFiles(self.job.node_dir, self.rank, replace(layout, regions=plan.regions),
+                                   self.job.local_world_size, plan.replica_share, reserve=self._header_reserve())
+            self.memory_plan = replace(plan, regions=self.files.layout.regions)
+            self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
             self.stager = Stager(self.files, self.adapter.slot_slices, self.rank)
             self.stager.pin()
             self.session.start()
         except (SlotSpaceError, AgentUnavailable) as exc:
             error = str(exc)
         self.adapter.collectives.raise_if_any(error)
+
+    @property
+    def parts(self) -> SaveParts:
+        return SaveParts(self.job, self.config.job_id, self.adapter, self.book, self.history, self.session,
+                         self.files, self.stager)
+
+    def _plan_memory(self, layout: MemoryLayout) -> tuple[budget.MemoryPlan | None, str | None]:
+        """This rank's node memory for the asked snapshot K, or the K a --pec-node-memory budget holds
+        (collective: the node's state is every local rank's)."""
+        job, config = self.job, self.config
+        home_file = 8 + self._header_reserve() + (HEADER_ALIGN - 1) + len(tensor_table(layout.dense)) + \
+            layout.dense_bytes
+        state = layout.state_bytes + home_file - layout.dense_bytes  # (one complete snapshot: its header too)
+        states = self.adapter.collectives.gather([state], 1)
+        node = range(job.node_rank * job.local_world_size, (job.node_rank + 1) * job.local_world_size)
+        node_state = sum(states[r][0] for r in node if r < len(states))
+        header = 8 + len(encode_header(replace(layout, regions=2 * len(layout.experts)).pool_entries(),
+                                       layout.pool_metadata()))
+        experts = job.expert_layout
+        asked = self.book.state.snapshot.k if experts else 1
+        held = len(layout.experts)
+        demand = partial(budget.per_snapshot, experts, config.selection, ep_rank=self.adapter.ep_rank, held=held)
+        try:
+            # A node keeps a replica, the state's size, of each rank of ``replicas`` peer nodes (``replicas.py``).
+            return budget.plan(state, home_file, layout.homes, header, layout.region_bytes, held,
+                               lambda k: demand(k=k), asked, config.node_memory, node_state, job.local_world_size,
+                               job.replicas * state), None
+        except budget.BudgetError as exc:
+            return None, str(exc)
 
     def _warm_up(self) -> None:
         """Once the optimizer has state (after its first step): bind the live views (the moments placed
@@ -112,8 +163,7 @@ class Engine:
             return
         self._warm = True
         live = self.adapter.live_views()
-        for slot in range(NUM_SLOTS):
-            self.stager.runs(slot, live)
+        self.stager.prepare(live)
         self.stager.sums(live).start(())  # (on a GPU: compiles the checksum kernel now, not in the first save)
 
     def _header_reserve(self) -> int:
@@ -135,7 +185,7 @@ class Engine:
             log.info(f"iteration {iteration} is unchanged since it was restored: nothing to save", rank0=True,
                      once=True)
             return
-        save = Save(self, iteration, persistent)
+        save = Save(self.parts, iteration, persistent)
         self.save_phases = phases = save.phases
         with phases("previous snapshot"):
             self.handover.wait()
@@ -155,9 +205,14 @@ class Engine:
             self._skip(iteration, save.why_not)
             return
         faults.point("snapshot_end", iteration=iteration)
-        with phases("metadata"):
-            pending = save.describe(self.history.small, self.history.generation(iteration) if persistent else "")
-        self.handover.submit(pending)
+        generation = self.history.generation(iteration) if persistent else ""
+        if save.in_rounds:
+            if not self._every_expert_in_rounds(save, generation):
+                return
+        else:
+            with phases("metadata"):
+                pending = save.describe(self.history.small, generation)
+            self.handover.submit(pending)
         self.history.wrote(iteration, save.writes_every_expert)
 
     def _final_snapshot(self) -> None:
@@ -170,7 +225,7 @@ class Engine:
         iteration = self.history.owed_at_exit()
         if iteration is None:
             return
-        save = Save(self, iteration, persistent=True)  # (waits for regions, as a persistent save)
+        save = Save(self.parts, iteration, persistent=True)  # (waits for regions, as a persistent save)
         save.lease()
         if save.slot is None:
             log.warning(f"cannot save every expert of iteration {iteration} at exit: {save.why_not}; the restart "
@@ -178,14 +233,62 @@ class Engine:
             return
         save.copy({NON_EXPERT})
         save.plan_all()
-        self.handover.submit(save.describe(self.history.small, self.history.exit_generation))
+        if save.in_rounds:
+            if not self._every_expert_in_rounds(save, self.history.exit_generation):
+                return
+        else:
+            self.handover.submit(save.describe(self.history.small, self.history.exit_generation))
         self.history.wrote(iteration, True)
         log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
+
+    def _every_expert_in_rounds(self, save: "Save", generation: str) -> bool:
+        """Every expert at ``save``'s iteration when node memory cannot take them at once (a pool with
+        spares for a partial snapshot): rounds of memory-only snapshots of that iteration, each of as
+        many experts as the pool has regions free and recorded before the next (its experts' older
+        versions are then free), and a last one, ``save``'s own kind, whose header names every item and
+        where it lies. No collective: the PEC bookkeeping records every expert, as on every rank.
+        False (warned) when node memory frees no region."""
+        remaining = [item for item in self.adapter_items if item != NON_EXPERT]
+        known: dict[str, str] = {}     # item -> checksum, of the experts earlier rounds wrote
+        elsewhere: dict[str, int] = {}  # item -> the region they wrote it to
+        current = save
+        while True:
+            take = remaining[:current.capacity]
+            current.copy(set(take))
+            remaining = remaining[len(take):]
+            if not remaining:
+                self.handover.submit(current.describe_whole(self.history.small, generation, save.persistent,
+                                                            known, elsewhere))
+                return True
+            part = current.describe_part(self.history.small)
+            self.handover.submit(part)
+            self.handover.wait()
+            self.session.settle()
+            known.update({item: value for item, value in part.staged.sums().items() if item != NON_EXPERT})
+            elsewhere.update({item: slot for item, slot in part.placement.items() if item != NON_EXPERT})
+            current = Save(self.parts, save.iteration, persistent=True)
+            current.experts = save.experts
+            current.lease()
+            if current.slot is not None:
+                current.copy({NON_EXPERT})
+            if current.slot is None or not current.capacity:
+                log.warning(f"cannot save every expert of iteration {save.iteration}: node memory frees no region "
+                            f"for the {len(remaining)} left ({current.why_not or 'every region held'}); the restart "
+                            "restores them from their newest saved versions", rank=self.rank)
+                if current.slot is not None:
+                    self.session.skipped(current.placement)
+                return False
+
+    @property
+    def adapter_items(self) -> list[str]:
+        """This rank's items in slot order."""
+        return list(dict.fromkeys(s.item for s in self.adapter.slot_slices))
 
     def _complete(self, pending: PendingSnapshot) -> None:
         """The snapshot's bytes are in the slot: write its header, with the items' checksums, and hand
         the slot to the agent."""
-        header = dataclasses.replace(pending.header, sums=pending.staged.sums(), small=pending.small.text)
+        header = dataclasses.replace(pending.header, sums={**pending.known_sums, **pending.staged.sums()},
+                                     small=pending.small.text)
         self.files.write_header(pending.slot, header.to_metadata())
         if not self.session.announce(pending.slot, pending.iteration, pending.persistent, pending.persist_items,
                                      pending.placement, pending.generation):
@@ -380,78 +483,123 @@ class Engine:
         self.files = None
 
 
+@dataclass(frozen=True)
+class SaveParts:
+    """What a save works with: the engine's collaborators, not the engine."""
+
+    job: JobFacts
+    job_id: str
+    adapter: object        # ``MegatronAdapter``: token counts, the collective, the live views
+    book: PecBook
+    history: SaveHistory
+    session: AgentSession
+    files: SlotFiles
+    stager: Stager
+
+
 class Save:
     """One save on one rank as named steps over its own state; ``Engine.save`` runs them in order:
     lease a home slot, start the agreement, copy the dense state, plan and copy the experts / finish
-    the agreement (in the order the policy allows), describe the snapshot. Reads the engine's parts,
-    changes only node memory (copies) and, once agreed, the PEC bookkeeping."""
+    the agreement (in the order the policy allows), describe the snapshot. Changes only node memory
+    (copies) and, once agreed, the PEC bookkeeping."""
 
-    def __init__(self, engine: Engine, iteration: int, persistent: bool):
-        self.engine, self.iteration, self.persistent = engine, iteration, persistent
+    def __init__(self, parts: SaveParts, iteration: int, persistent: bool):
+        self.parts, self.iteration, self.persistent = parts, iteration, persistent
         self.phases = Phases()
         self.slot: int | None = None      # the home slot: header and dense state
+        self.capacity = 0                 # experts node memory can take now (pool regions free)
         self.why_not: str | None = None   # why no snapshot is taken (None: it is)
         self.vote = None                  # the agreement's all-reduce, started
+        self.caps: dict[int, int] | None = None  # EP rank -> experts it can take now, once agreed
         self.staging = None               # the copies, once started (``stager.Staging``)
         self.experts: tuple[frozenset, frozenset] | None = None  # (snapshot, persist) experts, once planned
         self.placement: dict[str, int] = {}  # item -> the slot it was copied into
+        self.in_rounds = False            # every expert, more than node memory takes at once (``Engine``)
 
     def lease(self) -> None:
         with self.phases("slot"):
-            self.slot, self.why_not = self.engine.session.lease(self.persistent)
+            self.slot, self.why_not = self.parts.session.lease(self.persistent)
+            self.capacity = self.parts.session.capacity() if self.slot is not None else 0
 
     def start_agreement(self) -> None:
-        """The save's one collective: a SUM all-reduce of token counts and "cannot snapshot" flags."""
-        engine = self.engine
+        """The save's one collective: a SUM all-reduce of token counts, "cannot snapshot" flags and what
+        each rank's node memory can take."""
+        parts = self.parts
         with self.phases("agreement"):
-            values = engine.book.agreement_values(engine.adapter.tokens.take(), self.slot is not None)
-            self.vote = engine.adapter.collectives.start_reduce(values, "sum")
+            values = parts.book.agreement_values(parts.adapter.tokens.take(), self.slot is not None, self.capacity)
+            self.vote = parts.adapter.collectives.start_reduce(values, "sum")
 
     def agree(self) -> None:
         with self.phases("agreement"):
-            everyone_can = self.engine.book.agreed(self.vote.reduced())
+            everyone_can, caps = self.parts.book.agreed(self.vote.reduced())
+            self.caps = dict(enumerate(caps))
         if not everyone_can and self.why_not is None:
             self.why_not = "another rank cannot snapshot (see its warning)"
+        if self.experts is not None and self.why_not is None and not self.in_rounds:
+            self._keep_within(self.caps)
 
     @property
     def writes_every_expert(self) -> bool:
         """The agreed plan writes every expert of the model (the same on every rank)."""
-        layout = self.engine.job.expert_layout
+        layout = self.parts.job.expert_layout
         return layout is None or len(self.experts[0]) == len(layout.all_experts())
 
     def plan_all(self) -> None:
-        """Every expert, snapshot and persisted (a planned exit), and its copy."""
-        layout = self.engine.job.expert_layout
+        """Every expert, snapshot and persisted (a planned exit), and its copy - or, when node memory
+        cannot take this rank's experts at once, none yet: the engine writes them in rounds."""
+        layout = self.parts.job.expert_layout
         every = frozenset(layout.all_experts()) if layout is not None else frozenset()
         self.experts = (every, every)
-        self.copy(self.engine.job.held_items(every))
+        held = self.parts.job.held_items(every)
+        if len(held) > self.capacity:
+            self.in_rounds = True
+            return
+        self.copy(held)
 
     def plan(self) -> None:
         """Which experts this save writes (nothing changes yet: it may still be skipped), and their copy. A
         persistent save of an iteration this process restored or persisted writes every expert: its commit
-        replaces the earlier one's, whose experts at that iteration it would otherwise drop."""
+        replaces the earlier one's, whose experts at that iteration it would otherwise drop. Before the
+        agreement (a plan without token counts) it keeps within what this rank's memory can take; the
+        agreement then drops what another rank's cannot (the same experts on every rank)."""
         if self.slot is None or self.why_not is not None:
             return
-        if self.persistent and self.engine.history.writes_every_expert(self.iteration):
+        parts = self.parts
+        if self.persistent and parts.history.writes_every_expert(self.iteration):
             self.plan_all()
             return
         with self.phases("plan"):
-            self.experts = self.engine.book.plan(self.persistent)
-            items = self.engine.job.held_items(self.experts[0])
+            experts = parts.book.plan(self.persistent)
+            mine = {self.parts.adapter.ep_rank: self.capacity}
+            self.experts = parts.book.within(experts, self.caps if self.caps is not None else mine)
+            items = parts.job.held_items(self.experts[0])
         self.copy(items)
+
+    def _keep_within(self, caps: dict[int, int]) -> None:
+        """The agreed caps, after a plan made before them: what they drop was copied for nothing, and
+        its regions hold nothing."""
+        kept = self.parts.book.within(self.experts, caps)
+        if kept == self.experts:
+            return
+        dropped = self.parts.job.held_items(self.experts[0] - kept[0])
+        wasted = {item: slot for item, slot in self.placement.items() if item in dropped}
+        self.parts.session.skipped(wasted)
+        self.placement = {item: slot for item, slot in self.placement.items() if item not in dropped}
+        self.staging.drop(wasted)
+        self.experts = kept
 
     def copy(self, items: set[str]) -> None:
         if self.slot is None or not items:
             return
-        engine = self.engine
+        parts = self.parts
         with self.phases("copy"):
             first = self.staging is None
             if first:
-                self.staging = engine.stager.begin(engine.adapter.live_views())
+                self.staging = parts.stager.begin(parts.adapter.live_views())
                 faults.point("snapshot_begin", iteration=self.iteration)
-                engine.files.invalidate(self.slot)
-            placement = engine.session.place(self.slot, items)
-            engine.session.writing(self.iteration, placement)
+                parts.files.invalidate(self.slot)
+            placement = parts.session.place(self.slot, items)
+            parts.session.writing(self.iteration, placement)
             self.staging.copy(placement)
             self.placement.update(placement)
             if first:
@@ -460,15 +608,37 @@ class Save:
     def describe(self, small: smallstate.Captured, generation: str) -> PendingSnapshot:
         """Record the save in the PEC bookkeeping and describe the snapshot (its slot header, whose small
         state the hand-over encodes; ``generation``: a persistent save's, ``manifest``)."""
-        engine, job = self.engine, self.engine.job
+        parts, job = self.parts, self.parts.job
         snapshot, persist = self.experts
-        engine.book.record(snapshot, persist, self.iteration, self.persistent)
-        tokens, pec = engine.book.header_columns()
+        parts.book.record(snapshot, persist, self.iteration, self.persistent)
+        tokens, pec = parts.book.header_columns()
         header = SlotHeader(
-            job_id=engine.config.job_id, fingerprint=job.fingerprint, save=job.save_root, rank=job.rank,
+            job_id=parts.job_id, fingerprint=job.fingerprint, save=job.save_root, rank=job.rank,
             world_size=job.world_size, iteration=self.iteration,
             items=dict.fromkeys(sorted(self.placement), self.iteration), tokens=tokens, small="",
-            pec=pec, run=engine.session.run)
+            pec=pec, run=parts.session.run)
         persist_items = sorted(item_name(e) for e in persist) if self.persistent and job.expert_layout else None
         return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, dict(self.placement),
                                header, small, self.staging.finish(), generation)
+
+    def describe_part(self, small: smallstate.Captured) -> PendingSnapshot:
+        """A round of a save of every expert in rounds: a memory-only snapshot of what it wrote (the PEC
+        bookkeeping records the whole save, once, with the last round)."""
+        parts, job = self.parts, self.parts.job
+        tokens, pec = parts.book.header_columns()
+        header = SlotHeader(
+            job_id=parts.job_id, fingerprint=job.fingerprint, save=job.save_root, rank=job.rank,
+            world_size=job.world_size, iteration=self.iteration,
+            items=dict.fromkeys(sorted(self.placement), self.iteration), tokens=tokens, small="", pec=pec,
+            run=parts.session.run)
+        return PendingSnapshot(self.slot, self.iteration, False, None, dict(self.placement), header, small,
+                               self.staging.finish())
+
+    def describe_whole(self, small: smallstate.Captured, generation: str, persistent: bool, known: dict[str, str],
+                       elsewhere: dict[str, int]) -> PendingSnapshot:
+        """The last round: the snapshot of every item, those of earlier rounds where they wrote them (``known``:
+        their checksums), persisted if the save is."""
+        self.persistent = persistent
+        self.placement = {**elsewhere, **self.placement}
+        pending = self.describe(small, generation)
+        return dataclasses.replace(pending, known_sums=dict(known))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_pec import log
@@ -34,6 +34,7 @@ class PendingSnapshot:
     small: Captured
     staged: StagedCopy
     generation: str = ""             # a persistent save's (``manifest``)
+    known_sums: dict = field(default_factory=dict)  # checksums of items earlier rounds wrote (every expert in rounds)
 
 
 class HandOver:

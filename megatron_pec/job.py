@@ -38,6 +38,7 @@ class JobFacts:
     token_positions: torch.Tensor      # where this stage's token counts sit among ``all_experts``
     token_replicas: int                # ranks that count the same tokens (summed counts are divided by it)
     replicas: int                      # copies of each snapshot in other nodes' memory
+    ep_groups: tuple[tuple[int, ...], ...]  # per EP rank of this stage, the ranks holding its experts
     node_dir: str                      # this node's memory: <shm dir>/<job id>/node<k>
     save_root: str                     # absolute --save ("" when not saving)
 
@@ -76,6 +77,9 @@ class JobFacts:
         order = expert_layout.order if expert_layout else None
         positions = torch.tensor([all_experts.index(ExpertId(layer, 0)) + e for layer in adapter.moe_layers
                                   for e in range(adapter.num_experts)], dtype=torch.int64)
+        places = coll.gather([adapter.pp_rank, adapter.ep_rank], 2)
+        ep_groups = tuple(tuple(r for r, (pp, ep) in enumerate(places) if pp == adapter.pp_rank and ep == e)
+                          for e in range(adapter.ep_size))
         return cls(rank=adapter.rank, world_size=adapter.world_size, local_world_size=local_world_size,
                    node_rank=node_rank, num_nodes=num_nodes, topology=adapter.topology, fingerprint=fingerprint,
                    session=session,
@@ -83,7 +87,7 @@ class JobFacts:
                    all_experts=tuple(all_experts), held_names=held_names,
                    held=HeldExperts(adapter.experts_held, order) if order else None, token_positions=positions,
                    token_replicas=adapter.token_replicas,
-                   replicas=_replicas(config, num_nodes, adapter.rank),
+                   replicas=_replicas(config, num_nodes, adapter.rank), ep_groups=ep_groups,
                    node_dir=node_dir(config.shm_dir, config.job_id, node_rank),
                    save_root=os.path.abspath(config.save) if config.save else "")
 

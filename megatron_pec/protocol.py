@@ -270,7 +270,9 @@ class SnapshotReady(Record):
 @dataclass(frozen=True, slots=True)
 class Released(Record):
     """The agent is done with a snapshot: ``recorded`` (node memory serves it; else its regions hold
-    nothing) and persisted, if asked (``error`` says why not); ``pins``: the regions to keep now."""
+    nothing) and persisted, if asked (``error`` says why not); ``pins``: the regions to keep now. A
+    persistent snapshot is released twice: once recorded (``persisting``; the regions its write still
+    reads are pinned), then when its write ended."""
 
     KIND: ClassVar[str] = "released"
     VERSION: ClassVar[int] = 2  # v2: pins instead of whole-slot grants
@@ -280,6 +282,7 @@ class Released(Record):
     recorded: bool
     pins: list[Pin] = field(default_factory=list)
     hold: str | None = None   # why the next snapshot must wait (a replica lags too far behind), if it must
+    persisting: bool = False  # recorded, its persist still running: a second Released tells how it ended
 
 
 @dataclass(frozen=True, slots=True)

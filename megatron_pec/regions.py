@@ -1,15 +1,15 @@
-"""Which bytes of node memory a trainer may overwrite: the regions of its slot files, item by item.
+"""Which bytes of node memory a trainer may overwrite: its regions, one version of one item each.
 
-Each of a rank's three slot files has a region for every item (the dense state, each expert the rank
-holds). A snapshot writes its header and dense state into one slot (its home) and each expert it
-writes into a region of its choice, so a partial snapshot moves only what it wrote and nothing is
-copied between slots afterwards. A region may be overwritten unless it holds something still
-needed: the item's newest recorded version (what a restore reads), a version being written or
-announced and not yet recorded (the agent may be reading it), or a version the agent pinned (being
-sent to a peer; the newest persisted dense state, which survivors of a node loss restore). The agent
-records and pins (``agent/memory.py``, ``agent/pins.py``); this book, on the trainer, follows what it
-was told and chooses the regions. Per-item state is kept as arrays: a save decides in a few numpy
-operations, whatever the number of experts.
+A rank's node memory (``memlayout.py``) has two dense regions (its home slots 0 and 1) and a pool of
+expert regions (slot ids ``POOL + j``). A snapshot writes its header and dense state into one home
+slot and each expert it saves into any pool region it may overwrite, so nothing is copied afterwards.
+A region may be overwritten unless it holds something still needed: its item's newest recorded version
+(what a restore reads), a version being written or announced and not yet recorded (the agent may be
+reading it), or a version the agent pinned (being persisted or sent to a peer - handed back item by
+item as they are done - or the newest persisted dense state, which survivors of a node loss restore).
+The agent records and pins (``agent/memory.py``, ``agent/pins.py``); this book, on the trainer, follows
+what it was told and chooses the regions. Per-region state is kept as arrays: a save decides in a few
+numpy operations, whatever the number of experts.
 """
 
 from __future__ import annotations
@@ -17,47 +17,57 @@ from __future__ import annotations
 import numpy
 
 from megatron_pec.items import NON_EXPERT
+from megatron_pec.memlayout import HOME_SLOTS, POOL
 from megatron_pec.protocol import Pin
-from megatron_pec.slots import NUM_SLOTS
 
 FREE, RECORDED, PENDING = 0, 1, 2  # a region's state: holds nothing needed / a recorded version / in flight
 
 
 class RegionBook:
-    def __init__(self, items: list[str]):
+    def __init__(self, items: list[str], pool: int, homes: int = HOME_SLOTS):
+        """``items``: the rank's items in slot order; ``pool``: its expert regions; ``homes``: its home slots."""
         self.items = list(items)
         self.index = {item: i for i, item in enumerate(self.items)}
-        n = len(self.items)
-        self.version = numpy.full((NUM_SLOTS, n), -1, dtype=numpy.int64)  # iteration the region holds
-        self.state = numpy.zeros((NUM_SLOTS, n), dtype=numpy.int8)
-        self.newest = numpy.full(n, -1, dtype=numpy.int64)  # slot of each item's newest recorded version
-        self.pinned = numpy.zeros((NUM_SLOTS, n), dtype=bool)
+        self.dense = self.index.get(NON_EXPERT, -1)
+        self.homes = homes
+        regions = POOL + pool
+        self.holder = numpy.full(regions, -1, dtype=numpy.int64)   # item index a region holds (or is written with)
+        self.version = numpy.full(regions, -1, dtype=numpy.int64)  # iteration of that version
+        self.state = numpy.zeros(regions, dtype=numpy.int8)
+        self.pinned = numpy.zeros(regions, dtype=bool)
+        self.newest = numpy.full(len(self.items), -1, dtype=numpy.int64)  # region of each item's newest recorded version
         self.pins: list[Pin] = []
         self.hold: str | None = None  # the agent's reason the next snapshot must wait (a lagging replica)
-        self.pending: dict[int, list[tuple[int, int]]] = {}  # iteration announced -> its (slot, item) regions
-        self.stale: dict[str, set[int]] = {}  # regions overwritten by attempts not announced yet
-        self._columns = numpy.arange(n)
+        self.pending: dict[int, list[int]] = {}  # iteration announced -> its regions
+        self.stale: dict[int, str] = {}  # regions overwritten by attempts not announced yet -> the item written
+
+    @property
+    def regions(self) -> int:
+        return len(self.holder)
 
     # ---- what the agent says ---------------------------------------------------------------------
     def reset(self, memory, rank: int) -> None:
         """Start from what node memory holds (``agent.memory.NodeMemory``, as the agent last wrote it):
         every region on the rank's timeline is recorded, the rest free."""
+        self.holder[:] = -1
         self.version[:] = -1
         self.state[:] = FREE
         self.newest[:] = -1
         self.pending, self.stale = {}, {}
-        for item, (slot, _) in memory.regions(rank).items():
-            if item in self.index:
-                self.newest[self.index[item]] = slot
         for slot, record in memory.slots.get(rank, {}).items():
-            if slot >= NUM_SLOTS:
+            if slot >= self.regions:
                 continue
             for item, version in record.items.items():
                 i = self.index.get(item)
-                if i is not None and memory.admits(rank, record.run_of(item), version) \
+                if i is None or (i == self.dense) == (slot >= POOL):
+                    continue  # (the dense state lies in home slots only, experts in the pool only)
+                if memory.admits(rank, record.run_of(item), version) \
                         and (item != NON_EXPERT or memory.on_lineage(rank, record)):
-                    self.version[slot, i] = version
-                    self.state[slot, i] = RECORDED
+                    self.holder[slot], self.version[slot], self.state[slot] = i, version, RECORDED
+        for item, (slot, _) in memory.regions(rank).items():
+            i = self.index.get(item)
+            if i is not None and slot < self.regions and self.holder[slot] == i:
+                self.newest[i] = slot
         self._pin()
 
     def pin(self, pins: list[Pin], hold: str | None = None) -> None:
@@ -69,34 +79,37 @@ class RegionBook:
         self.pinned = self._pinned(self.pins)
 
     def _pinned(self, pins: list[Pin]) -> numpy.ndarray:
-        pinned = numpy.zeros_like(self.pinned)
+        pinned = numpy.zeros(self.regions, dtype=bool)
         recorded = self.state == RECORDED
         for pin in pins:
-            columns = self._columns if pin.items is None else \
-                numpy.array([self.index[i] for i in pin.items if i in self.index], dtype=numpy.int64)
+            mine = recorded & (self.holder >= 0)
+            if pin.items is not None:
+                wanted = numpy.zeros(len(self.items) + 1, dtype=bool)
+                wanted[[self.index[i] for i in pin.items if i in self.index]] = True
+                mine &= wanted[self.holder]
             if pin.newest:  # each item's newest recorded version up to the iteration
-                versions = numpy.where(recorded & (self.version <= pin.iteration), self.version, -1)
-                best = versions.argmax(axis=0)
-                held = versions.max(axis=0) >= 0
-                picked = columns[held[columns]]
-                pinned[best[picked], picked] = True
+                candidates = numpy.nonzero(mine & (self.version <= pin.iteration))[0]
+                if len(candidates):
+                    order = numpy.lexsort((self.version[candidates], self.holder[candidates]))
+                    ranked = candidates[order]
+                    last = numpy.append(self.holder[ranked][1:] != self.holder[ranked][:-1], True)
+                    pinned[ranked[last]] = True
             else:
-                pinned[:, columns] |= recorded[:, columns] & (self.version[:, columns] == pin.iteration)
+                pinned |= mine & (self.version == pin.iteration)
         return pinned
 
     def released(self, iteration: int, recorded: bool) -> None:
-        """The agent is done with snapshot ``iteration``: its regions are recorded (each its item's newest
-        version, unless a later snapshot was released first), or hold nothing."""
-        for slot, i in self.pending.pop(iteration, []):
+        """The agent recorded snapshot ``iteration`` (each of its regions is its item's newest version,
+        unless a later snapshot was released first), or not (its regions hold nothing)."""
+        for slot in self.pending.pop(iteration, []):
+            i = self.holder[slot]
             if recorded:
-                self.state[slot, i] = RECORDED
+                self.state[slot] = RECORDED
                 newest = self.newest[i]
-                # (a persistent snapshot is released once written: later ones may have been released first)
-                if newest < 0 or self.version[newest, i] <= iteration:
+                if newest < 0 or self.version[newest] <= iteration:
                     self.newest[i] = slot
             else:
-                self.state[slot, i] = FREE
-                self.version[slot, i] = -1
+                self._free(slot)
         self._pin()
 
     def agent_lost(self) -> None:
@@ -106,22 +119,26 @@ class RegionBook:
 
     # ---- a snapshot ------------------------------------------------------------------------------
     def writable(self, pinned: numpy.ndarray | None = None) -> numpy.ndarray:
-        """[slot, item]: whether the region may be overwritten now (``pinned``: other pins than the agent's)."""
+        """[region]: whether it may be overwritten now (``pinned``: other pins than the agent's)."""
         writable = (self.state == FREE) | (self.state == RECORDED)
         writable &= ~(self.pinned if pinned is None else pinned)
-        writable[self.newest[self.newest >= 0], numpy.nonzero(self.newest >= 0)[0]] = False
+        writable[self.newest[self.newest >= 0]] = False
+        writable[self.homes:POOL] = False  # (no such home slot)
         return writable
 
     def home(self) -> int | None:
-        """The slot for the next snapshot's header and dense state: a slot whose dense region may be
-        overwritten, the oldest first; None when some item has no region to go to (the snapshot must
-        be skipped, or wait: whatever it plans, every item it writes needs one) or the agent holds the
-        snapshot back."""
+        """The home slot for the next snapshot's header and dense state: the home whose dense region may
+        be overwritten (the older one); None when neither may (the snapshot must be skipped, or wait) or
+        the agent holds the snapshot back."""
         return None if self.hold else self._home(self.writable())
+
+    def capacity(self) -> int:
+        """Experts the next snapshot can write: the pool regions it may overwrite."""
+        return int(self.writable()[POOL:].sum())
 
     def held_by_replicas(self) -> bool:
         """There is no home only because of replication - the agent holds the snapshot back (a replica
-        lags too far) or what is being sent to a peer holds the regions (``newest`` pins): the next
+        lags too far) or what is being sent to a peer holds the dense regions (``newest`` pins): the next
         snapshot waits for the replica."""
         if self.home() is not None:
             return False
@@ -129,52 +146,51 @@ class RegionBook:
             self._home(self.writable(self._pinned([p for p in self.pins if not p.newest]))) is not None
 
     def _home(self, writable: numpy.ndarray) -> int | None:
-        if not writable.any(axis=0).all():
-            return None
-        dense = self.index[NON_EXPERT]
-        slots = [s for s in range(NUM_SLOTS) if writable[s, dense]]
-        return min(slots, key=lambda s: self.version[s, dense])
+        homes = [s for s in range(self.homes) if writable[s]]
+        return min(homes, key=lambda s: self.version[s]) if homes else None
 
     def place(self, home: int, items) -> dict[str, int]:
-        """item -> the slot to write it into: the home where it may, else its oldest writable region."""
-        writable = self.writable()
-        out = {}
-        for item in items:
-            i = self.index[item]
-            if writable[home, i]:
-                out[item] = home
-            else:
-                slots = [s for s in range(NUM_SLOTS) if writable[s, i]]
-                out[item] = min(slots, key=lambda s: self.version[s, i])
+        """item -> the slot to write it into: the dense state to ``home``, each expert to its own pool
+        region that may be overwritten, free ones first, then the oldest. Raises RuntimeError when the
+        pool has fewer such regions than experts (the plan keeps within ``capacity``)."""
+        experts = [item for item in items if item != NON_EXPERT]
+        out = {NON_EXPERT: home} if len(experts) < len(items) else {}
+        if experts:
+            writable = numpy.nonzero(self.writable()[POOL:])[0] + POOL
+            if len(writable) < len(experts):
+                raise RuntimeError(f"{len(experts)} experts to write and {len(writable)} pool regions free")
+            chosen = writable[numpy.argsort(self.version[writable], kind="stable")[:len(experts)]]
+            out.update(zip(experts, chosen.tolist()))
         return out
 
     def writing(self, iteration: int, placement: dict[str, int]) -> None:
         """These regions are about to be overwritten with ``iteration`` (said before the copy: one cut
         short changed them too)."""
         for item, slot in placement.items():
-            i = self.index[item]
-            self.version[slot, i] = iteration
-            self.state[slot, i] = PENDING
-            self.stale.setdefault(item, set()).add(slot)
+            self.holder[slot], self.version[slot], self.state[slot] = self.index[item], iteration, PENDING
+            self.stale[slot] = item
 
     def announced(self, iteration: int, placement: dict[str, int]) -> dict[str, list[int]]:
         """Snapshot ``iteration`` (``placement``: its regions) goes to the agent; returns the regions
-        overwritten since the last announcement that it does not hold (skipped attempts)."""
-        regions = [(slot, self.index[item]) for item, slot in placement.items()]
-        self.pending[iteration] = regions
-        for item, slot in placement.items():
-            self.stale.get(item, set()).discard(slot)
-        stale = {item: sorted(slots) for item, slots in self.stale.items() if slots}
+        overwritten since the last announcement that it does not hold (skipped attempts), by the item
+        last written into each."""
+        self.pending[iteration] = list(placement.values())
+        for slot in placement.values():
+            self.stale.pop(slot, None)
+        stale: dict[str, list[int]] = {}
+        for slot, item in sorted(self.stale.items()):
+            stale.setdefault(item, []).append(slot)
         self.stale = {}
         return stale
 
     def skipped(self, placement: dict[str, int]) -> None:
         """An attempt wrote these regions and was skipped: they hold nothing (the agent hears at the
         next announcement)."""
-        for item, slot in placement.items():
-            i = self.index[item]
-            self.state[slot, i] = FREE
-            self.version[slot, i] = -1
+        for slot in placement.values():
+            self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        self.holder[slot], self.version[slot], self.state[slot] = -1, -1, FREE
 
 
 __all__ = ["RegionBook"]

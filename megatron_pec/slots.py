@@ -1,16 +1,16 @@
-"""Snapshot slots: tmpfs files laid out as safetensors, memory-mapped, triple-buffered.
+"""Node memory files: a rank's two home slots and its expert pool, tmpfs files laid out as safetensors,
+memory-mapped (layout: ``memlayout.py``).
 
-Trainer side (every rank, for its own slots): ``SlotFiles`` allocates the
-rank's three slot files once (after a tmpfs space preflight), maps them and
-gives a tensor view per slice, so a snapshot is one copy per run of slices and a
-header rewrite. Each slot file holds a region for every item; which regions a
-snapshot may overwrite is ``regions.RegionBook``'s, following what the agent
-records and pins (``agent/memory.py``, ``agent/pins.py``).
+Trainer side (every rank, for its own files): ``SlotFiles`` allocates the rank's files once (after a
+tmpfs space preflight), maps them and gives tensor views of an item in a slot, so a snapshot is one
+copy per run of slices and a header rewrite. Which regions a snapshot may overwrite is
+``regions.RegionBook``'s, following what the agent records and pins (``agent/memory.py``,
+``agent/pins.py``).
 
 Reader side (agent, restore): ``open_slot`` maps a slot and parses its header; ``read_slot_metadata``
-reads only the metadata.
-Whether a slot's contents are complete and restorable is decided by the agent's
-record of node memory, never by the slot file alone.
+reads only the metadata; ``SlotCache`` keeps the agent's mappings and each rank's ``MemoryLayout``.
+Whether a slot's contents are complete and restorable is decided by the agent's record of node memory,
+never by the slot file alone.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import os
 import struct
 import threading
 
+from megatron_pec.memlayout import HOMES_MAX, MemoryLayout, is_pool
 from megatron_pec.protocol import SlotHeader
-from megatron_pec.stformat import (MAX_HEADER, Header, TensorEntry, decode_metadata, encode_header, header_tail,
-                                  read_head, read_header, tensor_table, tensor_views)
+from megatron_pec.stformat import (MAX_HEADER, FormatError, Header, TensorEntry, decode_header, decode_metadata,
+                                  encode_header, header_tail, read_head, read_header, tensor_table, tensor_views)
 
-NUM_SLOTS = 3
-REPLICA_SLOTS = 2  # per replicated rank: the complete replica and the one being received
 HEADER_RESERVE = 256 << 10  # default room for metadata (small state, token counts) beyond the tensor table
 HEADER_ALIGN = 64 << 10     # header sizes are rounded up to this (the reserve varies a little between runs)
+VIEWS_KEPT = 4              # tensor views of pool regions kept per expert (a region holds one at a time)
 
 
 class SlotSpaceError(RuntimeError):
@@ -35,7 +35,12 @@ class SlotSpaceError(RuntimeError):
 
 
 def slot_path(node_dir: str, rank: int, slot: int) -> str:
-    return os.path.join(node_dir, f"rank{rank}.slot{slot}")
+    """The file slot ``slot`` of ``rank`` lies in (every pool region: the pool file)."""
+    return pool_path(node_dir, rank) if is_pool(slot) else os.path.join(node_dir, f"rank{rank}.slot{slot}")
+
+
+def pool_path(node_dir: str, rank: int) -> str:
+    return os.path.join(node_dir, f"rank{rank}.pool")
 
 
 def node_dir(shm_dir: str, job_id: str, node_rank: int) -> str:
@@ -43,12 +48,14 @@ def node_dir(shm_dir: str, job_id: str, node_rank: int) -> str:
 
 
 class SlotFiles:
-    """The three slot files of one rank, mapped into the trainer."""
+    """One rank's node-memory files (two home slots, the expert pool), mapped into the trainer."""
 
-    def __init__(self, directory: str, rank: int, entries: tuple[TensorEntry, ...], local_ranks: int,
-                 replicas: int = 0, reserve: int = HEADER_RESERVE):
-        """``reserve``: header bytes for a save's metadata beyond the tensor table (its bound)."""
-        self.directory, self.rank, self.entries = directory, rank, entries
+    def __init__(self, directory: str, rank: int, layout: MemoryLayout, local_ranks: int,
+                 replica_bytes: int = 0, reserve: int = HEADER_RESERVE):
+        """``reserve``: header bytes for a save's metadata beyond the tensor table (its bound);
+        ``replica_bytes``: what this node keeps of peers' snapshots per local rank (the preflight)."""
+        self.directory, self.rank = directory, rank
+        entries = layout.dense
         table = tensor_table(entries)
         needed = len(encode_header(entries, {}, table=table)) - 8 + reserve
         # Existing slots of this layout (a restart restores from them) keep their header size when it
@@ -66,21 +73,64 @@ class SlotFiles:
         self.table = (table, entries)  # a restore reading these slots need not parse the table again
         self.header = Header(entries, {}, self.capacity)
         self.file_len = self.header.file_len
-        self._preflight(local_ranks, replicas)
+        # A restart keeps a larger pool than it plans (its regions may hold what it restores from).
+        self.layout = _existing_pool(directory, rank, layout)
+        self.pool_header = decode_header(self._pool_head(), None)
+        self.pool_len = self.pool_header.data_start + self.layout.regions * self.layout.region_bytes
+        self.homes = self.layout.homes
+        self._preflight(local_ranks, replica_bytes)
         self.maps: list[mmap.mmap] = []
-        self.views: list[dict[str, object]] = []
-        self._table_written: list[bool] = []  # whether a slot's prefix already holds this table
+        self.views: list[dict[str, object]] = []  # home slot -> name -> view
+        self._table_written: list[bool] = []  # whether a home slot's prefix already holds this table
         self._files: list[tuple[int, int]] = []  # (st_dev, st_ino) of each mapped file
-        for s in range(NUM_SLOTS):
-            self.maps.append(self._map(slot_path(directory, rank, s)))
+        for s in range(self.homes):
+            self.maps.append(self._map(slot_path(directory, rank, s), self.file_len))
             # (views of one tensor per dtype, so that runs of them coalesce: see coalesce.py)
             self.views.append(dict(zip([e.name for e in entries], tensor_views(self.maps[s], self.header, entries))))
             self._table_written.append(self.maps[s][:len(self.prefix)] == self.prefix)
-        self._tail_len = [8 + self.capacity - len(self.prefix)] * NUM_SLOTS  # unknown yet: blank it all once
+        self.pool = self._map(pool_path(directory, rank), self.pool_len)
+        self.maps.append(self.pool)
+        head = self._pool_head()
+        if self.pool[:len(head)] != head:
+            self.pool[:len(head)] = head
+        self._tail_len = [8 + self.capacity - len(self.prefix)] * self.homes  # unknown yet: blank it all once
+        for s in range(self.homes):
+            if not self._table_written[s]:  # (a new file: readable as holding no snapshot, by the agent too)
+                self.write_header(s, {})
+        self._region_views: dict[str, dict[int, dict[str, object]]] = {}  # expert -> region slot -> views
+
+    def _pool_head(self) -> bytes:
+        return encode_header(self.layout.pool_entries(), self.layout.pool_metadata())
+
+    @property
+    def footprint(self) -> int:
+        """Bytes of node memory this rank's files take."""
+        return self.homes * self.file_len + self.pool_len
+
+    def item_views(self, slot: int, item: str) -> dict[str, object]:
+        """name -> tensor view of ``item``'s tensors in ``slot`` (a home slot: the dense state)."""
+        if not is_pool(slot):
+            return {name: view for name, view in self.views[slot].items() if name.split("/", 1)[0] == item}
+        kept = self._region_views.setdefault(item, {})
+        views = kept.get(slot)
+        if views is None:
+            if len(kept) >= VIEWS_KEPT:
+                kept.pop(next(iter(kept)))
+            header = self.layout.item_header(slot, item, self.header, self.pool_header)
+            views = kept[slot] = dict(zip([e.name for e in header.tensors],
+                                          tensor_views(self.pool, header, header.tensors)))
+        return views
+
+    def item_header(self, slot: int, item: str) -> Header:
+        """The header that places ``item`` in ``slot`` (see ``MemoryLayout.item_header``)."""
+        return self.layout.item_header(slot, item, self.header, self.pool_header)
+
+    def mapping(self, slot: int) -> mmap.mmap:
+        return self.pool if is_pool(slot) else self.maps[slot]
 
     @staticmethod
     def _existing_capacity(directory: str, rank: int, table: bytes, needed: int) -> int | None:
-        for s in range(NUM_SLOTS):
+        for s in range(HOMES_MAX):
             try:
                 with open(slot_path(directory, rank, s), "rb") as f:
                     head = f.read(8 + len(table))
@@ -92,73 +142,78 @@ class SlotFiles:
                     return size
         return None
 
-    def _preflight(self, local_ranks: int, replicas: int) -> None:
-        """Node memory must hold this node's slots and, with replication, the replicas it keeps of
-        peers' ranks (two slots per replicated rank; peers' ranks are assumed the size of ours)."""
+    def _preflight(self, local_ranks: int, replica_bytes: int) -> None:
+        """Node memory must hold this node's files and, with replication, the replicas it keeps of
+        peers' ranks (peers' ranks are assumed the size of ours)."""
         os.makedirs(self.directory, exist_ok=True)
-        reusable = sum(os.path.getsize(p) for s in range(NUM_SLOTS)
-                       if os.path.exists(p := slot_path(self.directory, self.rank, s)))
+        paths = [slot_path(self.directory, self.rank, s) for s in range(self.homes)] + \
+            [pool_path(self.directory, self.rank)]
+        reusable = sum(os.path.getsize(p) for p in paths if os.path.exists(p))
         stats = os.statvfs(self.directory)
         free = stats.f_bavail * stats.f_frsize + reusable
-        need = NUM_SLOTS * self.file_len
-        replica_need = REPLICA_SLOTS * replicas * self.file_len
-        if free < (need + replica_need) * local_ranks and free < need + replica_need:
-            raise SlotSpaceError(_space_message(self.directory, free, need, local_ranks, replicas, replica_need))
+        need = self.footprint
+        if free < (need + replica_bytes) * local_ranks and free < need + replica_bytes:
+            raise SlotSpaceError(_space_message(self.directory, free, need, local_ranks, replica_bytes))
         # tmpfs pages (page-locked or not) are charged to the container's memory cgroup: a limit below
         # them is an OOM kill mid-training, so it is checked here too.
         limit = cgroup_memory()
         if limit is not None:
             room = limit[0] - limit[1] + reusable
-            if room < (need + replica_need) * local_ranks and room < need + replica_need:
-                raise SlotSpaceError(_cgroup_message(limit, room, free, need + replica_need, local_ranks, replicas))
+            if room < (need + replica_bytes) * local_ranks and room < need + replica_bytes:
+                raise SlotSpaceError(_cgroup_message(limit, room, free, need + replica_bytes, local_ranks,
+                                                     bool(replica_bytes)))
 
     def mapped(self) -> dict[str, mmap.mmap]:
-        """path -> this process's mapping of each slot file that is still the file at that path: a
+        """path -> this process's mapping of each of its files that is still the file at that path: a
         restore reads through them, its pages already mapped (a fresh mapping faults on every page)."""
-        return {path: self.maps[s] for s, path in self._still_mapped()}
+        maps = {slot_path(self.directory, self.rank, s): self.maps[s] for s in range(self.homes)}
+        maps[pool_path(self.directory, self.rank)] = self.pool
+        return {path: maps[path] for path in self._still_mapped()}
 
     def mapped_views(self) -> dict[str, tuple[int, dict]]:
-        """path -> (where the data starts, name -> view) of each slot file still at that path: a
-        restore through this process's mapping takes these views instead of building them again
-        (90k of them on a large MoE rank)."""
-        return {path: (self.header.data_start, self.views[s]) for s, path in self._still_mapped()}
+        """path -> (where the data starts, name -> view) of each home slot still at that path: a
+        restore through this process's mapping takes these views instead of building them again."""
+        still = set(self._still_mapped())
+        return {path: (self.header.data_start, self.views[s]) for s in range(self.homes)
+                if (path := slot_path(self.directory, self.rank, s)) in still}
 
-    def _still_mapped(self) -> list[tuple[int, str]]:
+    def _still_mapped(self) -> list[str]:
+        paths = [slot_path(self.directory, self.rank, s) for s in range(self.homes)] + \
+            [pool_path(self.directory, self.rank)]
         out = []
-        for s, identity in enumerate(self._files):
-            path = slot_path(self.directory, self.rank, s)
+        for path, identity in zip(paths, self._files):
             try:
                 st = os.stat(path)
             except OSError:
                 continue
             if (st.st_dev, st.st_ino) == identity:
-                out.append((s, path))
+                out.append(path)
         return out
 
-    def _map(self, path: str) -> mmap.mmap:
+    def _map(self, path: str, length: int) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             st = os.fstat(fd)
             self._files.append((st.st_dev, st.st_ino))
-            if st.st_size != self.file_len:
-                os.ftruncate(fd, self.file_len)
+            if st.st_size != length:
+                os.ftruncate(fd, length)
             try:
                 # Reserve the pages now: a full tmpfs fails here with a message, not with SIGBUS later.
-                os.posix_fallocate(fd, 0, self.file_len)
+                os.posix_fallocate(fd, 0, length)
             except OSError as exc:
                 stats = os.statvfs(self.directory)
                 raise SlotSpaceError(_space_message(self.directory, stats.f_bavail * stats.f_frsize,
-                                                   NUM_SLOTS * self.file_len, 1) + f" ({exc.strerror})") from None
+                                                   self.footprint, 1) + f" ({exc.strerror})") from None
             # Map every page now: a page first touched during a save costs a fault (regions this
             # process has not written yet, e.g. those a restart restores from).
-            return mmap.mmap(fd, self.file_len, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            return mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
 
     def write_header(self, slot: int, metadata: dict[str, str]) -> None:
-        """Rewrite the slot's metadata (and, the first time, its length prefix and tensor table)."""
+        """Rewrite a home slot's metadata (and, the first time, its length prefix and tensor table)."""
         start = len(self.prefix)
-        tail = header_tail(metadata, 8 + self.capacity - start, after_entries=bool(self.entries))
+        tail = header_tail(metadata, 8 + self.capacity - start, after_entries=bool(self.header.tensors))
         # Blank only what the previous metadata covered beyond this one (the rest is blank already).
         end = start + max(len(tail), self._tail_len[slot])
         self.maps[slot][start:end] = tail + b" " * (end - start - len(tail))
@@ -168,27 +223,41 @@ class SlotFiles:
             self._table_written[slot] = True
 
     def invalidate(self, slot: int) -> None:
-        """Mark a slot as being written before its bytes change (a kill mid-copy leaves it invalid)."""
+        """Mark a home slot as being written before its bytes change (a kill mid-copy leaves it invalid)."""
         self.write_header(slot, SlotHeader.WRITING)
 
     def close(self) -> None:
-        self.views = []  # tensor views export the maps' buffers; drop them before closing
+        self.views, self._region_views = [], {}  # tensor views export the maps' buffers; drop them before closing
         for m in self.maps:
             m.close()
         self.maps = []
 
 
-def _space_message(directory: str, free: int, need: int, local_ranks: int, replicas: int = 0,
-                   replica_need: int = 0) -> str:
+def _existing_pool(directory: str, rank: int, planned: MemoryLayout) -> MemoryLayout:
+    """``planned``, or with the regions of an existing pool of the same experts if it has more."""
+    try:
+        with open(pool_path(directory, rank), "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            head = struct.pack("<Q", size) + f.read(min(size, MAX_HEADER))
+        existing = MemoryLayout.from_headers(Header(planned.dense, {}, 0), decode_header(head, None))
+    except (OSError, FormatError, struct.error):
+        return planned
+    if existing.experts != planned.experts or existing.region_bytes != planned.region_bytes \
+            or existing.homes != planned.homes or existing.regions <= planned.regions:
+        return planned
+    return MemoryLayout(planned.dense, planned.experts, existing.regions, planned.region_bytes, planned.homes)
+
+
+def _space_message(directory: str, free: int, need: int, local_ranks: int, replica_need: int = 0) -> str:
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     total = (need + replica_need) * local_ranks
-    text = (f"node memory {directory} has {mib(free)} free, but {NUM_SLOTS} snapshot slots of "
-            f"{mib(need // NUM_SLOTS)} for each of {local_ranks} local rank(s) need {mib(need * local_ranks)}. "
-            f"Enlarge the tmpfs (for Docker: --shm-size={max(1, -(-total * 5 // 4 // 2**30))}g) "
-            f"or point --pec-shm-dir at a larger tmpfs")
-    if replicas:
-        text += (f", or lower --pec-replicas {replicas}: the replicas this node keeps of peer nodes' snapshots "
-                 f"need {mib(replica_need * local_ranks)} more")
+    text = (f"node memory {directory} has {mib(free)} free, but the snapshot files of {mib(need)} for each of "
+            f"{local_ranks} local rank(s) need {mib(need * local_ranks)}. "
+            f"Enlarge the tmpfs (for Docker: --shm-size={max(1, -(-total * 5 // 4 // 2**30))}g), "
+            f"point --pec-shm-dir at a larger tmpfs, or give --pec-node-memory a smaller budget")
+    if replica_need:
+        text += (f"; the replicas this node keeps of peer nodes' snapshots need {mib(replica_need * local_ranks)} "
+                 "more (--pec-replicas 0 turns them off)")
     return text + "."
 
 
@@ -231,7 +300,7 @@ def _cgroup_dirs() -> list[str]:
 
 
 def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int, local_ranks: int,
-                    replicas: int) -> str:
+                    replicas: bool) -> str:
     mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     total = need * local_ranks
     docker_gib = max(1, -(-(limit[0] + total) * 5 // 4 // 2**30))
@@ -239,7 +308,7 @@ def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int
             f"leaves {mib(room)}, but the snapshot slots{' and replicas' if replicas else ''} of {local_ranks} local "
             f"rank(s) need {mib(total)} of node memory, which counts against that limit (the tmpfs itself has "
             f"{mib(free)} free). Raise the container's memory limit (for Docker: --memory={docker_gib}g)"
-            + (f", or lower --pec-replicas {replicas}" if replicas else "") + ".")
+            + (", or lower --pec-replicas" if replicas else "") + ", or give --pec-node-memory a smaller budget.")
 
 
 class SlotCache:
@@ -255,6 +324,28 @@ class SlotCache:
         self._lock = threading.Lock()
         self._maps: dict[str, tuple[tuple[int, int, int], mmap.mmap]] = {}
         self._known: dict[str, tuple[bytes, tuple[TensorEntry, ...]]] = {}
+        self._layouts: dict[tuple, MemoryLayout] = {}  # (pool path, its metadata, home table) -> layout
+
+    def layout(self, directory: str, rank: int) -> MemoryLayout:
+        """The rank's node-memory layout, as its pool file and home slot 0 say (parsed once per layout)."""
+        _, home = self.open(slot_path(directory, rank, 0))
+        _, pool = self.open(pool_path(directory, rank))
+        key = (pool_path(directory, rank), pool.metadata.get("experts"), pool.tensors, home.tensors)
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) > 64:
+                self._layouts.clear()
+            found = self._layouts[key] = MemoryLayout.from_headers(home, pool)
+        return found
+
+    def item(self, directory: str, rank: int, slot: int, item: str) -> tuple[mmap.mmap, Header]:
+        """The mapping of the file ``item``'s region in ``slot`` lies in, and a header that places it there;
+        raises OSError, ValueError or FormatError."""
+        mapping, header = self.open(slot_path(directory, rank, slot))
+        if not is_pool(slot):
+            return mapping, header
+        _, home = self.open(slot_path(directory, rank, 0))
+        return mapping, self.layout(directory, rank).item_header(slot, item, home, header)
 
     def open(self, path: str) -> tuple[mmap.mmap, Header]:
         """The slot's mapping and parsed header; raises OSError, ValueError or FormatError."""

@@ -19,6 +19,7 @@ from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.byteruns import byte_runs
 from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.checksum import accumulator, crc32, item_checks, mismatch
+from megatron_pec.memlayout import MemoryLayout, is_pool
 from megatron_pec.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.slots import open_slot
 from megatron_pec.stformat import FormatError, Header, decode_header, read_header, tensor_at, tensor_views
@@ -44,6 +45,7 @@ class Source:
     known_table: tuple | None = field(default=None, repr=False)  # memory: the table the trainer writes
     known_views: tuple | None = field(default=None, repr=False)  # memory: (data start, views) of that mapping
     checked_after_copy: bool = False        # memory: checksums verified where the bytes land (``Loader``)
+    region: Header | None = field(default=None, repr=False)  # memory, a pool region: where its expert lies
     _buffer: object = field(default=None, repr=False)
     _layout: Header | None = field(default=None, repr=False)
     _verified: set[str] = field(default_factory=set, repr=False)
@@ -80,6 +82,9 @@ class Source:
 
     def _map_slot(self) -> None:
         if self._layout is not None:
+            return
+        if self.region is not None:  # (the pool, mapped once for all its regions)
+            self._buffer, self._layout = self.mapping, self.region
             return
         mapping, layout = open_slot(self.where, self.mapping, self.known_table)
         if self.header is not None and layout.metadata.get("iteration") != str(self.iteration):
@@ -244,10 +249,34 @@ def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None, checked_af
     restorable, foreign = NodeMemory.read(node_dir).restorable(rank, job)
     for reason in foreign:
         log.warning(f"ignoring node-memory slot {reason}", rank=rank)
-    return [Source("memory", record.iteration, record.items, path, record.checks, header=header,
-                   carried_tokens=record.tokens, origin=record.origin, mapping=mapped.get(path),
-                   known_table=table, known_views=views.get(path), checked_after_copy=checked_after_copy)
-            for path, record, header in restorable]
+    out, pool = [], None
+    for slot, path, record, header in restorable:
+        region = None
+        if is_pool(slot):
+            pool = pool or _pool(path, mapped.get(path), slots)
+            if pool is None:
+                continue  # (no readable pool: its experts come from storage)
+            [item] = record.items
+            try:
+                region = pool[1].item_header(slot, item, None, pool[2])
+            except FormatError:
+                continue
+        out.append(Source("memory", record.iteration, record.items, path, record.checks, header=header,
+                          carried_tokens=record.tokens, origin=record.origin,
+                          mapping=pool[0] if region is not None else mapped.get(path), known_table=table,
+                          known_views=views.get(path), checked_after_copy=checked_after_copy, region=region))
+    return out
+
+
+def _pool(path: str, mapping, slots) -> tuple | None:
+    """(mapping, ``MemoryLayout``, header) of a rank's expert pool, mapped once; None when unreadable."""
+    try:
+        mapping, header = open_slot(path, mapping)
+        layout = slots.layout if slots is not None and mapping is slots.pool else MemoryLayout.from_headers(None, header)
+        return mapping, layout, header
+    except (OSError, FormatError) as exc:
+        log.warning(f"ignoring node memory's expert pool {path}: {exc}")
+        return None
 
 
 def storage_source(directory: CheckpointDir, iteration: int, entry: RankFile) -> Source:

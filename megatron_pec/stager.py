@@ -1,17 +1,17 @@
 """Save step 3, snapshot: copying a rank's live optimizer state into a node-memory slot, and its checksums.
 
 One ``Stager`` per trainer owns everything a copy needs and nothing else touches: the copy stream
-and its events (GPU), the page-locked slot mappings, and the copy plan - per slot and item, the
-runs of slices that are contiguous on both sides (``coalesce``), built once per slot and binding of
-the live views. A snapshot is staged in steps (``begin``, ``copy`` of some items into the slots
-their regions are in, ``copy`` of more, ``finish``), and ``finish`` returns a ``StagedCopy``, a future (PyTorch DCP's
+and its events (GPU), the page-locked node-memory mappings, and the copy plan - per item, the runs of
+slices that are contiguous on both sides (``coalesce``), built once per binding of the live views and
+viewed in whichever region the item goes to. A snapshot is staged in steps (``begin``, ``copy`` of some
+items into the regions chosen for them, ``copy`` of more, ``finish``), and ``finish`` returns a ``StagedCopy``, a future (PyTorch DCP's
 ``AsyncStager``: "copy started" is the return, "copy safe" is ``done()`` / ``wait()``) that also
 yields the items' checksums (``sums()``).
 
 Checksums are computed where the bytes come from: on the GPU, by the copy stream, over the live
 tensors it copies, all items of a snapshot in one kernel launch (``run_sums``); two int64 partial sums
 per chunk travel to the host with the snapshot. On the CPU the copies are synchronous memcpys and the
-sums are computed over the slot once the copies are done (``sum64.item_sums``), by whoever asks (the
+sums are computed over node memory once the copies are done (``sum64.item_sums``), by whoever asks (the
 hand-over thread, off the training thread).
 
 A snapshot enqueues a fixed number of operations whatever the number of items and runs: one
@@ -26,18 +26,20 @@ import contextlib
 import torch
 
 from megatron_pec.coalesce import coalesced_with_starts, run_view
+from megatron_pec.items import NON_EXPERT
+from megatron_pec.memlayout import POOL
 from megatron_pec.run_sums import PendingSums, RunSums
 from megatron_pec.slots import SlotFiles
 from megatron_pec.sum64 import item_sums
 
 
 class StagedCopy:
-    """The copies of one snapshot; ``done()`` once they have landed in the slot."""
+    """The copies of one snapshot; ``done()`` once they have landed in node memory."""
 
-    def __init__(self, event=None, sums: PendingSums | None = None, over_slots=None):
+    def __init__(self, event=None, sums: PendingSums | None = None, over_regions=None):
         self._event = event
         self._sums = sums                # (GPU) the device's sums, on their way to the host
-        self._over_slots = over_slots    # (CPU) [(mapping, header, items)]: sums computed over the slots
+        self._over_regions = over_regions  # (CPU) [(mapping, header, item)]: sums computed over node memory
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -58,8 +60,8 @@ class StagedCopy:
         if self._sums is not None:
             return self._sums.digests()
         out = {}
-        for mapping, header, items in self._over_slots or ():
-            out.update(item_sums(mapping, header, items))
+        for mapping, header, item in self._over_regions or ():
+            out.update(item_sums(mapping, header, {item}))
         return out
 
 
@@ -68,18 +70,18 @@ class Staging:
 
     def __init__(self, stager: "Stager", live: dict):
         self.stager, self.live = stager, live
-        self.placed: dict[int, set[str]] = {}  # slot -> the items copied into it
+        self.placed: dict[str, int] = {}  # item -> the slot it was copied into
 
     def copy(self, placement: dict[str, int]) -> None:
         """Start copying the slices of each item of ``placement`` into the slot it names."""
         stager = self.stager
         dst, src = [], []
         for item, slot in placement.items():
-            runs = stager.runs(slot, self.live)
-            if item in runs:
-                dst += runs[item][0]
-                src += runs[item][1]
-                self.placed.setdefault(slot, set()).add(item)
+            runs = stager.runs(slot, item, self.live)
+            if runs is not None:
+                dst += runs[0]
+                src += runs[1]
+                self.placed[item] = slot
         if not dst:
             return
         stream = stager.stream
@@ -93,11 +95,11 @@ class Staging:
         """The copies started; on the GPU also the sums of every item copied, in one launch behind them."""
         stager = self.stager
         if stager.stream is None:
-            return StagedCopy(over_slots=[(stager.files.maps[slot], stager.files.header, items)
-                                          for slot, items in self.placed.items()])
-        items = set().union(*self.placed.values())
+            files = stager.files
+            return StagedCopy(over_regions=[(files.mapping(slot), files.item_header(slot, item), item)
+                                            for item, slot in self.placed.items()])
         with torch.no_grad(), torch.cuda.stream(stager.stream):
-            sums = stager.sums(self.live).start(items)
+            sums = stager.sums(self.live).start(self.placed)
         event = torch.cuda.Event()
         event.record(stager.stream)
         return StagedCopy(event, sums)
@@ -118,13 +120,13 @@ class Stager:
         self._sums_for = sums_for or (lambda runs: RunSums.for_device(runs, self.device))
         self.pinning = None
         self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
-        self._runs: dict[int, dict[str, tuple[list, list]]] = {}  # slot -> item -> (slot views, live views)
-        self._runs_of = None     # the live views those runs read
+        self._runs: dict[tuple[int, str], list] = {}  # (slot, item) -> views of its runs there (kept: a few per item)
+        self._runs_of = None     # the live views the runs read
         self._run_starts = None  # item -> (first slice name and size of each run, live views of the runs)
         self._sums = None        # the item sums over those live views (``RunSums``)
 
     def pin(self) -> None:
-        """Page-lock the slot mappings so device-to-host copies run asynchronously at full speed (a
+        """Page-lock the node-memory mappings so device-to-host copies run asynchronously at full speed (a
         failure is one warning; copies are then synchronous). GPU only; done at start-up."""
         if self.stream is None or not torch.cuda.is_available():
             return
@@ -142,52 +144,64 @@ class Stager:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def runs(self, slot: int, live: dict) -> dict[str, tuple[list, list]]:
-        """Per item, (slot views, live views) of its runs in ``slot``; built once per slot and binding of
-        the live views (none is kept of an old binding: it would keep the replaced tensors alive)."""
-        if self._runs_of is not live:
-            self._runs, self._runs_of, self._run_starts, self._sums = {}, live, None, None
-        runs = self._runs.get(slot)
-        if runs is None:
-            runs = self._runs[slot] = self._slot_runs(slot, live)
-        return runs
+    def prepare(self, live: dict) -> None:
+        """Bind ``live``: each item's runs (coalesced once) and their sums, before the first save."""
+        self._bind(live)
+        self.sums(live)
 
-    def _slot_runs(self, slot: int, live: dict) -> dict[str, tuple[list, list]]:
-        """The first slot coalesces its slices; the others take the same runs at the same offsets of
-        their own mapping (every slot has one layout): a view per run, not a walk over every slice."""
-        views = self.files.views[slot]
-        if self._run_starts is not None:
-            return {item: ([run_view(views[name], numel) for name, numel in zip(names, numels)], src)
-                    for item, (names, numels, src) in self._run_starts.items()}
+    def runs(self, slot: int, item: str, live: dict) -> tuple[list, list] | None:
+        """(views in ``slot``, live views) of ``item``'s runs; None for an item the rank does not hold."""
+        self._bind(live)
+        starts = self._run_starts.get(item)
+        if starts is None:
+            return None
+        key = (slot, item)
+        dst = self._runs.get(key)
+        if dst is None:
+            if len(self._runs) > 4 * len(self._run_starts):
+                self._runs.clear()  # (regions move between items: keep the recent pairs only)
+            views = self.files.item_views(slot, item)
+            names, numels, _ = starts
+            dst = self._runs[key] = [run_view(views[name], numel) for name, numel in zip(names, numels)]
+        return dst, starts[2]
+
+    def _bind(self, live: dict) -> None:
+        """Coalesce every item's slices once per binding of the live views (none is kept of an old
+        binding: it would keep the replaced tensors alive). Runs are the same in every region an item may
+        be in (its bytes are laid out alike everywhere): coalesced in one, viewed in any."""
+        if self._runs_of is live:
+            return
+        self._runs, self._runs_of, self._sums = {}, live, None
+        first_region = {}
         pairs: dict[str, tuple[list, list, list]] = {}
         for s in self.slot_slices:
+            if s.item not in first_region:
+                first_region[s.item] = self.files.item_views(0 if s.item == NON_EXPERT else POOL, s.item)
             dst, src, names = pairs.setdefault(s.item, ([], [], []))
-            dst.append(views[s.name])
+            dst.append(first_region[s.item][s.name])
             src.append(live[s.name])
             names.append(s.name)
-        runs, self._run_starts, self.run_offsets = {}, {}, {}
+        self._run_starts, self.run_offsets = {}, {}
         for item, (dst, src, names) in pairs.items():
             run_dst, run_src, starts = coalesced_with_starts(dst, src)
-            runs[item] = (run_dst, run_src)
             self._run_starts[item] = ([names[i] for i in starts], [t.numel() for t in run_dst], run_src)
             offsets, at = [], 0
             for t in run_dst:
                 offsets.append(at)
                 at += t.numel() * t.element_size()
             self.run_offsets[item] = offsets
-        return runs
 
     def sums(self, live: dict) -> RunSums:
         """The item sums over the runs of ``live`` (built once per binding, as the runs)."""
-        if self._sums is None or self._runs_of is not live:
-            self.runs(0, live)
+        self._bind(live)
+        if self._sums is None:
             self._sums = self._sums_for({item: list(zip(src, self.run_offsets[item]))
                                          for item, (_, _, src) in self._run_starts.items()})
         return self._sums
 
-    def runs_of(self, slot: int) -> dict[str, tuple[list, list]] | None:
-        """The copy plan of ``slot`` built so far (tests look at how the slices coalesced)."""
-        return self._runs.get(slot)
+    def runs_of(self, item: str) -> list | None:
+        """The runs ``item`` coalesced into (their first slices' names), once bound (tests look)."""
+        return None if self._run_starts is None or item not in self._run_starts else self._run_starts[item][0]
 
     def close(self) -> None:
         """Forget the copy plan (it holds views of the slots) and unpin (before the slots are unmapped)."""

@@ -15,9 +15,10 @@ import torch
 from conftest import REPO, checkpoints
 from megatron_pec.agent.client import AgentUnavailable, agent_pid, check_socket_path
 from megatron_pec.agent.memory import JobKey
+from megatron_pec.memlayout import POOL
 from megatron_pec.protocol import Flushed, Pin, Released, Settle, SlotHeader, SnapshotReady
 from megatron_pec.regions import RegionBook
-from megatron_pec.slots import node_dir, open_slot
+from megatron_pec.slots import SlotCache, node_dir, open_slot, slot_path
 from megatron_pec.sources import SourceError, storage_source
 from megatron_pec.stformat import decode_header, layout
 from megatron_pec.storage import PosixStorage
@@ -197,6 +198,12 @@ def test_agent_reports_failed_persist_and_keeps_serving(trainers, monkeypatch):
     assert checkpoints(t.root).committed_iterations() == [20]
 
 
+def trainer_sums(t, placement) -> dict:
+    """Each item's checksum over the region the trainer wrote it to, as the trainer computes it."""
+    return {item: item_sums(t.files.mapping(slot), t.files.item_header(slot, item), {item})[item]
+            for item, slot in placement.items()}
+
+
 def regions_of(t, rank=0):
     """item -> (slot, version) of each item's newest version in node memory, as the agent recorded it."""
     return t.memory().regions(rank)
@@ -209,22 +216,21 @@ def test_partial_snapshots_leave_each_expert_where_it_was_written(trainers):
     from megatron_pec.sources import memory_sources
 
     t = trainers(0, nodes=1)
-    (first, _), _ = t.snapshot(1, persist=False)                            # every expert at 1
+    (_, first), _ = t.snapshot(1, persist=False)                            # every expert at 1
     for iteration, expert in ((2, "L1.E0"), (3, "L1.E1"), (4, "L1.E2")):
         (home, placement), released = t.snapshot(iteration, written=("dense", expert), persist=False)
         assert released.recorded and released.error is None
-        assert placement["dense"] == home
+        assert placement["dense"] == home and placement[expert] >= POOL     # (experts in pool regions)
     newest = regions_of(t)
     assert {i: v for i, (_, v) in newest.items()} == {"dense": 4, "L1.E0": 2, "L1.E1": 3, "L1.E2": 4, "L1.E3": 1}
-    assert newest["L1.E3"][0] == first                                      # never moved
+    assert newest["L1.E3"][0] == first["L1.E3"]                             # never moved
     for item, (slot, version) in newest.items():                            # the bytes where the index says
-        assert {float(v.flatten()[0]) for n, v in t.files.views[slot].items() if n.split("/")[0] == item} \
-            == {version + 0.5}, item
+        assert {float(v.flatten()[0]) for v in t.files.item_views(slot, item).values()} == {version + 0.5}, item
     memory = memory_sources(t.directory, 0, JobKey("t", "f", t.root))
     assert memory[0].iteration == 4
     for item, (slot, version) in newest.items():
         source = next(m for m in memory if m.items.get(item) == version)
-        assert source.where.endswith(f"slot{slot}")
+        assert source.where == slot_path(t.directory, 0, slot)
         source.open(PosixStorage(), {item})                                 # checked against the trainer's sums
 
 
@@ -235,17 +241,20 @@ def test_the_agent_records_a_memory_snapshot_without_reading_its_bytes(trainers)
 
     t = trainers(0, nodes=1)
     home, placement = t.write(1)
-    sums = item_sums(t.files.maps[home], t.files.header, set(ALL))
-    t.files.views[home]["L1.E2/w.param"][3] = 99.0                          # after the trainer's sums
+    sums = trainer_sums(t, placement)
+    t.files.item_views(placement["L1.E2"], "L1.E2")["L1.E2/w.param"][3] = 99.0  # after the trainer's sums
     header = SlotHeader(job_id="t", fingerprint="f", save=t.root, rank=0, world_size=2, iteration=1,
                         items=dict.fromkeys(ALL, 1), tokens={}, small="{}", pec="{}", run=t.run, sums=sums)
     t.files.write_header(home, header.to_metadata())
-    assert t.client.send(SnapshotReady(home, 1, False, None, {}, t.book.announced(1, placement)))
+    places = {i: s for i, s in placement.items() if s != home}
+    assert t.client.send(SnapshotReady(home, 1, False, None, places, t.book.announced(1, placement)))
     assert t.released(1).recorded
-    (source,) = memory_sources(t.directory, 0, JobKey("t", "f", t.root))
-    source.open(PosixStorage(), {"dense", "L1.E0"})
+    sources = {item: source for source in memory_sources(t.directory, 0, JobKey("t", "f", t.root))
+               for item in source.items}
+    sources["dense"].open(PosixStorage(), {"dense"})
+    sources["L1.E0"].open(PosixStorage(), {"L1.E0"})
     with pytest.raises(SourceError, match="fails its checksum for L1.E2"):
-        source.open(PosixStorage(), {"L1.E2"})
+        sources["L1.E2"].open(PosixStorage(), {"L1.E2"})
 
 
 def test_a_slot_of_an_older_trainer_is_checked_by_the_agent(trainers):
@@ -265,12 +274,13 @@ def test_a_corrupt_region_never_becomes_a_rank_file(trainers):
     its header as every snapshot is (a restore from node memory checks the bytes it reads)."""
     t = trainers(0, nodes=1)
     home, placement = t.write(5)
-    sums = item_sums(t.files.maps[home], t.files.header, set(ALL))
+    sums = trainer_sums(t, placement)
     t.files.views[home]["dense/w.param"][0] = -1.0
     header = SlotHeader(job_id="t", fingerprint="f", save=t.root, rank=0, world_size=2, iteration=5,
                         items=dict.fromkeys(ALL, 5), tokens={}, small="{}", pec="{}", run=t.run, sums=sums)
     t.files.write_header(home, header.to_metadata())
-    assert t.client.send(SnapshotReady(home, 5, True, None, {}, t.book.announced(5, placement)))
+    places = {i: s for i, s in placement.items() if s != home}
+    assert t.client.send(SnapshotReady(home, 5, True, None, places, t.book.announced(5, placement)))
     released = t.released(5)
     assert released.recorded and "fails its checksum for dense" in released.error
     pec = os.path.dirname(checkpoints(t.root).rank_file(5, 0))
@@ -296,36 +306,40 @@ def test_what_a_skipped_attempt_overwrote_is_dropped_from_node_memory(trainers):
 
 def test_regions_never_overwrite_the_newest_version_in_flight_or_pinned_ones():
     """The trainer's choice of regions (``RegionBook``), on its own: the newest recorded version of every
-    item, what is in flight and what the agent pinned are never handed out; with none left for some
-    item, there is no snapshot (skipped, never torn)."""
+    item, what is in flight and what the agent pinned are never handed out; with no dense region left
+    there is no snapshot (skipped, never torn), and an expert takes any free pool region."""
     from megatron_pec.protocol import Pin
 
-    book = RegionBook(["dense", "L1.E0"])
-    home = book.home()
-    first = book.place(home, ["dense", "L1.E0"])
+    book = RegionBook(["dense", "L1.E0"], pool=2)                           # home slots 0, 1; pool POOL, POOL + 1
+    assert book.home() == 0 and book.capacity() == 2
+    first = book.place(0, ["dense", "L1.E0"])
+    assert first == {"dense": 0, "L1.E0": POOL}
     book.writing(1, first)
     book.announced(1, first)
     book.released(1, True)
-    second_home = book.home()
-    assert second_home != home                                              # 1's dense is the newest
-    second = book.place(second_home, ["dense"])
+    assert book.home() == 1 and book.capacity() == 1                        # 1's dense and E0 are the newest
+    second = book.place(1, ["dense", "L1.E0"])
+    assert second == {"dense": 1, "L1.E0": POOL + 1}
     book.writing(2, second)
     book.announced(2, second)                                               # in flight
-    third_home = book.home()
-    assert third_home not in (home, second_home)
-    assert first["L1.E0"] == home and book.place(third_home, ["L1.E0"]) == {"L1.E0": third_home}
-    book.pin([Pin(1, ["dense"])])                                           # 1's dense kept (committed)
+    assert book.home() is None and book.capacity() == 0                     # newest or in flight: nothing free
+    book.pin([Pin(1, ["dense", "L1.E0"])])                                  # 1 kept (being persisted)
     book.released(2, True)                                                  # 2 is newest now, 1 pinned
-    assert book.home() == third_home
-    book.pin([Pin(1, ["dense"]), Pin(3, None)])                             # (nothing at 3 yet)
-    writing = book.place(third_home, ["dense"])
-    book.writing(3, writing)                                                # dense: newest, pinned, writing
+    assert book.home() is None and book.capacity() == 0
+    with pytest.raises(RuntimeError, match="1 experts to write and 0 pool regions free"):
+        book.place(None, ["L1.E0"])
+    book.pin([Pin(1, ["dense"])])                                           # E0 of 1 handed back
+    assert book.home() is None and book.capacity() == 1
+    book.pin([])
+    assert book.home() == 0
+    writing = book.place(0, ["dense"])
+    book.writing(3, writing)                                                # dense: newest, or being written
     assert book.home() is None
     book.skipped(writing)
-    assert book.home() == third_home
+    assert book.home() == 0
     book.released(1, True)                                                  # (unknown iteration: nothing)
-    book.pin([])
-    assert book.home() in (home, third_home)
+    book.pin([Pin(2, None, newest=True)])                                   # each item's newest up to 2
+    assert book.home() == 0 and book.capacity() == 1 and book.pinned[1] and book.pinned[POOL + 1]
 
 
 def test_a_restart_resumes_the_regions_of_its_timeline_only(trainers):
@@ -374,8 +388,8 @@ def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
     t = trainers(0, nodes=1)
     (slot, _), _ = t.snapshot(1, persist=False)
     job = JobKey("t", "f", t.root)
-    (own,) = memory_sources(t.directory, 0, job, t.files)
-    (fresh,) = memory_sources(t.directory, 0, job)
+    own = next(s for s in memory_sources(t.directory, 0, job, t.files) if s.iteration == 1)
+    fresh = next(s for s in memory_sources(t.directory, 0, job) if s.iteration == 1)
     names = set(t.files.views[slot])
     for source in (own, fresh):
         source.open(PosixStorage())
@@ -454,23 +468,29 @@ def item_bytes(path, item):
         mapping.close()
 
 
+def region_bytes(directory, rank, slot, item):
+    """The bytes of ``item`` in ``slot`` of a rank's node memory."""
+    mapping, header = SlotCache().item(directory, rank, slot, item)
+    return b"".join(mapping[header.data_start + e.begin:header.data_start + e.end]
+                    for e in header.tensors if e.item == item)
+
+
 def test_replicas_hold_what_a_snapshot_did_not_write_and_a_replacement_pulls_them(trainers, shm_dir):
-    """Node 1's snapshots go to node 0's agent: the first whole, then only what each one wrote, each item
-    into the replica file that does not hold its current version; the replica equals node 1's memory
-    item for item. Node 1 is lost; a replacement's agent pulls the replica (one whole slot file),
-    verifies it and records it as its own slot, marked with the node it came from."""
+    """Node 1's snapshots go to node 0's agent: the first whole, then only what each one wrote, into one
+    replica file, each item once; the replica equals node 1's memory item for item. Node 1 is lost; a
+    replacement's agent pulls the replica (one whole file), writes each item into its own node memory,
+    verifies it and records it, marked with the node it came from."""
     t0, t1 = trainers(0, replicas=1), trainers(1, replicas=1)
     t1.snapshot(1, persist=False)
     t1.snapshot(2, written=("dense", "L1.E0"), persist=False)
     entry = replica(t0.directory, 1, 1, 2)
     assert entry.record.items == {"dense": 2, "L1.E0": 2, "L1.E1": 1, "L1.E2": 1, "L1.E3": 1}
-    assert set(entry.places) == {"L1.E1", "L1.E2", "L1.E3"}              # still where snapshot 1 put them
-    replica_file = {i: os.path.join(t0.directory, "replicas", f"node1.rank1.slot{entry.places.get(i, entry.slot)}")
-                    for i in ALL}
+    held = os.path.join(t0.directory, "replicas", "node1.rank1.replica")
+    assert os.path.getsize(held) < 1.1 * sum(os.path.getsize(os.path.join(t1.directory, f"rank1.slot{s}"))
+                                             for s in (0,)) + 4 * 2 * 128 * 4 + (1 << 20)  # (the state's size)
     own = regions_of(t1, 1)
     for item in ALL:
-        assert item_bytes(replica_file[item], item) == \
-            item_bytes(os.path.join(t1.directory, f"rank1.slot{own[item][0]}"), item), item
+        assert item_bytes(held, item) == region_bytes(t1.directory, 1, own[item][0], item), item
 
     # Node 1 lost: its agent and memory gone; a replacement trainer starts a new agent on empty memory.
     os.kill(agent_pid(t1.directory), 9)
@@ -481,16 +501,19 @@ def test_replicas_hold_what_a_snapshot_did_not_write_and_a_replacement_pulls_the
     memory = fresh.memory()  # Begin(from scratch) abandons it for *this* run, but the pull recorded it
     logs = open(os.path.join(fresh.directory, "agent.log")).read()
     assert "pulled iteration 2 from node 0's memory" in logs, logs
-    assert memory.slots[1][0].origin == 0 and memory.slots[1][0].items == entry.record.items
-    for item in ALL:
-        assert item_bytes(os.path.join(fresh.directory, "rank1.slot0"), item) == item_bytes(replica_file[item], item)
+    pulled = {item: (slot, version) for slot, record in memory.slots[1].items() for item, version in record.items.items()}
+    assert {item: v for item, (_, v) in pulled.items()} == entry.record.items
+    assert memory.slots[1][0].origin == 0 and pulled["dense"][0] == 0
+    assert all(record.origin == 0 for record in memory.slots[1].values())
+    for item, (slot, _) in pulled.items():
+        assert region_bytes(fresh.directory, 1, slot, item) == item_bytes(held, item), item
 
 
 def test_a_corrupt_or_foreign_replica_is_never_pulled(trainers, shm_dir):
     t0, t1 = trainers(0, replicas=1), trainers(1, replicas=1)
     t1.snapshot(1, persist=False)
-    entry = replica(t0.directory, 1, 1, 1)
-    held = os.path.join(t0.directory, "replicas", f"node1.rank1.slot{entry.slot}")
+    replica(t0.directory, 1, 1, 1)
+    held = os.path.join(t0.directory, "replicas", "node1.rank1.replica")
     os.kill(agent_pid(t1.directory), 9)
     t1.files.close()
     t1.client.close(detach=False)
@@ -546,40 +569,42 @@ def test_a_slow_replica_push_holds_the_next_snapshot_back_only_as_far_as_the_lag
 
 
 def test_snapshots_are_recorded_and_released_while_a_persist_is_written(trainers, monkeypatch):
-    """A persist takes as long as storage needs (here its rename stalls 3 s): the memory-only snapshots
-    after it are recorded and released meanwhile, its own release comes once it is written, and that late
-    release does not make its regions the newest again."""
+    """A persist takes as long as storage needs (here its rename stalls 3 s): it is released once recorded,
+    the regions its write has read are handed back as it goes, the memory-only snapshots after it are
+    recorded and released meanwhile (in the regions it read), its second release comes once it is written,
+    and that late release does not make its regions the newest again."""
     monkeypatch.setenv("MEGATRON_PEC_FAULT", "before_rename=stall")
     t = trainers(0, nodes=1)
     heard = []
     hear = t.hear
-    t.hear = lambda msg: (heard.append(msg.iteration) if isinstance(msg, Released) else None, hear(msg))
+    t.hear = lambda msg: (heard.append((msg.iteration, msg.persisting)) if isinstance(msg, Released) else None,
+                          hear(msg))
     t.snapshot(10, wait=False)
     for i in (11, 12, 13):
         _, released = t.snapshot(i, persist=False, written=("dense", f"L1.E{i % 4}"))
         assert released.recorded and released.error is None
-    assert 10 not in heard  # still being written
+    assert heard == [(10, True), (11, False), (12, False), (13, False)]  # 10 recorded, still being written
     home13 = t.book.newest[t.book.index["dense"]]
     persisted = t.released(10)
-    assert persisted.recorded and persisted.error is None and heard == [11, 12, 13, 10]
+    assert persisted.recorded and persisted.error is None and heard[-1] == (10, False)
     assert t.book.newest[t.book.index["dense"]] == home13 and t.memory().newest(0)[1].iteration == 13
     assert checkpoints(t.root).committed_iterations() == [10]
 
 
 def test_a_trainer_that_begins_while_a_persist_is_written_keeps_off_its_regions(trainers, monkeypatch):
-    """The restarted trainer hears pins for what the writes in flight read - the stalled persist of 10, and
-    the persist of 13, restored from node memory - and hears them dropped once the writes end (what stays:
-    the newest committed dense state, kept for a node loss)."""
+    """The restarted trainer hears pins for what the writes in flight read - the stalled persist of 10 (all
+    of it read by now: nothing), and the persist of 13, restored from node memory - and hears them dropped
+    once the writes end (on one node nothing stays: a node loss loses everything anyway)."""
     monkeypatch.setenv("MEGATRON_PEC_FAULT", "before_rename=stall")
     t = trainers(0, nodes=1)
     t.snapshot(10, wait=False)
     for i in (11, 12, 13):
         t.snapshot(i, persist=False, written=("dense", f"L1.E{i % 4}"))
     begun = t.begin("run-2", 13)
-    assert Pin(10, None) in begun.pins and Pin(13, None, newest=True) in begun.pins, begun.pins
+    assert Pin(13, None, newest=True) in begun.pins and [p for p in begun.pins if p.iteration == 10] in (
+        [], [Pin(10, [])]), begun.pins
     deadline = time.monotonic() + 30
-    committed_dense = [Pin(13, ["dense"])]
-    while t.book.pins != committed_dense and time.monotonic() < deadline:
+    while (t.book.pins or checkpoints(t.root).committed_iterations() != [13, 10]) and time.monotonic() < deadline:
         for msg in t.client.poll(block_s=0.2):
             t.hear(msg)
-    assert t.book.pins == committed_dense and checkpoints(t.root).committed_iterations() == [13, 10]
+    assert t.book.pins == [] and checkpoints(t.root).committed_iterations() == [13, 10]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_pec import smallstate
+from megatron_pec.memlayout import MemoryLayout
 from megatron_pec.stformat import FormatError, decode_header, encode_header, layout, tensor_view
 
 
@@ -59,21 +60,21 @@ def test_slot_header_keeps_its_table_and_blanks_longer_metadata(tmp_path):
     from megatron_pec.slots import SlotFiles, open_slot
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
-    files = SlotFiles(str(tmp_path), 0, entries, 1, reserve=4096)
+    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
     files.write_header(0, {"iteration": "1", "tokens": "x" * 3000})
     files.write_header(0, {"iteration": "2"})
     files.close()
     mapping, header = open_slot(str(tmp_path / "rank0.slot0"))
     mapping.close()
-    assert header.metadata == {"iteration": "2"} and [e.name for e in header.tensors] == [e.name for e in entries]
-    again = SlotFiles(str(tmp_path), 0, entries, 1, reserve=4096)
+    assert header.metadata == {"iteration": "2"} and [e.name for e in header.tensors] == ["dense/w.param"]
+    again = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
     again.write_header(0, {"iteration": "3"})
     again.close()
     mapping, header = open_slot(str(tmp_path / "rank0.slot0"))
     mapping.close()
     assert header.metadata == {"iteration": "3"}
     with pytest.raises(FormatError, match="more than the"):
-        small = SlotFiles(str(tmp_path / "small"), 0, entries, 1, reserve=64)
+        small = SlotFiles(str(tmp_path / "small"), 0, MemoryLayout.of(entries, 2), 1, reserve=64)
         small.write_header(1, {"tokens": "x" * (small.capacity + 1)})
 
 
@@ -82,7 +83,7 @@ def test_a_restart_keeps_the_slots_header_size(tmp_path):
     keeps the existing slots' header size (or the snapshots in them would no longer line up)."""
     from megatron_pec.slots import HEADER_ALIGN, SlotFiles
 
-    entries = layout([("dense/w.param", torch.float32, 4)])
+    entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 4)]), 0)
     first = SlotFiles(str(tmp_path), 0, entries, 1, reserve=HEADER_ALIGN + 100)
     first.write_header(0, {"iteration": "7"})
     first.close()
@@ -98,7 +99,7 @@ def test_a_header_beyond_the_limit_is_refused_at_start_up(tmp_path):
     from megatron_pec.slots import SlotFiles, SlotSpaceError
     from megatron_pec.stformat import MAX_HEADER
 
-    entries = layout([("dense/w.param", torch.float32, 4)])
+    entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 4)]), 0)
     with pytest.raises(SlotSpaceError, match="spread the experts over more ranks"):
         SlotFiles(str(tmp_path), 0, entries, 1, reserve=MAX_HEADER)
     assert not list(tmp_path.iterdir())  # refused before any slot file exists
@@ -151,7 +152,7 @@ def test_the_agents_slot_cache_keeps_a_mapping_and_its_table_until_the_file_chan
     from megatron_pec.slots import SlotCache, SlotFiles, open_slot, slot_path
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
-    files = SlotFiles(str(tmp_path), 0, entries, 1, reserve=4096)
+    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
     files.write_header(0, {"iteration": "1"})
     path, cache = slot_path(str(tmp_path), 0, 0), SlotCache()
     first_map, first = cache.open(path)
@@ -162,13 +163,13 @@ def test_the_agents_slot_cache_keeps_a_mapping_and_its_table_until_the_file_chan
     assert second_map is first_map and second.tensors is first.tensors
     assert second == plain and second.metadata == {"iteration": "2"}
     files.close()
-    other = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 300)])
-    files = SlotFiles(str(tmp_path), 0, other, 1, reserve=4096)  # another configuration resizes the slots
+    other = layout([("dense/w.param", torch.float32, 300), ("L1.E0/w.param", torch.float32, 2)])
+    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(other, 2), 1, reserve=4096)  # another configuration
     files.write_header(0, {"iteration": "5"})
     third_map, third = cache.open(path)
     files.close()
     assert third_map is not first_map and len(third_map) == os.path.getsize(path)
-    assert third.tensors == other and third.metadata == {"iteration": "5"}
+    assert third.tensors == other[:1] and third.metadata == {"iteration": "5"}
 
 
 def test_quoted_text_encodes_as_json_dumps_does():

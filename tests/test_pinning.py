@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_pec import pinning
+from megatron_pec.memlayout import MemoryLayout
 from megatron_pec.slots import SlotFiles, SlotSpaceError, cgroup_memory
 from megatron_pec.stformat import layout
 
@@ -35,7 +36,7 @@ class Runtime:
 
 @pytest.fixture
 def slots(tmp_path):
-    files = SlotFiles(str(tmp_path), 0, layout([("dense/w.param", torch.float32, 1024)]), 1)
+    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(layout([("dense/w.param", torch.float32, 1024)]), 0), 1)
     yield files
     files.close()
 
@@ -44,7 +45,7 @@ def test_pins_each_slot_once_and_unpins_before_unmapping(slots, capsys):
     runtime = Runtime()
     first = pinning.SlotPinning(runtime)
     ranges = pinning.slot_ranges(slots.maps)
-    assert first.pin(ranges) and len(first.pinned) == 3
+    assert first.pin(ranges) and len(first.pinned) == 3  # (two home slots and the expert pool)
     again = pinning.SlotPinning(runtime)
     assert again.pin(ranges) and again.pinned == []  # the same addresses are never registered twice
     assert [c[0] for c in runtime.calls] == ["register"] * 3
@@ -89,13 +90,13 @@ def test_preflight_counts_node_memory_against_the_containers_memory_limit(tmp_pa
     (cgroup / "memory.current").write_text(f"{60 << 20}\n")
     monkeypatch.setenv("MEGATRON_PEC_CGROUP_DIR", str(cgroup))
     assert cgroup_memory() == (64 << 20, 60 << 20, str(cgroup / "memory.max"))
-    entries = layout([("dense/w.param", torch.float32, 2 << 20)])  # 8 MiB: 3 slots need 24 MiB
+    entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 2 << 20)]), 0)  # 8 MiB: 2 homes need 16 MiB
     with pytest.raises(SlotSpaceError) as refused:
         SlotFiles(str(tmp_path / "shm"), 0, entries, 1)
     text = str(refused.value)
     assert "memory limit" in text and "64 MiB, 60 MiB in use" in text and "leaves 4 MiB" in text
-    assert "need 25 MiB" in text and "tmpfs itself has" in text and "--memory=" in text
-    assert not list((tmp_path / "shm").glob("rank0.slot*"))  # refused before any slot was allocated
+    assert "need 17 MiB" in text and "tmpfs itself has" in text and "--memory=" in text
+    assert not list((tmp_path / "shm").glob("rank0.*"))  # refused before any file was allocated
     (cgroup / "memory.max").write_text("max\n")
     assert cgroup_memory() is None
     SlotFiles(str(tmp_path / "shm"), 0, entries, 1).close()

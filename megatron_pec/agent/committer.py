@@ -27,6 +27,11 @@ class Committer:
         self.pending: dict[tuple[str, int, str], dict[str, RankFile]] = {}
         self.failed: set[tuple[str, int, str]] = set()
 
+    def locator(self, rank: int, home: int, places: dict[str, int]):
+        """``locate(item)`` for ``write_rank_file``: where a snapshot's item lies (``places``: where not in
+        ``home``)."""
+        return lambda item: self.slots.item(self.directory, rank, places.get(item, home), item)
+
     def failed_persist(self, root: str, iteration: int, generation: str) -> None:
         self.failed.add((root, iteration, generation))
 
@@ -100,11 +105,10 @@ class Committer:
                 self.persisted(checkpoints, job, iteration, rank, entry, generation)
                 return
             target = checkpoints.fresh_rank_file(iteration, rank, generation)
-            elsewhere = {item: slot_path(self.directory, rank, place) for item, place in copy.places.items()}
             checked = check_snapshot(slot_path(self.directory, rank, copy.slot), iteration, copy.record.run, job.key,
-                                     self.slots)
-            file = write_rank_file(checked, set(checked.snapshot.items), target, checkpoints.storage, self.slots,
-                                   elsewhere)
+                                     self.slots, self.locator(rank, copy.slot, copy.places))
+            file = write_rank_file(checked, set(checked.snapshot.items), target, checkpoints.storage,
+                                   self.locator(rank, copy.slot, copy.places))
             log.info(f"{why}: persisted rank {rank}'s snapshot of iteration {iteration}")
             self.persisted(checkpoints, job, iteration, rank, RankFile(file=checkpoints.relative(target), **file),
                            generation)

@@ -59,6 +59,16 @@ class Written:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A write has read every item of a persistent snapshot but ``left``: the others are handed back."""
+
+    rank: int
+    iteration: int
+    generation: str
+    left: frozenset
+
+
+@dataclass(frozen=True)
 class WrittenFromMemory:
     """The writer is done with a persist from node memory: the regions it read are free to go."""
 
@@ -83,5 +93,5 @@ class Shutdown:
     """Stop the worker (everything queued before is done)."""
 
 
-__all__ = ["RecordSnapshot", "Pull", "Settle", "Resume", "Flush", "Written", "WrittenFromMemory", "Drained", "Repin",
-           "Shutdown"]
+__all__ = ["RecordSnapshot", "Pull", "Settle", "Resume", "Flush", "Written", "Progress", "WrittenFromMemory", "Drained",
+           "Repin", "Shutdown"]

@@ -1,9 +1,10 @@
 """Node memory's history, owned by the node agent: which region of which slot file holds which version
 of which item, of which timeline - and the one predicate that says what may be restored.
 
-A rank has three slot files, each with a region for every item (its dense state, each expert it
-holds). A snapshot writes its header and dense state into one slot (its home) and each expert it
-writes into a region the trainer chose (``regions.RegionBook``); nothing is copied between slots.
+A rank has two home slots, each with a region for its dense state, and a pool of expert regions
+(``memlayout.py``; pool region j is slot ``POOL + j``, holding one expert's version at a time). A
+snapshot writes its header and dense state into one home slot and each expert it writes into a pool
+region the trainer chose (``regions.RegionBook``); nothing is copied afterwards.
 The agent is the only writer of ``<node dir>/slots.json`` (a ``MemoryIndex``): per slot, a
 ``SlotRecord`` of its home snapshot and of every region that holds a recorded version. It records a
 snapshot as soon as its header is checked (``record_snapshot``), drops regions a trainer overwrote
@@ -23,8 +24,9 @@ import dataclasses
 import os
 
 from megatron_pec.items import NON_EXPERT
+from megatron_pec.memlayout import is_pool
 from megatron_pec.protocol import JobKey, MemoryIndex, ProtocolError, RankMemory, Segment, SlotHeader, SlotRecord
-from megatron_pec.slots import NUM_SLOTS, read_slot_metadata, slot_path
+from megatron_pec.slots import read_slot_metadata, slot_path
 from megatron_pec.stformat import FormatError
 
 INDEX = "slots.json"
@@ -118,11 +120,22 @@ class NodeMemory:
             record, iteration=header.iteration, run=header.run,
             runs={i: r for i, r in ((i, record.run_of(i)) for i in record.items) if r != header.run})
 
-    def adopt(self, rank: int, slot: int, record: SlotRecord, lineage: list[Segment], job: JobKey) -> None:
-        """A snapshot pulled from a peer's replica becomes this rank's slot, whole, with the timeline it had."""
+    def adopt(self, rank: int, home: int, record: SlotRecord, lineage: list[Segment], job: JobKey,
+              places: dict[str, int]) -> None:
+        """A snapshot pulled from a peer's replica becomes this rank's node memory, with the timeline it had:
+        its dense state in ``home``, each expert in the region ``places`` names."""
         self.jobs[rank] = job
         self.lineage[rank] = list(lineage)
-        self.slots[rank] = {slot: record}
+        self.slots[rank] = {}
+        for item, slot in {NON_EXPERT: home, **places}.items():
+            if item not in record.items:
+                continue
+            keep = lambda values: {item: values[item]} if item in values else {}  # noqa: E731
+            runs = {item: record.run_of(item)} if record.run_of(item) != record.run else {}
+            self.slots[rank][slot] = dataclasses.replace(
+                record, iteration=record.iteration if slot == home else NO_HOME, run=record.run if slot == home else "",
+                items={item: record.items[item]}, crcs=keep(record.crcs), sums=keep(record.sums),
+                tokens=keep(record.tokens), runs=runs if slot == home else {item: record.run_of(item)})
 
     def begin(self, rank: int, run: str, resumed_from: int | None, job: JobKey) -> None:
         """``run`` continues from ``resumed_from`` (None: from scratch): every other run's snapshots
@@ -144,6 +157,9 @@ class NodeMemory:
 
     def _drop(self, rank: int, slot: int, item: str) -> None:
         record = self.slots.get(rank, {}).get(slot)
+        if record is not None and is_pool(slot):
+            del self.slots[rank][slot]  # (a pool region held one item, whichever: it was overwritten)
+            return
         if record is None or item not in record.items:
             return
         if item == NON_EXPERT and record.iteration != NO_HOME:
@@ -154,6 +170,8 @@ class NodeMemory:
 
     def _put(self, rank: int, slot: int, item: str, version: int, check, run: str, tokens: int | None) -> None:
         record = self.slots.setdefault(rank, {}).get(slot) or SlotRecord(NO_HOME, "", {})
+        if is_pool(slot) and set(record.items) - {item}:
+            record = SlotRecord(NO_HOME, "", {})  # a pool region holds one item: the one written now
         sums, crcs = dict(record.sums), dict(record.crcs)
         (sums if isinstance(check, str) else crcs)[item] = check
         (crcs if isinstance(check, str) else sums).pop(item, None)
@@ -263,8 +281,8 @@ class NodeMemory:
             record = dataclasses.replace(record, iteration=NO_HOME)
         return dataclasses.replace(record, items=keep), header
 
-    def restorable(self, rank: int, job: JobKey) -> tuple[list[tuple[str, SlotRecord, SlotHeader | None]], list[str]]:
-        """(path, record, home header) of every slot of ``rank`` that may serve a restore of ``job``, the
+    def restorable(self, rank: int, job: JobKey) -> tuple[list[tuple[int, str, SlotRecord, SlotHeader | None]], list[str]]:
+        """(slot, path, record, home header) of every slot of ``rank`` that may serve a restore of ``job``, the
         newest home first (records keep only what may serve), and the reasons slots of another job or
         configuration were passed over."""
         found, foreign = [], []
@@ -275,8 +293,8 @@ class NodeMemory:
                 if verdict.startswith("belongs to job"):
                     foreign.append(f"{path} {verdict}")
                 continue
-            found.append((path, *verdict))
-        found.sort(key=lambda t: -t[1].iteration)
+            found.append((slot, path, *verdict))
+        found.sort(key=lambda t: -t[2].iteration)
         return found, foreign
 
 
@@ -286,4 +304,4 @@ def _without(values: dict, key) -> dict:
     return {k: v for k, v in values.items() if k != key}
 
 
-__all__ += ["NO_HOME", "NUM_SLOTS"]
+__all__ += ["NO_HOME"]

@@ -3,17 +3,18 @@
 Runs in the node agent. A trainer overwrites any region of its slots that is not its item's newest
 recorded version, not in flight and not pinned (``regions.RegionBook``). The agent pins:
 
-* without replicas: the dense state of the rank's newest committed snapshot, so that after a node
+* on several nodes without replicas: the dense state of the rank's newest committed snapshot (its own
+  home slot: the trainer has three), so that after a node
   loss the survivors restore from memory the iteration the lost node restores from storage, whatever
   the ratio of snapshot and persist intervals (its experts are at their newest versions anyway, or on
   storage) - or of the newest one this agent persisted, from its write on (pinned only once the other
   nodes' agents commit it, it could be overwritten before). With replicas the lost node restores its
   newest replica instead, which the survivors hold as one of their newest snapshots; keeping a third
   one would leave snapshots no region while a push runs;
-* the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it;
-* a snapshot being written to storage (``writer.py``): what it wrote, or for a persist from node memory
-  each item at its newest version up to it. Its own trainer holds it anyway until it is released; the
-  pin keeps it from a trainer that starts meanwhile.
+* the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it, less
+  the items the push has read (handed back as it goes: the dense state first);
+* a snapshot being written to storage (``writer.py``): the items it has yet to read (handed back as
+  the write goes), or for a persist from node memory each item at its newest version up to it.
 
 A trainer hears the pins with every ``Begun`` and ``Released``, and unasked (``Granted``) when they
 shrink while it waits for a region.
@@ -33,8 +34,8 @@ def pins(rank: int, job, memory: NodeMemory, checkpoints: CheckpointDir, replica
     iterations of its snapshots being sent or to send; ``writing``: the pins of its writes in flight;
     ``persisted``: (run, iteration) of the newest snapshot this agent wrote the rank's file of, which may
     still commit."""
-    out = [Pin(iteration, None, newest=True) for iteration in sorted(set(replicating))] + list(writing)
-    if not job.replicas:
+    out = [Pin(iteration, items, newest=True) for iteration, items in replicating] + list(writing)
+    if not job.replicas and job.num_nodes > 1:  # (its trainer has a third home slot for it)
         committed = memory.newest(rank, lambda r: (r.run, r.iteration) == persisted or
                                   checkpoints.is_committed(r.iteration))
         if committed is not None:

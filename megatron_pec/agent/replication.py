@@ -14,14 +14,15 @@ from megatron_pec.agent import peers
 from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
 from megatron_pec.protocol import JobInfo, PeerAddress
-from megatron_pec.slots import slot_path
+from megatron_pec.slots import SlotCache, slot_path
 from megatron_pec.storage import Storage
 
 
 class Replication:
-    def __init__(self, directory: str, storage: Storage, on_push_done=None):
-        """``on_push_done()``: called after each push ends (a trainer may be waiting for its regions)."""
-        self.directory, self.storage, self.on_push_done = directory, storage, on_push_done
+    def __init__(self, directory: str, storage: Storage, slots: SlotCache, on_push_done=None):
+        """``on_push_done()``: called as a push hands regions back and when it ends (a trainer may be
+        waiting for its regions)."""
+        self.directory, self.storage, self.slots, self.on_push_done = directory, storage, slots, on_push_done
         self.replicator: Replicator | None = None
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
@@ -43,7 +44,7 @@ class Replication:
             self.server = ReplicaServer(self.store)
             self.address = PeerAddress(job.node_rank, peers.advertised_host(job), self.server.port,
                                        job.domain or f"node {job.node_rank}", os.getpid())
-            self.replicator = Replicator(self.directory, job, self.storage, self.on_push_done)
+            self.replicator = Replicator(self.directory, job, self.storage, self.slots, self.on_push_done)
         self.publish(job)  # storage I/O: outside the lock
 
     def publish(self, job: JobInfo) -> None:
@@ -70,9 +71,7 @@ class Replication:
         self.recorded[rank] = [i for i in self.recorded.get(rank, []) if i < iteration][-63:] + [iteration]
         self.publish(job)
         home, places = memory.view_places(rank, iteration)
-        elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in places.items()}
-        self.replicator.offer(rank, slot_path(self.directory, rank, home), elsewhere, memory.view(rank, iteration),
-                              memory.lineage.get(rank, []))
+        self.replicator.offer(rank, home, places, memory.view(rank, iteration), memory.lineage.get(rank, []))
 
     def hold(self, rank: int, bound: int) -> str | None:
         """Why the rank's next snapshot must wait, if it must: its newest replica on every holder lags
@@ -88,8 +87,9 @@ class Replication:
         return (f"rank {rank}'s newest replica on its peers is {lag} snapshots behind (--pec-replica-lag {bound}): "
                 "waiting for the push under way")
 
-    def replicating(self, rank: int) -> list[int]:
-        """The rank's iterations being sent to a peer or waiting to be (pinned on its trainer)."""
+    def replicating(self, rank: int) -> list[tuple[int, list[str] | None]]:
+        """(iteration, items still to read; None: all) of the rank's snapshots being sent to a peer or
+        waiting to be (pinned on its trainer)."""
         return self.replicator.replicating(rank) if self.replicator is not None else []
 
     def pull(self, job: JobInfo, rank: int, memory: NodeMemory) -> None:
@@ -98,12 +98,12 @@ class Replication:
         path = slot_path(self.directory, rank, 0)
         if memory.slots.get(rank) or not os.path.exists(path):
             return
-        result = pull(self.directory, job, rank, path, self.storage)
+        result = pull(self.directory, job, rank, self.slots, self.storage)
         if isinstance(result, str):
             log.info(f"rank {rank}: nothing pulled from peer memory ({result}); it restores from storage")
             return
-        record, lineage = result
-        memory.adopt(rank, 0, record, lineage, job.key)
+        record, lineage, places = result
+        memory.adopt(rank, 0, record, lineage, job.key, places)
         memory.write()
         log.info(f"rank {rank}: pulled iteration {record.iteration} from node {record.origin}'s memory")
 

@@ -92,9 +92,9 @@ class Agent:
         self.trainers = Trainers()                      # shared by the connections' threads and the worker
         self.planned_exit = False                       # every trainer detached cleanly
         # started once a job asks for it; a push that ends frees the regions it pinned
-        self.replication = Replication(directory, self.storage, lambda: self.jobs.put(jobs.Repin()))
+        self.replication = Replication(directory, self.storage, self.slots, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
-        self.writing: dict[int, list[Pin]] = {}         # rank -> pins of its writes in flight (the worker's)
+        self.writing: dict[int, dict] = {}              # rank -> its writes in flight -> what they still read
         self.persisted: dict[int, tuple] = {}           # rank -> (run, iteration) of the newest file written
         self.last_activity = time.monotonic()
         self.stopping = threading.Event()
@@ -269,18 +269,19 @@ class Agent:
             self.trainers.recorded(job.link.rank)
 
     def _written_from_memory(self, job: jobs.WrittenFromMemory) -> None:
-        self.writing[job.rank].remove(Pin(job.iteration, None, newest=True))
+        self.writing[job.rank].pop(("memory", job.iteration), None)
         self._repin()
 
     def _record(self, job: jobs.RecordSnapshot) -> None:
         """Save step 5: check the header, record the snapshot's regions, offer it to the replicas (7);
-        release it, or hand its rank file to the writer (6; released once written)."""
+        release it, and hand a persistent one's rank file to the writer (6; released again once written)."""
         link, msg = job.link, job.msg
         rank, root = link.rank, link.checkpoints.root
         try:
             with self.cpu("checking"):
                 checked = check_snapshot(slot_path(self.directory, rank, msg.slot), msg.iteration, link.run or "",
-                                         link.job.key, self.slots)
+                                         link.job.key, self.slots,
+                                         self.writer.committer.locator(rank, msg.slot, msg.places))
         except Exception as exc:  # reported to the trainer; the agent keeps serving
             if msg.persist:
                 self.writer.put(writer.Failed(root, msg.iteration, msg.generation))
@@ -305,13 +306,22 @@ class Agent:
         if not msg.persist:
             self._release(link, msg, True, None)
             return
-        self.writing.setdefault(rank, []).append(Pin(msg.iteration, None))
-        elsewhere = {item: slot_path(self.directory, rank, slot) for item, slot in msg.places.items()}
-        self.writer.put(writer.Write(link, msg, checked, elsewhere))
+        # Its regions stay pinned while the write reads them, handed back item by item (``jobs.Progress``):
+        # the trainer hears it recorded now, and overwrites what the write has read.
+        items = checked.kept(set(msg.persist_items) if msg.persist_items is not None else None)
+        self.writing.setdefault(rank, {})[(msg.iteration, msg.generation)] = Pin(msg.iteration, sorted(items))
+        self._release(link, msg, True, None, persisting=True)
+        self.writer.put(writer.Write(link, msg, checked))
+
+    def _progress(self, job: jobs.Progress) -> None:
+        writing = self.writing.get(job.rank, {})
+        if (job.iteration, job.generation) in writing:
+            writing[(job.iteration, job.generation)] = Pin(job.iteration, sorted(job.left))
+            self._repin()
 
     def _written(self, job: jobs.Written) -> None:
         link, msg, error = job.link, job.msg, job.error
-        self.writing[link.rank].remove(Pin(msg.iteration, None))
+        self.writing[link.rank].pop((msg.iteration, msg.generation), None)
         if error is None and job.committable:
             newest = self.persisted.get(link.rank)
             # (a restart's new run resumes below the old run's iterations: its own writes count from then)
@@ -319,10 +329,12 @@ class Agent:
                 self.persisted[link.rank] = (link.run, msg.iteration)
         self._release(link, msg, True, error)
 
-    def _release(self, link: Link, msg: SnapshotReady, recorded: bool, error: str | None) -> None:
+    def _release(self, link: Link, msg: SnapshotReady, recorded: bool, error: str | None,
+                 persisting: bool = False) -> None:
         if error is not None:
             log.info(f"rank {link.rank} iteration {msg.iteration}: {error}")
-        self._send(link, Released(msg.slot, msg.iteration, error, recorded, *link.told(self._pins(link))))
+        self._send(link, Released(msg.slot, msg.iteration, error, recorded, *link.told(self._pins(link)),
+                                  persisting=persisting))
 
     # ---- the timeline and the pins ------------------------------------------------------------------
     def _resume(self, job: jobs.Resume) -> None:
@@ -342,7 +354,8 @@ class Agent:
                 resumed = self.memory.newest(link.rank, lambda r: r.iteration == msg.resumed_from)
             if resumed is not None:
                 copy = MemoryCopy.of(self.memory, link.rank, *resumed)
-                self.writing.setdefault(link.rank, []).append(Pin(msg.resumed_from, None, newest=True))
+                self.writing.setdefault(link.rank, {})[("memory", msg.resumed_from)] = \
+                    Pin(msg.resumed_from, None, newest=True)
         finally:  # answered whatever failed: the trainer waits for it
             self._send(link, Begun(*link.told(self._pins(link))))
         if copy is not None:
@@ -351,7 +364,7 @@ class Agent:
     def _pins(self, link: Link) -> tuple[list[Pin], str | None]:
         """The rank's pins and, if the next snapshot must wait, why."""
         return (pins(link.rank, link.job, self.memory, link.checkpoints, self.replication.replicating(link.rank),
-                     self.writing.get(link.rank, []), self.persisted.get(link.rank)),
+                     list(self.writing.get(link.rank, {}).values()), self.persisted.get(link.rank)),
                 self.replication.hold(link.rank, link.job.replica_lag))
 
     def _repin(self, job: jobs.Repin | None = None) -> None:
@@ -370,8 +383,8 @@ class Agent:
         except OSError as exc:  # (only the benchmarks read it)
             log.info(f"cannot write {self.cpu.path}: {exc}")
 
-    HANDLERS = {jobs.RecordSnapshot: _record, jobs.Written: _written, jobs.Resume: _resume, jobs.Flush: _flush,
-                jobs.Drained: _drained, jobs.Settle: _settled, jobs.Pull: _pull,
+    HANDLERS = {jobs.RecordSnapshot: _record, jobs.Written: _written, jobs.Progress: _progress, jobs.Resume: _resume,
+                jobs.Flush: _flush, jobs.Drained: _drained, jobs.Settle: _settled, jobs.Pull: _pull,
                 jobs.WrittenFromMemory: _written_from_memory, jobs.Repin: _repin}
 
 

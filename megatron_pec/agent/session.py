@@ -40,7 +40,8 @@ class AgentSession:
         self.node_dir, self.rank, self.node_rank, self.hello = node_dir, rank, node_rank, hello
         self.idle_timeout, self.keep_shm, self.wait_for_slot = idle_timeout, keep_shm, wait_for_slot
         self.client = AgentClient(node_dir, rank)
-        self.regions = RegionBook(items)
+        self.items = list(items)
+        self.regions = RegionBook(self.items, 0)
         self.run: str | None = None            # this process's timeline, from its first begin
         self.resumed_from: int | None = None
         self.begins_unanswered = 0             # Begins sent whose Begun has not arrived
@@ -59,6 +60,16 @@ class AgentSession:
         """Start or reuse the agent and connect; raises AgentUnavailable."""
         ensure_agent(self.node_dir, self.node_rank, self.idle_timeout, self.keep_shm, timeout=timeout)
         self.client.connect(self.hello, timeout=min(30.0, timeout))
+
+    def use_pool(self, regions: int, homes: int) -> None:
+        """The rank's expert pool has ``regions`` regions, and it has ``homes`` home slots (its files are
+        mapped: before ``start``)."""
+        self.regions = RegionBook(self.items, regions, homes)
+
+    def capacity(self) -> int:
+        """Experts the snapshot just leased can write (pool regions it may overwrite)."""
+        with self._lock:
+            return self.regions.capacity()
 
     # ---- the timeline --------------------------------------------------------------------------------
     def begin(self, resumed_from: int | None) -> None:

@@ -2,9 +2,8 @@
 
 A persist takes as long as storage needs for the rank's state (seconds to minutes); memory-only
 snapshots keep arriving every iteration meanwhile. The worker records each snapshot as it arrives and
-hands its rank file to this thread, in arrival order; the regions a write reads stay held until it
-ends (its trainer's own snapshot is in flight until released; the worker pins them for a trainer
-that starts after it). A write's result goes back to the worker as a job (``jobs.Written``): the
+hands its rank file to this thread, in arrival order; the regions a write still has to read stay
+pinned, and are handed back item by item as it reads them (``HandBack``: the dense state first). A write's result goes back to the worker as a job (``jobs.Written``): the
 worker owns node memory and every answer to a trainer. While the agent serves, commits are made here
 only (``committer.py``), in the order the writes end; at a planned exit, after both threads stopped,
 the agent's own thread persists what storage still lacks.
@@ -14,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +21,7 @@ from megatron_pec import log
 from megatron_pec.agent import jobs
 from megatron_pec.agent.committer import Committer, MemoryCopy
 from megatron_pec.agent.persist import CheckedSnapshot, write_rank_file
+from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import RankFile, SnapshotReady
 
 
@@ -31,7 +32,6 @@ class Write:
     link: object                 # the announcing trainer's ``trainers.Link``
     msg: SnapshotReady
     checked: CheckedSnapshot
-    elsewhere: dict[str, str]    # item -> the slot file of its region, where not the home
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,25 @@ class Drain:
     """Answer (through the worker) once every write queued before has ended."""
 
     link: object
+
+
+class HandBack:
+    """The items of a write still to be read, told to the worker as they shrink (the dense state at once,
+    then at most every ``EVERY_S``): it pins only those, so snapshots may overwrite the rest."""
+
+    EVERY_S = 0.02
+
+    def __init__(self, tell_worker, rank: int, iteration: int, generation: str, items):
+        self.tell_worker, self.rank, self.iteration, self.generation = tell_worker, rank, iteration, generation
+        self.left = set(items)
+        self.told = time.monotonic()
+
+    def done(self, item: str) -> None:
+        self.left.discard(item)
+        now = time.monotonic()
+        if not self.left or item == NON_EXPERT or now - self.told >= self.EVERY_S:
+            self.told = now
+            self.tell_worker(jobs.Progress(self.rank, self.iteration, self.generation, frozenset(self.left)))
 
 
 class Writer:
@@ -120,9 +139,10 @@ class Writer:
         try:
             target = checkpoints.fresh_rank_file(msg.iteration, link.rank, msg.generation)
             keep = job.checked.kept(set(msg.persist_items) if msg.persist_items is not None else None)
+            progress = HandBack(self.tell_worker, link.rank, msg.iteration, msg.generation, keep)
             with self.cpu("writing"):
-                file = write_rank_file(job.checked, keep, target, checkpoints.storage, self.slots, job.elsewhere,
-                                       self.cpu)
+                file = write_rank_file(job.checked, keep, target, checkpoints.storage,
+                                       self.committer.locator(link.rank, msg.slot, msg.places), self.cpu, progress.done)
         except Exception as exc:  # reported to the trainer; the agent keeps serving
             self.committer.failed_persist(checkpoints.root, msg.iteration, msg.generation)
             return f"{type(exc).__name__}: {exc}", False

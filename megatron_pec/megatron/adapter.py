@@ -78,6 +78,8 @@ class MegatronAdapter:
         self.optimizer_state = OptimizerState(optimizer, self.rank)
         self.world_size = torch.distributed.get_world_size()
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.topology = collect.topology()
         # Token counts are summed over all ranks. Data-, context- and expert-parallel ranks route
         # different tokens, pipeline stages different layers; tensor-parallel ranks route the same

@@ -7,8 +7,12 @@ It fills its regions with known values (``iteration + 0.5``) through the same ``
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 from megatron_pec.agent.client import AgentClient, ensure_agent
 from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.memlayout import MemoryLayout
 from megatron_pec.protocol import Begin, Begun, Granted, Hello, JobInfo, Released, SlotHeader, SnapshotReady, Stop
 from megatron_pec.regions import RegionBook
 from megatron_pec.slots import SlotFiles
@@ -21,15 +25,18 @@ class ScriptedTrainer:
     ``entries``: the slot layout (``stformat.layout``); ``items``: its items, in slot order."""
 
     def __init__(self, directory, rank, root, entries, items, nodes=2, keep=0, job="t", run="run-1",
-                 resumed_from=None, replicas=0, fingerprint="f"):
+                 resumed_from=None, replicas=0, fingerprint="f", regions=None):
+        """``regions``: the expert pool's (default: two per expert, what every-expert snapshots take)."""
         self.directory, self.rank, self.root, self.run, self.items = directory, rank, root, run, tuple(items)
         self.job = JobInfo(job_id=job, fingerprint=fingerprint, save=root, local_world_size=1, node_rank=rank,
                            num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas)
         ensure_agent(directory, rank, idle_timeout=60, keep_shm=False)
-        self.files = SlotFiles(directory, rank, entries, 1)
+        layout = MemoryLayout.of(entries, 0, homes=3 if nodes > 1 and not replicas else 2)
+        self.files = SlotFiles(directory, rank, replace(layout, regions=regions if regions is not None
+                                                        else 2 * len(layout.experts)), 1)
         self.client = AgentClient(directory, rank)
         self.client.connect(Hello(rank, self.job))
-        self.book = RegionBook(list(self.items))
+        self.book = RegionBook(list(self.items), self.files.layout.regions, self.files.layout.homes)
         self.begin(run, resumed_from)
 
     def begin(self, run, resumed_from):
@@ -43,14 +50,13 @@ class ScriptedTrainer:
         """Copy ``written`` (default: every item) at ``iteration`` into the regions the book chooses;
         (home, placement)."""
         written = self.items if written is None else written
-        home = self.book.home()
+        home = self.wait_for_home()
         assert home is not None, "no region free for some item"
         placement = self.book.place(home, written)
         self.book.writing(iteration, placement)
         for item, slot in placement.items():
-            for name, view in self.files.views[slot].items():
-                if name.split("/")[0] == item:
-                    view.fill_(iteration + 0.5)
+            for view in self.files.item_views(slot, item).values():
+                view.fill_(iteration + 0.5)
         return home, placement
 
     def snapshot(self, iteration, persist_items=None, written=None, persist=True, wait=True, legacy=False):
@@ -59,9 +65,8 @@ class ScriptedTrainer:
         written = self.items if written is None else written
         home, placement = self.write(iteration, written)
         sums = {}
-        for slot in set(placement.values()):
-            sums.update(item_sums(self.files.maps[slot], self.files.header,
-                                  {i for i, s in placement.items() if s == slot}))
+        for item, slot in placement.items():
+            sums.update(item_sums(self.files.mapping(slot), self.files.item_header(slot, item), {item}))
         header = SlotHeader(job_id=self.job.job_id, fingerprint=self.job.fingerprint, save=self.root, rank=self.rank,
                             world_size=2, iteration=iteration, items=dict.fromkeys(written, iteration),
                             tokens={i: 100 * iteration + n
@@ -75,11 +80,21 @@ class ScriptedTrainer:
             return home, placement
         return (home, placement), self.released(iteration)
 
+    def wait_for_home(self, timeout: float = 30.0):
+        """A home slot for the next snapshot, waiting (up to ``timeout``) for the agent to hand one back
+        (a write reading the other one), as a persistent save of the engine waits."""
+        deadline = time.monotonic() + timeout
+        while self.book.home() is None and time.monotonic() < deadline:
+            for msg in self.client.poll(block_s=0.05):
+                self.hear(msg)
+        return self.book.home()
+
     def released(self, iteration):
+        """The agent's last answer to snapshot ``iteration`` (a persistent one's: once it is written)."""
         for _ in range(150):
             for msg in self.client.poll(block_s=0.2):
                 self.hear(msg)
-                if isinstance(msg, Released) and msg.iteration == iteration:
+                if isinstance(msg, Released) and msg.iteration == iteration and not msg.persisting:
                     return msg
         raise AssertionError("no release from the agent")
 

@@ -73,6 +73,7 @@ def _stock_digests(items, chosen) -> dict:
 def launches(out: str, slot_dir: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from megatron_pec.memlayout import POOL, MemoryLayout
     from megatron_pec.slots import SlotFiles
     from megatron_pec.stager import Stager
     from megatron_pec.stformat import layout
@@ -98,23 +99,22 @@ def launches(out: str, slot_dir: str) -> None:
         specs = [(f"dense/p{i}.param", torch.float32, 3) for i in range(half)] + \
                 [(f"L1.E0/p{i}.param", torch.float32, 3) for i in range(runs - half)]
         entries = layout(specs)
-        files = SlotFiles(os.path.join(slot_dir, str(runs)), 0, entries, 1)
+        files = SlotFiles(os.path.join(slot_dir, str(runs)), 0, MemoryLayout.of(entries, 2), 1)
         source = torch.randn(runs * 4)
         live = {e.name: source[4 * i:4 * i + 3] for i, e in enumerate(entries)}
         slices = [type("Slice", (), {"name": e.name, "item": e.item})() for e in entries]
         stager = Stager(files, slices, 0, asynchronous=True,
                         sums_for=lambda r: FusedRunSums(r, "cpu", sum64_kernel.chunk_sums))
-        for slot in range(3):  # (what the engine does once, after the first optimizer step)
-            stager.runs(slot, live)
-        stager.sums(live)
+        stager.prepare(live)  # (what the engine does once, after the first optimizer step)
+        stager.runs(1, "dense", live), stager.runs(POOL, "L1.E0", live)
         count, before = Count(), len(kernel_launches)
         with count:
             staging = stager.begin(live)
             staging.copy({"dense": 1})
-            staging.copy({"L1.E0": 1})
+            staging.copy({"L1.E0": POOL})
             staging.finish()
         result[str(runs)] = {"torch_ops": count.ops, "kernel_launches": len(kernel_launches) - before,
-                             "copy_runs": sum(len(v[0]) for v in stager.runs_of(1).values())}
+                             "copy_runs": len(stager.runs_of("dense")) + len(stager.runs_of("L1.E0"))}
         stager.close()
         files.close()
     with open(out, "w") as f:

@@ -63,10 +63,10 @@ def optimizer_structure(optimizer) -> list:
 
 def copies(engine, optimizer) -> dict:
     """How a full save copies (slices, coalesced runs) and how many storages hold the moments."""
-    runs = engine.stager.runs_of(next(s for s in range(3) if engine.stager.runs_of(s)))
+    items = dict.fromkeys(s.item for s in engine.adapter.slot_slices)
     storages = {t.untyped_storage().data_ptr() for o in optimizer.chained_optimizers
                 for state in o.optimizer.state.values() for k, t in state.items() if k.startswith("exp_avg")}
-    return {"slices": len(engine.adapter.slot_slices), "runs": sum(len(dst) for dst, _ in runs.values()),
+    return {"slices": len(engine.adapter.slot_slices), "runs": sum(len(engine.stager.runs_of(i)) for i in items),
             "moment_tensors": sum(1 for o in optimizer.chained_optimizers for state in o.optimizer.state.values()
                                   for k in state if k.startswith("exp_avg")),
             "moment_storages": len(storages)}

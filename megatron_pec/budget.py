@@ -1,0 +1,150 @@
+"""How much node memory a rank takes, and the snapshot K that fits in it: the expert pool's size.
+
+A rank's node memory (``memlayout.py``) is two home slots (header + dense state each) and a pool of
+expert regions: one per expert the rank holds (each expert's newest version) plus spares for what one
+snapshot writes. The spares follow the snapshot K: at K = all, one per expert (twice the state); at
+snapshot-K k, as many as the policy ever gives this rank in one snapshot - not three regions of every
+expert, most of them idle.
+
+``--pec-node-memory`` sets a hard budget for the node (a multiple of the node's state, ``1.5x``, or
+GiB): its local ranks' files plus the replicas it keeps of peer nodes. Under it the pool takes the
+spares the budget leaves; when they cannot hold what a snapshot at the asked K writes, snapshots
+take the K they can hold (the *implied K*, said once with the memory the asked K needs; below K = 1,
+as many experts as the spares hold). A budget
+that cannot hold two dense states and one version of every expert is refused at start-up, with the
+memory it needs. Pure: the agreement on the implied K (every rank must take the same) is the engine's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron_pec import policy
+
+GIB = 1 << 30
+
+
+class BudgetError(ValueError):
+    """A budget too small to hold what any snapshot needs (the message says how much more)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``--pec-node-memory``: a multiple of the node's state, or bytes for the whole node."""
+
+    ratio: float | None = None
+    node_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Budget | None":
+        """``None``/"" (no budget), ``"1.5x"`` or ``"24"`` (GiB); raises ValueError naming the flag."""
+        if text is None or str(text).strip() == "":
+            return None
+        value = str(text).strip().lower()
+        found = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(x|gib|g)?", value)
+        if found is None or float(found.group(1)) <= 0:
+            raise ValueError(f"--pec-node-memory {text!r}: give a multiple of the node's state (e.g. 1.5x) or "
+                             "GiB for the node (e.g. 24)")
+        number = float(found.group(1))
+        return cls(ratio=number) if found.group(2) == "x" else cls(node_bytes=int(number * GIB))
+
+    def __str__(self) -> str:
+        return f"{self.ratio:g}x" if self.ratio is not None else f"{self.node_bytes / GIB:g} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's node memory: its files, its share of the node's replica store, what they hold."""
+
+    state: int          # one complete snapshot of the rank (header, dense state, every expert)
+    home_file: int      # one home slot file (header + dense state)
+    homes: int          # home slots
+    pool_header: int    # the pool file's header
+    region_bytes: int
+    experts: int        # experts the rank holds
+    regions: int        # pool regions
+    replica_share: int  # the node's replica store over its local ranks
+    asked_k: int        # snapshot K asked (experts per layer; the layer's experts: all)
+    k: int              # snapshot K the pool holds (``asked_k`` unless a budget implies less)
+    budget: Budget | None = None
+    needed_for_asked: int = 0  # what the asked K needs, where the budget implies less
+
+    @property
+    def own(self) -> int:
+        """Bytes of the rank's own files."""
+        return self.homes * self.home_file + self.pool_header + self.regions * self.region_bytes
+
+    @property
+    def total(self) -> int:
+        return self.own + self.replica_share
+
+    def describe(self, local_ranks: int) -> str:
+        """The start-up line: memory planned against the state."""
+        gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        text = (f"node memory planned per rank: {gib(self.own)} own ({self.own / self.state:.2f}x its state of "
+                f"{gib(self.state)}: {self.homes} dense states, {self.regions} expert regions for {self.experts} "
+                "experts)")
+        if self.replica_share:
+            text += f" + {gib(self.replica_share)} of replicas of peer nodes"
+        text += f"; {gib(self.total * local_ranks)} for the node's {local_ranks} rank(s)"
+        if self.budget is not None:
+            text += f" (--pec-node-memory {self.budget})"
+        if self.k < self.asked_k:
+            text += (f"; the budget holds snapshot-K {self.k} of the asked {self.asked_k} (snapshot-K {self.asked_k} "
+                     f"needs {gib(self.needed_for_asked * local_ranks)} for the node)")
+        return text
+
+
+def per_snapshot(layout: policy.ExpertLayout | None, selection: str, k: int, ep_rank: int, held: int) -> int:
+    """The most experts of ``ep_rank`` one snapshot at snapshot-K ``k`` writes (``held``: all it holds).
+    Sequential: counted over its schedule's period; other policies: every layer's k, up to the rank's
+    experts of a layer."""
+    if layout is None or held == 0:
+        return 0
+    per_rank = layout.num_experts // layout.ep_size
+    if k >= layout.num_experts:
+        return held
+    if selection != "sequential":
+        return min(held, len(layout.layers) * min(k, per_rank))
+    saved = {e: 0 for e in layout.all_experts()}
+    most = 0
+    for index in range(layout.num_experts):  # (the schedule repeats within E checkpoints)
+        chosen = policy.select_experts("sequential", policy.SelectionInput(layout, k, {}, saved, index))
+        most = max(most, sum(1 for e in chosen if layout.ep_rank_of(e.expert) == ep_rank))
+    return min(held, most)
+
+
+def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes: int, experts: int, demand,
+         asked_k: int, budget: Budget | None, node_state: int, local_ranks: int, replica_share: int) -> MemoryPlan:
+    """The pool's regions for the asked snapshot-K, or under ``budget`` the largest K that fits.
+
+    ``demand(k)``: experts one snapshot at snapshot-K k writes (``per_snapshot``); ``node_state``: the
+    node's state (all its ranks); ``replica_share``: the replica store over the local ranks."""
+    def regions_for(k: int) -> int:
+        return experts + demand(k)
+
+    def bytes_for(k: int) -> int:
+        return homes * home_file + pool_header + regions_for(k) * region_bytes + replica_share
+
+    if budget is None:
+        return MemoryPlan(state, home_file, homes, pool_header, region_bytes, experts, regions_for(asked_k),
+                          replica_share, asked_k, asked_k)
+    room = (budget.node_bytes if budget.node_bytes is not None else int(budget.ratio * node_state)) // local_ranks
+    least = homes * home_file + pool_header + experts * region_bytes + replica_share
+    if room < least:
+        raise BudgetError(
+            f"--pec-node-memory {budget} leaves {room / GIB:.2f} GiB per rank; a rank needs at least "
+            f"{least / GIB:.2f} GiB ({least * local_ranks / GIB:.2f} GiB for the node: two dense states and one "
+            "version of every expert it holds" + (", and its share of peers' replicas" if replica_share else "")
+            + "). Raise the budget or leave it out")
+    spares = (room - least) // max(1, region_bytes)
+    k = asked_k
+    while k > 1 and demand(k) > spares:
+        k -= 1
+    regions = experts + min(spares, demand(asked_k))
+    return MemoryPlan(state, home_file, homes, pool_header, region_bytes, experts, regions, replica_share, asked_k,
+                      k, budget, bytes_for(asked_k))
+
+
+__all__ = ["Budget", "BudgetError", "MemoryPlan", "per_snapshot", "plan"]
