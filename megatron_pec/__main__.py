@@ -14,7 +14,8 @@ from megatron_pec.storage import default_storage
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_pec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="summarise a checkpoint directory (--save/--load)")
+    p = sub.add_parser("inspect", help="summarise a checkpoint directory (--save/--load), or a node's memory "
+                       "(<shm dir>/<job id>/node<k>: what its files take against the state)")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = sub.add_parser("verify", help="re-check the size and checksums of every committed file; exit 0 only if sound")
@@ -41,8 +42,12 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.dir):
         print(f"error: {args.dir} is not a directory", file=sys.stderr)
         return 2
-    from megatron_pec import inspection
+    from megatron_pec import inspection, node_report
 
+    if args.command == "inspect" and node_report.is_node_dir(args.dir):
+        found = node_report.report(args.dir)
+        print(json.dumps(found, indent=1) if args.json else node_report.format_report(found))
+        return 0
     directory = CheckpointDir(args.dir, storage)
 
     if args.command == "export":

@@ -226,6 +226,16 @@ def plt_so_far() -> float:
     return _engine.book.state.plt if _engine is not None else 0.0
 
 
+def node_memory() -> dict | None:
+    """This rank's node memory as planned at start-up (``budget.MemoryPlan``): bytes of its own files and of
+    its share of the node's replicas, its state, and the snapshot K they hold; None before the engine."""
+    plan = _engine.memory_plan if _engine is not None else None
+    if plan is None:
+        return None
+    return {"own_bytes": plan.own, "replica_bytes": plan.replica_share, "state_bytes": plan.state,
+            "ratio": round(plan.total / plan.state, 4), "snapshot_k": plan.k, "asked_k": plan.asked_k}
+
+
 def last_save_phases() -> dict[str, float]:
     """Where this rank's latest save spent its blocking time: seconds by phase (``phases.py``;
     empty before the first save)."""

@@ -49,6 +49,10 @@ class Budget:
         number = float(found.group(1))
         return cls(ratio=number) if found.group(2) == "x" else cls(node_bytes=int(number * GIB))
 
+    def bytes_for(self, node_state: int) -> int:
+        """The budget in bytes for a node whose ranks' state is ``node_state``."""
+        return self.node_bytes if self.node_bytes is not None else int(self.ratio * node_state)
+
     def __str__(self) -> str:
         return f"{self.ratio:g}x" if self.ratio is not None else f"{self.node_bytes / GIB:g} GiB"
 
@@ -79,15 +83,26 @@ class MemoryPlan:
     def total(self) -> int:
         return self.own + self.replica_share
 
-    def describe(self, local_ranks: int) -> str:
-        """The start-up line: memory planned against the state."""
+    def record(self) -> dict:
+        """What ``inspect`` reads back (``<node dir>/rank<r>.memory.json``)."""
+        return {"state_bytes": self.state, "own_bytes": self.own, "replica_bytes": self.replica_share,
+                "homes": self.homes, "regions": self.regions, "region_bytes": self.region_bytes,
+                "experts": self.experts, "asked_k": self.asked_k, "snapshot_k": self.k,
+                "budget": str(self.budget) if self.budget is not None else None}
+
+    def describe(self, local_ranks: int, page_locked: bool, room: tuple[int, int | None]) -> str:
+        """The start-up line: memory planned against the state, the tmpfs and the cgroup (``room``:
+        free tmpfs bytes, the cgroup's limit or None)."""
         gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
         text = (f"node memory planned per rank: {gib(self.own)} own ({self.own / self.state:.2f}x its state of "
                 f"{gib(self.state)}: {self.homes} dense states, {self.regions} expert regions for {self.experts} "
                 "experts)")
         if self.replica_share:
             text += f" + {gib(self.replica_share)} of replicas of peer nodes"
-        text += f"; {gib(self.total * local_ranks)} for the node's {local_ranks} rank(s)"
+        text += (f"; {gib(self.total * local_ranks)} for the node's {local_ranks} rank(s) "
+                 f"({self.total / self.state:.2f}x its state), {gib(self.own * local_ranks if page_locked else 0)} "
+                 f"of it page-locked; the tmpfs has {gib(room[0])} free"
+                 + (f", the container may use {gib(room[1])}" if room[1] is not None else ""))
         if self.budget is not None:
             text += f" (--pec-node-memory {self.budget})"
         if self.k < self.asked_k:
@@ -130,7 +145,7 @@ def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes:
     if budget is None:
         return MemoryPlan(state, home_file, homes, pool_header, region_bytes, experts, regions_for(asked_k),
                           replica_share, asked_k, asked_k)
-    room = (budget.node_bytes if budget.node_bytes is not None else int(budget.ratio * node_state)) // local_ranks
+    room = budget.bytes_for(node_state) // local_ranks
     least = homes * home_file + pool_header + experts * region_bytes + replica_share
     if room < least:
         raise BudgetError(

@@ -15,6 +15,8 @@ the PEC bookkeeping is ``book``; copies are ``stager``'s; the node agent and the
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -37,7 +39,7 @@ from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.save_history import SaveHistory
-from megatron_pec.slots import HEADER_ALIGN, SlotFiles, SlotSpaceError
+from megatron_pec.slots import HEADER_ALIGN, SlotFiles, SlotSpaceError, tmpfs_room
 from megatron_pec.stager import Stager
 from megatron_pec.stformat import encode_header, tensor_table
 from megatron_pec.stformat import layout as tensor_layout
@@ -106,8 +108,6 @@ class Engine:
         # rank's node memory holds.
         (k,) = self.adapter.collectives.reduce([plan.k], "min")
         self.book.limit_k(k)
-        if self.rank % self.job.local_world_size == 0:
-            log.info(plan.describe(self.job.local_world_size), rank=self.rank)
         if k < plan.asked_k:
             log.warning(f"the node memory budget holds snapshot-K {k} per layer, not the asked {plan.asked_k}: "
                         f"snapshots save {k} experts per layer (raise --pec-node-memory to "
@@ -119,6 +119,7 @@ class Engine:
             self.files = SlotFiles(self.job.node_dir, self.rank, replace(layout, regions=plan.regions),
                                    self.job.local_world_size, plan.replica_share, reserve=self._header_reserve())
             self.memory_plan = replace(plan, regions=self.files.layout.regions)
+            self._report_memory()
             self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
             self.stager = Stager(self.files, self.adapter.slot_slices, self.rank)
             self.stager.pin()
@@ -131,6 +132,15 @@ class Engine:
     def parts(self) -> SaveParts:
         return SaveParts(self.job, self.config.job_id, self.adapter, self.book, self.history, self.session,
                          self.files, self.stager)
+
+    def _report_memory(self) -> None:
+        """The node memory planned: said once per node at start-up, and kept beside the files for ``inspect``."""
+        plan, job = self.memory_plan, self.job
+        with open(os.path.join(job.node_dir, f"rank{self.rank}.memory.json"), "w") as f:
+            json.dump(plan.record(), f)
+        if self.rank % job.local_world_size == 0:
+            log.info(plan.describe(job.local_world_size, torch.cuda.is_available(), tmpfs_room(job.node_dir)),
+                     rank=self.rank)
 
     def _plan_memory(self, layout: MemoryLayout) -> tuple[budget.MemoryPlan | None, str | None]:
         """This rank's node memory for the asked snapshot K, or the K a --pec-node-memory budget holds
@@ -150,11 +160,21 @@ class Engine:
         demand = partial(budget.per_snapshot, experts, config.selection, ep_rank=self.adapter.ep_rank, held=held)
         try:
             # A node keeps a replica, the state's size, of each rank of ``replicas`` peer nodes (``replicas.py``).
-            return budget.plan(state, home_file, layout.homes, header, layout.region_bytes, held,
+            plan = budget.plan(state, home_file, layout.homes, header, layout.region_bytes, held,
                                lambda k: demand(k=k), asked, config.node_memory, node_state, job.local_world_size,
-                               job.replicas * state), None
+                               job.replicas * state)
         except budget.BudgetError as exc:
             return None, str(exc)
+        if config.node_memory is not None:
+            asked_bytes = config.node_memory.bytes_for(node_state)
+            os.makedirs(job.node_dir, exist_ok=True)
+            held_now = sum(e.stat().st_size for e in os.scandir(job.node_dir) if e.is_file())
+            room = tmpfs_room(job.node_dir)[0] + held_now
+            if asked_bytes > room:
+                return None, (f"--pec-node-memory {config.node_memory} asks for {asked_bytes / 2**30:.2f} GiB of node "
+                              f"memory; the tmpfs {config.shm_dir} has {room / 2**30:.2f} GiB for it. Lower the budget "
+                              "or enlarge the tmpfs (for Docker: --shm-size)")
+        return plan, None
 
     def _warm_up(self) -> None:
         """Once the optimizer has state (after its first step): bind the live views (the moments placed

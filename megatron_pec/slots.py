@@ -261,6 +261,13 @@ def _space_message(directory: str, free: int, need: int, local_ranks: int, repli
     return text + "."
 
 
+def tmpfs_room(directory: str) -> tuple[int, int | None]:
+    """(free bytes of the tmpfs ``directory`` is on, the memory the container's cgroup still allows or None)."""
+    stats = os.statvfs(directory)
+    limit = cgroup_memory()
+    return stats.f_bavail * stats.f_frsize, (limit[0] - limit[1]) if limit is not None else None
+
+
 def cgroup_memory() -> tuple[int, int, str] | None:
     """(limit, usage, where) of this process's memory cgroup (v2 ``memory.max``/``memory.current``, v1
     ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None without a limit.
@@ -340,12 +347,27 @@ class SlotCache:
 
     def item(self, directory: str, rank: int, slot: int, item: str) -> tuple[mmap.mmap, Header]:
         """The mapping of the file ``item``'s region in ``slot`` lies in, and a header that places it there;
-        raises OSError, ValueError or FormatError."""
-        mapping, header = self.open(slot_path(directory, rank, slot))
-        if not is_pool(slot):
-            return mapping, header
-        _, home = self.open(slot_path(directory, rank, 0))
-        return mapping, self.layout(directory, rank).item_header(slot, item, home, header)
+        raises OSError, ValueError or FormatError. (Many items: ``locator``.)"""
+        return self.locator(directory, rank, slot, {item: slot})(item)
+
+    def locator(self, directory: str, rank: int, home: int, places: dict[str, int]):
+        """``locate(item)`` -> (mapping, header placing it) for the items of one snapshot (``places``: where
+        not in ``home``): each file opened, and the pool's layout parsed, once for all of them."""
+        opened: dict = {}
+
+        def locate(item: str) -> tuple[mmap.mmap, Header]:
+            slot = places.get(item, home)
+            path = slot_path(directory, rank, slot)
+            if path not in opened:
+                opened[path] = self.open(path)
+            mapping, header = opened[path]
+            if not is_pool(slot):
+                return mapping, header
+            if "layout" not in opened:
+                opened["layout"] = self.layout(directory, rank)
+            return mapping, opened["layout"].item_header(slot, item, None, header)
+
+        return locate
 
     def open(self, path: str) -> tuple[mmap.mmap, Header]:
         """The slot's mapping and parsed header; raises OSError, ValueError or FormatError."""

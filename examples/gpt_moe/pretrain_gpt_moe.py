@@ -301,6 +301,8 @@ def main(argv=None) -> int:
     metrics = open(args.metrics_file, "a") if args.metrics_file and args.rank == 0 else None
     if metrics and load_s is not None:
         metrics.write(json.dumps({"iteration": args.iteration, "load_s": load_s}) + "\n")
+    if metrics and megatron_pec.node_memory() is not None:
+        metrics.write(json.dumps({"iteration": args.iteration, "node_memory": megatron_pec.node_memory()}) + "\n")
     iteration = args.iteration
     log(args, f"training from iteration {iteration} to {args.train_iters} "
               f"(world {args.world_size}, EP {args.expert_model_parallel_size}, DP {args.data_parallel_size})")

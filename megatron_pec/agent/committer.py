@@ -30,7 +30,7 @@ class Committer:
     def locator(self, rank: int, home: int, places: dict[str, int]):
         """``locate(item)`` for ``write_rank_file``: where a snapshot's item lies (``places``: where not in
         ``home``)."""
-        return lambda item: self.slots.item(self.directory, rank, places.get(item, home), item)
+        return self.slots.locator(self.directory, rank, home, places)
 
     def failed_persist(self, root: str, iteration: int, generation: str) -> None:
         self.failed.add((root, iteration, generation))

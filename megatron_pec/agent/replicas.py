@@ -470,13 +470,13 @@ class _Source:
     EVERY_S = 0.02
 
     def __init__(self, replicator: Replicator, rank: int, home: int, places: dict[str, int], hand_back: bool):
-        self.replicator, self.rank, self.home, self.places, self.hand_back = replicator, rank, home, places, hand_back
+        self.replicator, self.rank, self.hand_back = replicator, rank, hand_back
+        self.where = replicator.slots.locator(replicator.node_dir, rank, home, places)
         self.told = time.monotonic()
 
     def locate(self, item: str) -> tuple[object, int, int]:
         """(mapping, first byte, end) of ``item`` in its region."""
-        r = self.replicator
-        mapping, header = r.slots.item(r.node_dir, self.rank, self.places.get(item, self.home), item)
+        mapping, header = self.where(item)
         mine = [e for e in header.tensors if e.item == item]
         return mapping, header.data_start + mine[0].begin, header.data_start + mine[-1].end
 
@@ -548,13 +548,11 @@ def _land(sock: socket.socket, reply: ReplicaReply, node_dir: str, rank: int, sl
     places = {item: POOL + j for j, item in enumerate(layout.experts)}
     held = set(reply.record.items)
     checks, at = {}, replica.data_start
+    locate = slots.locator(node_dir, rank, 0, places)
     for item in dict.fromkeys(e.item for e in replica.tensors):
         mine = [e for e in replica.tensors if e.item == item]
         length = mine[-1].end - mine[0].begin
-        if item == NON_EXPERT:
-            mapping, header = home_map, home
-        else:
-            mapping, header = slots.item(node_dir, rank, places[item], item)
+        mapping, header = (home_map, home) if item == NON_EXPERT else locate(item)
         start = header.data_start + [e for e in header.tensors if e.item == item][0].begin
         with memoryview(mapping) as view:
             _recv_into(sock, view[start:start + length])

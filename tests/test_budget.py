@@ -1,0 +1,93 @@
+"""Issue 35: node memory sized by what snapshots write, and a hard budget's implied K (pure: ``budget.py``,
+``memlayout.py``, ``regions.RegionBook``)."""
+
+import pytest
+import torch
+
+from megatron_pec import budget
+from megatron_pec.budget import Budget, BudgetError
+from megatron_pec.memlayout import POOL, MemoryLayout
+from megatron_pec.policy import ExpertLayout
+from megatron_pec.regions import RegionBook
+from megatron_pec.stformat import layout
+
+LAYOUT = ExpertLayout(layers=(1, 2), num_experts=8, ep_size=2, expert_bytes=1000)
+
+
+@pytest.mark.parametrize("text,expected", [("1.5x", Budget(ratio=1.5)), ("2X", Budget(ratio=2.0)),
+                                           ("24", Budget(node_bytes=24 << 30)), ("0.5GiB", Budget(node_bytes=1 << 29)),
+                                           (None, None), ("", None)])
+def test_the_budget_is_a_multiple_of_the_state_or_gib_for_the_node(text, expected):
+    assert Budget.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-1x", "0", "1.5y"])
+def test_a_malformed_budget_says_what_to_give(text):
+    with pytest.raises(ValueError, match="--pec-node-memory .*a multiple of the node's state .* or GiB"):
+        Budget.parse(text)
+
+
+def test_a_snapshot_writes_its_share_of_k_per_layer_on_each_ep_rank():
+    """Sequential interleaves K over the EP ranks: at K = 2 of 8 with EP = 2 each rank writes one expert of
+    each of its 2 layers per snapshot; K = all writes all it holds; other policies are bounded by K."""
+    assert budget.per_snapshot(LAYOUT, "sequential", 2, ep_rank=0, held=8) == 2
+    assert budget.per_snapshot(LAYOUT, "sequential", 3, ep_rank=1, held=8) == 3      # (6 a snapshot, balanced)
+    assert budget.per_snapshot(LAYOUT, "sequential", 8, ep_rank=0, held=8) == 8
+    assert budget.per_snapshot(LAYOUT, "load-aware", 2, ep_rank=0, held=8) == 4
+    assert budget.per_snapshot(None, "sequential", 2, ep_rank=0, held=0) == 0
+
+
+def plan(asked_k, budget_text=None, replicas=0):
+    """A rank of 8 experts of 1000 bytes and a 2000-byte home slot: a state of 10,000 bytes."""
+    demand = lambda k: budget.per_snapshot(LAYOUT, "sequential", k, ep_rank=0, held=8)  # noqa: E731
+    return budget.plan(10_000, 2000, 2, 0, 1000, 8, demand, asked_k, Budget.parse(budget_text), 10_000, 1,
+                       replicas * 10_000)
+
+
+def test_node_memory_follows_what_snapshots_write():
+    every = plan(8)
+    assert every.regions == 16 and every.own == 2 * 10_000 and every.k == 8     # 2x the state at K = all
+    two = plan(2)
+    assert two.regions == 10 and two.own / two.state == pytest.approx(1.4)     # 8 experts + 2 spares
+    assert plan(8, replicas=1).total == 3 * 10_000                              # (a replica: the state's size)
+
+
+def test_a_budget_implies_the_k_it_holds_and_refuses_less_than_one_version_of_everything():
+    tight = plan(8, "1.25x")
+    assert tight.own <= 12_500 and tight.regions == 8 + 0 and tight.k == 1     # no spare: as many as free regions
+    fits = plan(8, "1.5x")
+    assert fits.regions == 11 and fits.k == 3 and fits.own <= 15_000            # 3 spares: snapshot-K 3 (4 > 3)
+    assert "needs" in fits.describe(1, False, (1 << 30, None)) and fits.needed_for_asked == 20_000
+    with pytest.raises(BudgetError, match=r"a rank needs at least 0\.00 GiB .*two dense states and one version"):
+        plan(8, "1.1x")
+
+
+def test_the_pool_places_any_expert_in_any_region_and_readers_find_it():
+    entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 3),
+                      ("L1.E0/w.exp_avg", torch.float32, 3), ("L1.E1/w.param", torch.float32, 5)])
+    memory = MemoryLayout.of(entries, 3)
+    assert memory.region_bytes == 64 and memory.state_bytes == 16 + 24 + 20   # (regions aligned to 64 bytes)
+    assert [e.name for e in memory.full_entries()] == [e.name for e in entries]
+    from megatron_pec.stformat import Header, decode_header, encode_header
+    pool = decode_header(encode_header(memory.pool_entries(), memory.pool_metadata()))
+    again = MemoryLayout.from_headers(Header(memory.dense, {}, 0), pool)
+    assert again == memory
+    placed = again.item_header(POOL + 2, "L1.E0", None, pool)
+    assert [(e.begin, e.end) for e in placed.tensors] == [(128, 140), (140, 152)]
+
+
+def test_a_book_of_one_spare_takes_as_many_experts_as_regions_are_free():
+    """Two experts, one spare: after the first snapshot (every expert), each later one can take one expert
+    while the other's region holds its newest version."""
+    book = RegionBook(["dense", "L1.E0", "L1.E1"], pool=3)
+    first = book.place(0, ["dense", "L1.E0", "L1.E1"])
+    book.writing(1, first)
+    book.announced(1, first)
+    book.released(1, True)
+    assert book.capacity() == 1 and book.home() == 1
+    second = book.place(1, ["dense", "L1.E1"])
+    assert second["L1.E1"] not in first.values()
+    book.writing(2, second)
+    book.announced(2, second)
+    book.released(2, True)
+    assert book.capacity() == 1 and book.newest[2] == second["L1.E1"]          # E1's old region is free again
