@@ -257,8 +257,8 @@ def main(argv=None) -> int:
               "--pec-job-id", "killed", *SCHEDULE.megatron_flags()]
         fault = {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{KILL_AT}:0"}
         example("killed", workdir, model, sizes.iters, ck, dict(env, **fault))
-        slot = shm / "killed" / "node0" / "rank0.slot0"
-        restored_bytes = slot.stat().st_size if slot.exists() else None
+        plan = shm / "killed" / "node0" / "rank0.memory.json"  # (the rank's state: what a restore reads)
+        restored_bytes = json.loads(plan.read_text())["state_bytes"] if plan.exists() else None
         clock.done("killed", f"killed in optimizer step {KILL_AT}")
         resumed = example("resumed", workdir, model, sizes.iters, ck, env)
         restore, line = RESTORE.search(resumed["log"]), RESTORED.search(resumed["log"])

@@ -113,8 +113,8 @@ def _restart(repo: Path, job: launch.Launch, env: dict, iters: int) -> dict:
 
 
 def _slot_facts() -> dict:
-    """Rank 0's newest complete slot: its header and the bytes its snapshot wrote."""
-    from megatron_pec.slots import open_slot
+    """Rank 0's newest complete snapshot: its home slot's header, the expert pool's, and the bytes it wrote."""
+    from megatron_pec.slots import SlotCache, open_slot
 
     best = None
     for path in SHM.glob("scale/node0/rank0.slot*"):
@@ -125,11 +125,14 @@ def _slot_facts() -> dict:
             if best is None or it > best[0]:
                 best = (it, header)
     _, header = best
+    layout = SlotCache().layout(str(SHM / "scale" / "node0"), 0)
     written = set(json.loads(header.metadata["items"]))
-    table = sum(1 for _ in header.tensors)
+    pool = SHM / "scale" / "node0" / "rank0.pool"
+    with open(pool, "rb") as f:
+        pool_header = 8 + int.from_bytes(f.read(8), "little")
     meta = len(json.dumps(header.metadata, separators=(",", ":")))
-    return {"tensors_per_rank": table, "slot_header_bytes": 8 + header.header_len, "metadata_bytes": meta,
-            "bytes_per_save": sum(e.end - e.begin for e in header.tensors if e.item in written)}
+    return {"tensors_per_rank": len(layout.full_entries()), "slot_header_bytes": 8 + header.header_len + pool_header,
+            "metadata_bytes": meta, "bytes_per_save": sum(layout.nbytes(i) for i in written)}
 
 
 def _rank_file_facts(root: Path) -> dict:

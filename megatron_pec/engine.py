@@ -107,8 +107,8 @@ class Engine:
         # Every rank takes the same snapshot K (the PEC bookkeeping is identical everywhere): the least any
         # rank's node memory holds.
         (k,) = self.adapter.collectives.reduce([plan.k], "min")
-        self.book.limit_k(k)
-        if k < plan.asked_k:
+        if k < plan.asked_k:  # (a budget's K is a limit; without one, Dynamic-K may raise K beyond the spares)
+            self.book.limit_k(k)
             log.warning(f"the node memory budget holds snapshot-K {k} per layer, not the asked {plan.asked_k}: "
                         f"snapshots save {k} experts per layer (raise --pec-node-memory to "
                         f"{plan.needed_for_asked * self.job.local_world_size / 2**30:.2f} GiB for K={plan.asked_k})",
@@ -227,7 +227,7 @@ class Engine:
         faults.point("snapshot_end", iteration=iteration)
         generation = self.history.generation(iteration) if persistent else ""
         if save.in_rounds:
-            if not self._every_expert_in_rounds(save, generation):
+            if not self._in_rounds(save, generation):
                 return
         else:
             with phases("metadata"):
@@ -254,21 +254,22 @@ class Engine:
         save.copy({NON_EXPERT})
         save.plan_all()
         if save.in_rounds:
-            if not self._every_expert_in_rounds(save, self.history.exit_generation):
+            if not self._in_rounds(save, self.history.exit_generation):
                 return
         else:
             self.handover.submit(save.describe(self.history.small, self.history.exit_generation))
         self.history.wrote(iteration, True)
         log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
 
-    def _every_expert_in_rounds(self, save: "Save", generation: str) -> bool:
-        """Every expert at ``save``'s iteration when node memory cannot take them at once (a pool with
-        spares for a partial snapshot): rounds of memory-only snapshots of that iteration, each of as
-        many experts as the pool has regions free and recorded before the next (its experts' older
-        versions are then free), and a last one, ``save``'s own kind, whose header names every item and
-        where it lies. No collective: the PEC bookkeeping records every expert, as on every rank.
-        False (warned) when node memory frees no region."""
-        remaining = [item for item in self.adapter_items if item != NON_EXPERT]
+    def _in_rounds(self, save: "Save", generation: str) -> bool:
+        """A persistent save whose experts node memory cannot take at once (every expert at a planned
+        exit, or a first persist of every expert, into a pool with spares for a partial snapshot): rounds
+        of memory-only snapshots of its iteration, each of as many of its experts as the pool has regions
+        free and recorded before the next (their older versions are then free), and a last one, persisted,
+        whose header names every item it wrote and where. No collective: the PEC bookkeeping records the
+        save's plan once, as on every rank. False (warned) when node memory frees no region."""
+        planned = self.parts.job.held_items(save.experts[0])
+        remaining = [item for item in self.adapter_items if item in planned]
         known: dict[str, str] = {}     # item -> checksum, of the experts earlier rounds wrote
         elsewhere: dict[str, int] = {}  # item -> the region they wrote it to
         current = save
@@ -286,15 +287,14 @@ class Engine:
             self.session.settle()
             known.update({item: value for item, value in part.staged.sums().items() if item != NON_EXPERT})
             elsewhere.update({item: slot for item, slot in part.placement.items() if item != NON_EXPERT})
-            current = Save(self.parts, save.iteration, persistent=True)
-            current.experts = save.experts
+            current = Save(self.parts, save.iteration, persistent=True, experts=save.experts)
             current.lease()
             if current.slot is not None:
                 current.copy({NON_EXPERT})
             if current.slot is None or not current.capacity:
-                log.warning(f"cannot save every expert of iteration {save.iteration}: node memory frees no region "
-                            f"for the {len(remaining)} left ({current.why_not or 'every region held'}); the restart "
-                            "restores them from their newest saved versions", rank=self.rank)
+                log.warning(f"cannot save every planned expert of iteration {save.iteration}: node memory frees no "
+                            f"region for the {len(remaining)} left ({current.why_not or 'every region held'}); the "
+                            "restart restores them from their newest saved versions", rank=self.rank)
                 if current.slot is not None:
                     self.session.skipped(current.placement)
                 return False
@@ -523,7 +523,9 @@ class Save:
     the agreement (in the order the policy allows), describe the snapshot. Changes only node memory
     (copies) and, once agreed, the PEC bookkeeping."""
 
-    def __init__(self, parts: SaveParts, iteration: int, persistent: bool):
+    def __init__(self, parts: SaveParts, iteration: int, persistent: bool,
+                 experts: tuple[frozenset, frozenset] | None = None):
+        """``experts``: (snapshot, persist) experts planned already (a later round of a save in rounds)."""
         self.parts, self.iteration, self.persistent = parts, iteration, persistent
         self.phases = Phases()
         self.slot: int | None = None      # the home slot: header and dense state
@@ -532,9 +534,9 @@ class Save:
         self.vote = None                  # the agreement's all-reduce, started
         self.caps: dict[int, int] | None = None  # EP rank -> experts it can take now, once agreed
         self.staging = None               # the copies, once started (``stager.Staging``)
-        self.experts: tuple[frozenset, frozenset] | None = None  # (snapshot, persist) experts, once planned
+        self.experts: tuple[frozenset, frozenset] | None = experts  # (snapshot, persist) experts, once planned
         self.placement: dict[str, int] = {}  # item -> the slot it was copied into
-        self.in_rounds = False            # every expert, more than node memory takes at once (``Engine``)
+        self.in_rounds = False            # persisted, more experts than node memory takes at once (``Engine``)
 
     def lease(self) -> None:
         with self.phases("slot"):
@@ -555,7 +557,7 @@ class Save:
             self.caps = dict(enumerate(caps))
         if not everyone_can and self.why_not is None:
             self.why_not = "another rank cannot snapshot (see its warning)"
-        if self.experts is not None and self.why_not is None and not self.in_rounds:
+        if self.experts is not None and self.why_not is None and not self.persistent:
             self._keep_within(self.caps)
 
     @property
@@ -590,9 +592,15 @@ class Save:
             return
         with self.phases("plan"):
             experts = parts.book.plan(self.persistent)
-            mine = {self.parts.adapter.ep_rank: self.capacity}
-            self.experts = parts.book.within(experts, self.caps if self.caps is not None else mine)
+            if self.persistent:  # (what it persists is what it planned: in rounds where memory is short)
+                self.experts = experts
+            else:  # a memory snapshot takes what memory holds now (lost work on a crash: its PLT)
+                mine = {self.parts.adapter.ep_rank: self.capacity}
+                self.experts = parts.book.within(experts, self.caps if self.caps is not None else mine)
             items = parts.job.held_items(self.experts[0])
+        if self.persistent and len(items) > self.capacity:
+            self.in_rounds = True
+            return
         self.copy(items)
 
     def _keep_within(self, caps: dict[int, int]) -> None:
@@ -601,6 +609,8 @@ class Save:
         kept = self.parts.book.within(self.experts, caps)
         if kept == self.experts:
             return
+        log.info(f"iteration {self.iteration}: node memory takes {len(kept[0])} of the {len(self.experts[0])} experts "
+                 f"planned (regions free per EP rank: {caps})", rank0=True)
         dropped = self.parts.job.held_items(self.experts[0] - kept[0])
         wasted = {item: slot for item, slot in self.placement.items() if item in dropped}
         self.parts.session.skipped(wasted)

@@ -91,6 +91,11 @@ class Staging:
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
 
+    def drop(self, placement: dict[str, int]) -> None:
+        """These items were copied for nothing (the save's agreement left them out): not part of it."""
+        for item in placement:
+            self.placed.pop(item, None)
+
     def finish(self) -> StagedCopy:
         """The copies started; on the GPU also the sums of every item copied, in one launch behind them."""
         stager = self.stager

@@ -469,8 +469,8 @@ def _replica_file(c: Cluster, holder: int, node: int, rank: int) -> Path:
     from megatron_pec.protocol import ReplicaIndex
 
     directory = c.node_dir(holder) / REPLICA_DIR
-    entry = ReplicaIndex.loads((directory / INDEX).read_bytes()).entries[f"{node}.{rank}"]
-    return directory / f"node{node}.rank{rank}.slot{entry.slot}"
+    assert f"{node}.{rank}" in ReplicaIndex.loads((directory / INDEX).read_bytes()).entries
+    return directory / f"node{node}.rank{rank}.replica"
 
 
 def test_a_damaged_replica_or_the_loss_of_every_copy_falls_back_to_storage(clusters, reference, tmp_path):
@@ -805,7 +805,7 @@ def test_tmpfs_too_small_fails_at_startup_with_the_size_needed(clusters, tmp_pat
     assert codes[0] != 0 and codes[1] != 0
     for node in (0, 1):
         log = c.log(node)
-        m = re.search(r"megatron-pec: node memory \S+/node%d has (\d+) MiB free, but 3 snapshot slots of (\d+) "
+        m = re.search(r"megatron-pec: node memory \S+/node%d has (\d+) MiB free, but the snapshot files of (\d+) "
                       r"MiB for each of 1 local rank\(s\) need (\d+) MiB\. Enlarge the tmpfs" % node, log)
         assert m, log
         assert int(m.group(1)) <= 4 and int(m.group(3)) > 4

@@ -31,6 +31,7 @@ from megatron_pec.regions import RegionBook
 
 PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions before it is skipped
 REPLICA_WAIT_S = 120.0  # how long a snapshot waits for a replica push that holds the regions it needs
+RELEASE_WAIT_S = 2.0  # how long a snapshot waits for the agent to record the one before (it has had a step)
 
 
 class AgentSession:
@@ -100,6 +101,7 @@ class AgentSession:
             if not self.client.connected and not self._reconnect():
                 return None, "the node agent is not running"
             self._await_begun()
+            self._await_released()
             home = self._home()
             started = time.monotonic()
             deadline = started + (PERSISTENT_SLOT_WAIT_S if persistent else 0.0)
@@ -176,6 +178,13 @@ class AgentSession:
         deadline = time.monotonic() + timeout
         while self.begins_unanswered and self.client.connected and time.monotonic() < deadline:
             self._collect(block_s=0.5)
+
+    def _await_released(self, timeout: float = RELEASE_WAIT_S) -> None:
+        """The snapshots announced before are recorded (their answers are usually in already): until then
+        their regions are in flight, and with two home slots the next snapshot would find no dense region."""
+        deadline = time.monotonic() + timeout
+        while self.regions.pending and self.client.connected and time.monotonic() < deadline:
+            self._collect(block_s=0.05)
 
     def _collect(self, block_s: float = 0.0) -> None:
         self._handle(self.client.poll(block_s))

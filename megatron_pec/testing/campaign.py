@@ -393,7 +393,7 @@ class Campaign:
         def damage() -> None:
             entry = replica()
             check(entry is not None, f"node {holder} holds no replica of node {node}")
-            path = directory / f"node{node}.rank{node}.slot{entry.slot}"
+            path = directory / f"node{node}.rank{node}.replica"
             offset = int(spec["offset_fraction"] * (path.stat().st_size - 1))
             with open(path, "r+b") as f:
                 f.seek(offset)

@@ -25,18 +25,21 @@ class ScriptedTrainer:
     ``entries``: the slot layout (``stformat.layout``); ``items``: its items, in slot order."""
 
     def __init__(self, directory, rank, root, entries, items, nodes=2, keep=0, job="t", run="run-1",
-                 resumed_from=None, replicas=0, fingerprint="f", regions=None):
-        """``regions``: the expert pool's (default: two per expert, what every-expert snapshots take)."""
+                 resumed_from=None, replicas=0, fingerprint="f", regions=None, node=None, local_ranks=1):
+        """``regions``: the expert pool's (default: two per expert, what every-expert snapshots take);
+        ``node``: the node's rank (default: the rank, one rank a node), of ``local_ranks`` ranks."""
         self.directory, self.rank, self.root, self.run, self.items = directory, rank, root, run, tuple(items)
-        self.job = JobInfo(job_id=job, fingerprint=fingerprint, save=root, local_world_size=1, node_rank=rank,
-                           num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas)
-        ensure_agent(directory, rank, idle_timeout=60, keep_shm=False)
+        node = rank if node is None else node
+        self.job = JobInfo(job_id=job, fingerprint=fingerprint, save=root, local_world_size=local_ranks,
+                           node_rank=node, num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas)
+        ensure_agent(directory, node, idle_timeout=60, keep_shm=False)
         layout = MemoryLayout.of(entries, 0, homes=3 if nodes > 1 and not replicas else 2)
         self.files = SlotFiles(directory, rank, replace(layout, regions=regions if regions is not None
-                                                        else 2 * len(layout.experts)), 1)
+                                                        else 2 * len(layout.experts)), local_ranks)
         self.client = AgentClient(directory, rank)
         self.client.connect(Hello(rank, self.job))
         self.book = RegionBook(list(self.items), self.files.layout.regions, self.files.layout.homes)
+        self.waits = 0  # snapshots that found no home at once (the engine would skip a memory-only one)
         self.begin(run, resumed_from)
 
     def begin(self, run, resumed_from):
@@ -84,6 +87,7 @@ class ScriptedTrainer:
         """A home slot for the next snapshot, waiting (up to ``timeout``) for the agent to hand one back
         (a write reading the other one), as a persistent save of the engine waits."""
         deadline = time.monotonic() + timeout
+        self.waits += self.book.home() is None
         while self.book.home() is None and time.monotonic() < deadline:
             for msg in self.client.poll(block_s=0.05):
                 self.hear(msg)

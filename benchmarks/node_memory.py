@@ -1,0 +1,175 @@
+"""Node memory against the state, side by side: three regions per item (the release before issue 35), the
+new default, partial experts, a tight budget, and DLRover's one buffer - ``benchmarks/results/node_memory.md``.
+
+    python -m benchmarks.node_memory                 # about 12 minutes on 2 CPU cores
+    python -m benchmarks.node_memory --baseline REV  # the "three regions" rows from another commit
+
+Each megatron-pec row runs the example trainer (2 CPU ranks, EP 2, one node, ``MODEL``) with a snapshot
+every iteration and a persist every 20, nothing waiting for a slot, and SIGKILLs rank 0 in its 31st
+optimizer step; node memory is measured then (its files: the ranks' own and, with replicas, a peer's), and
+a relaunch restores: lost work is the iterations since the restored one and the PLT it reports. The
+"three regions" rows run the same from a checkout of ``--baseline`` (its own code, its own node memory).
+DLRover runs in the benchmark worker on the same model and schedule (``benchmarks.scheduled``): its shared
+memory and the checkpoints it skipped. The 58 x 256 expert topology (DeepSeek-V3's, tiny experts) adds
+the footprint alone, from 3 iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, RESULTS, machine
+from megatron_pec.testing import launch
+
+BASELINE = "b4af658"  # the last commit with three regions per item (main before issue 35)
+MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--num-experts", "8",
+         "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--seq-length", "64",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "2", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--log-interval", "10"]
+DEEPSEEK = ["--num-layers", "58", "--num-experts", "256", "--moe-router-topk", "8", "--expert-model-parallel-size",
+            "2", "--hidden-size", "32", "--num-attention-heads", "4", "--moe-ffn-hidden-size", "16", "--seq-length",
+            "32", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr-warmup-iters", "1",
+            "--log-interval", "1"]
+SCHEDULE = ["--non-persistent-save-interval", "1", "--save-interval", "20", "--pec-keep", "0"]
+ITERS, KILL_AT = 40, 31
+ROWS = {  # name -> (tree: "baseline" or "this", extra flags)
+    "three regions (before), K=all": ("baseline", []),
+    "three regions (before), snapshot-K 2 / persist-K 1": ("baseline", ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
+    "new default, K=all": ("this", []),
+    "new default, snapshot-K 2 / persist-K 1": ("this", ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
+    "budget 1.25x, K=all asked": ("this", ["--pec-node-memory", "1.25x"]),
+}
+RESTORED = re.compile(r"rank 0: restored iteration (\d+) from (\w+(?: memory)?)")
+PLT = re.compile(r"PLT[^0-9]*([0-9.]+)%")
+
+
+def run(tree: Path, workdir: Path, name: str, args: list[str], env: dict, timeout: float = 900) -> str:
+    log = workdir / f"{name}.log"
+    job = launch.Launch(tree / "examples" / "gpt_moe" / "pretrain_gpt_moe.py", tuple(args), nproc=2)
+    with open(log, "w") as out:
+        launch.run(job, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tree, timeout=timeout)
+    return log.read_text()
+
+
+def footprint(node_dir: Path) -> dict:
+    """Bytes of node memory per rank and of one complete snapshot of a rank (the state)."""
+    files = [p for p in node_dir.iterdir() if p.is_file() and re.fullmatch(r"rank\d+\.(slot\d+|pool)", p.name)]
+    ranks = sorted({int(p.name[4:].split(".")[0]) for p in files})
+    own = sum(p.stat().st_size for p in files) / max(1, len(ranks))
+    plans = [json.loads(p.read_text()) for p in node_dir.glob("rank*.memory.json")]
+    if plans:
+        state = sum(p["state_bytes"] for p in plans) / len(plans)
+    else:  # (three regions: every slot file holds one complete snapshot)
+        state = min(p.stat().st_size for p in files if ".slot" in p.name)
+    replicas = node_dir / "replicas"
+    held = sum(p.stat().st_size for p in replicas.glob("*")) / max(1, len(ranks)) if replicas.is_dir() else 0
+    return {"bytes_per_rank": own + held, "state_bytes": state, "ratio": (own + held) / state}
+
+
+def pec_row(name: str, tree: Path, extra: list[str], workdir: Path, model: list[str], iters: int, kill: int | None,
+            env: dict) -> dict:
+    save, shm = workdir / f"ck_{len(os.listdir(workdir))}", Path(tempfile.mkdtemp(prefix="pec_nm_", dir="/dev/shm"))
+    job = f"nm{os.getpid()}"
+    args = [*model, "--train-iters", str(iters), "--save", str(save), "--load", str(save), "--pec-shm-dir", str(shm),
+            "--pec-job-id", job, "--pec-keep-shm", *SCHEDULE, *extra]
+    started = time.monotonic()
+    first = run(tree, workdir, name + ".first", args, dict(env, MEGATRON_PEC_FAULT=f"optimizer_step=kill@{kill}:0")
+                if kill else env)
+    row = {"skipped": len(set(re.findall(r"skipped the snapshot of iteration (\d+)", first))),
+           **footprint(shm / job / "node0")}
+    implied = re.search(r"holds snapshot-K (\d+) per layer, not the asked (\d+)", first)
+    row["implied_k"] = f"{implied.group(1)} of {implied.group(2)}" if implied else None
+    if kill:
+        second = run(tree, workdir, name + ".second", args, env)
+        found, plt = RESTORED.search(second), PLT.findall(second)
+        row.update(restored=f"{found.group(1)} from {found.group(2)}" if found else None,
+                   lost_iterations=kill - 1 - int(found.group(1)) if found else None,
+                   plt=float(plt[0]) / 100 if plt else 0.0)
+    launch.stop_agents(shm)
+    shutil.rmtree(shm, ignore_errors=True)
+    print(f"[node memory] {name}: {row} ({time.monotonic() - started:.0f} s)", flush=True)
+    return row
+
+
+def dlrover_row(workdir: Path, model: list[str], env: dict) -> dict:
+    """DLRover on the schedule in the benchmark worker: its shared memory and skipped checkpoints."""
+    result, run_id = workdir / "dlrover.json", f"nm{os.getpid()}"
+    job = launch.Launch("benchmarks.worker", (
+        "--mode", "schedule", "--run-id", run_id, "--out", str(result), "--methods", "dlrover", "--iters", str(ITERS),
+        "--iters-persist-every-iteration", "1", "--memory-restores", "1", "--storage-restores", "1",
+        "--floor-reps", "1", "--", *model, "--train-iters", "5000"), nproc=2, module=True,
+        options=("--rdzv-id", run_id))
+    with open(workdir / "dlrover.log", "w") as out:
+        code = launch.run(job, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=900,
+                          env=dict(env, PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))).returncode
+    if code or not result.exists():
+        return {"error": f"exit code {code}, see {workdir / 'dlrover.log'}"}
+    measured = json.loads(result.read_text())
+    rows = [r for n, r in measured["rows"].items() if "every iteration" in r.get("schedule", "")] or \
+        list(measured["rows"].values())
+    r, state = rows[0], measured.get("optimizer_state_bytes_per_rank")
+    memory = r.get("node_memory_bytes")
+    return {"skipped": r.get("skipped"), "bytes_per_rank": memory, "state_bytes": state,
+            "ratio": memory / state if memory and state else None, "restored": "its newest completed save",
+            "lost_iterations": None, "plt": None, "implied_k": None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", default=BASELINE, help=f"commit of the three-region rows (default {BASELINE})")
+    p.add_argument("--no-dlrover", action="store_true")
+    p.add_argument("--json", default=str(RESULTS / "node_memory.json"))
+    args = p.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="pec_node_memory_"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    baseline = workdir / "baseline"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(baseline), args.baseline],
+                   check=True)
+    base_env = dict(env, PYTHONPATH=str(baseline) + os.pathsep + env.get("PYTHONPATH", ""))
+    out = {"machine": machine(), "baseline": args.baseline, "model": MODEL, "schedule": SCHEDULE, "iterations": ITERS,
+           "kill_at": KILL_AT, "rows": {}}
+    try:
+        for name, (tree, extra) in ROWS.items():
+            here = baseline if tree == "baseline" else REPO
+            out["rows"][name] = pec_row(name, here, extra, workdir, MODEL, ITERS, KILL_AT,
+                                        base_env if tree == "baseline" else env)
+        for name, extra in (("58 x 256 experts, K=all", []),
+                            ("58 x 256 experts, snapshot-K 2 / persist-K 1", ["--pec-snapshot-k", "2",
+                                                                             "--pec-persist-k", "1"])):
+            out["rows"][f"new default, {name}"] = pec_row(name, REPO, extra, workdir, DEEPSEEK, 3, None, env)
+        if not args.no_dlrover:
+            out["rows"]["DLRover flash checkpoint"] = dlrover_row(workdir, MODEL, env)
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)], check=False)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    lines = ["# Node memory per rank against its state", "",
+             f"`python -m benchmarks.node_memory` ({out['machine'].get('cpu', 'CPU')}); the example trainer on 2 CPU "
+             f"ranks of one node, `{' '.join(MODEL)}`, {ITERS} iterations, a snapshot every iteration and a persist "
+             f"every 20 (nothing waits for a slot), rank 0 SIGKILLed in its optimizer step {KILL_AT}, then relaunched. "
+             f"Three regions: commit {args.baseline}. State: one complete snapshot of a rank (header included).", "",
+             "| row | node memory per rank ÷ state | skipped snapshots | snapshot-K held | restored after the kill "
+             "| iterations lost | PLT |", "|---|---|---|---|---|---|---|"]
+    for name, r in out["rows"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} | | | | | |")
+            continue
+        ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
+        plt = f"{r['plt'] * 100:.2f}%" if r.get("plt") is not None else "-"
+        lines.append(f"| {name} | {ratio} | {r['skipped']} | {r.get('implied_k') or 'as asked'} | "
+                     f"{r.get('restored') or '-'} | {r.get('lost_iterations', '-') if r.get('lost_iterations') is not None else '-'} | {plt} |")
+    Path(args.json).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
