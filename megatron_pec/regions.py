@@ -145,6 +145,13 @@ class RegionBook:
         return bool(self.hold) or \
             self._home(self.writable(self._pinned([p for p in self.pins if not p.newest]))) is not None
 
+    def held_by_writes(self) -> bool:
+        """There is no home only because a write to storage still reads the dense regions (it hands the
+        dense state back first, at once): the next snapshot waits for it."""
+        if self.home() is not None:
+            return False
+        return self._home(self.writable(self._pinned([p for p in self.pins if p.newest]))) is not None
+
     def _home(self, writable: numpy.ndarray) -> int | None:
         homes = [s for s in range(self.homes) if writable[s]]
         return min(homes, key=lambda s: self.version[s]) if homes else None

@@ -32,6 +32,7 @@ from megatron_pec.regions import RegionBook
 PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions before it is skipped
 REPLICA_WAIT_S = 120.0  # how long a snapshot waits for a replica push that holds the regions it needs
 RELEASE_WAIT_S = 2.0  # how long a snapshot waits for the agent to record the one before (it has had a step)
+WRITE_WAIT_S = 2.0  # ... for a write to storage to hand the dense state back (the first thing it reads)
 
 
 class AgentSession:
@@ -107,7 +108,8 @@ class AgentSession:
             deadline = started + (PERSISTENT_SLOT_WAIT_S if persistent else 0.0)
             while home is None and self.client.connected and (
                     self.wait_for_slot or time.monotonic() < deadline
-                    or (self.regions.held_by_replicas() and time.monotonic() < started + REPLICA_WAIT_S)):
+                    or (self.regions.held_by_replicas() and time.monotonic() < started + REPLICA_WAIT_S)
+                    or (self.regions.held_by_writes() and time.monotonic() < started + WRITE_WAIT_S)):
                 self._collect(block_s=0.05)
                 home = self._home()
             if home is None and self.regions.hold:
