@@ -11,7 +11,10 @@ a relaunch restores: lost work is the iterations since the restored one and the 
 "three regions" rows run the same from a checkout of ``--baseline`` (its own code, its own node memory).
 DLRover runs in the benchmark worker on the same model and schedule (``benchmarks.scheduled``): its shared
 memory and the checkpoints it skipped. The 58 x 256 expert topology (DeepSeek-V3's, tiny experts) adds
-the footprint alone, from 3 iterations.
+the footprint and skips over a persist (22 iterations). A full node: 8 scripted ranks sharing one real
+node agent beside a peer node of 8, each keeping the other's replicas (``megatron_pec.testing.full_node``):
+footprint per node, the agent's CPU per snapshot of the whole node, skipped snapshots, and node 1 lost and
+pulled back from node 0's memory.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO, RESULTS, machine
 from megatron_pec.testing import launch
+from megatron_pec.testing.full_node import STEP_S, run_full_node
 
 BASELINE = "b4af658"  # the last commit with three regions per item (main before issue 35)
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--num-experts", "8",
@@ -100,6 +104,28 @@ def pec_row(name: str, tree: Path, extra: list[str], workdir: Path, model: list[
     return row
 
 
+def full_node_row(ranks: int = 8, iterations: int = 41, persist: int = 20) -> dict:
+    """8 ranks on a node beside a peer node of 8: footprints, the agents' CPU per snapshot, the node loss."""
+    started = time.monotonic()
+    shm, root = tempfile.mkdtemp(prefix="pec_nm8_", dir="/dev/shm"), tempfile.mkdtemp(prefix="pec_nm8_ck_")
+    try:
+        run = run_full_node(shm, root, ranks, iterations, persist, job=f"nm8{os.getpid()}")
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    row = {"ranks_per_node": ranks, "snapshots": run.snapshots, "persist_every": persist, "skipped": run.waits,
+           "longest_wait_s": run.waited_s, "committed": run.committed,
+           "nodes": [{"own_ratio": n.own_bytes / n.state_bytes, "with_replicas_ratio":
+                      (n.own_bytes + n.replica_bytes) / n.state_bytes, "state_bytes": n.state_bytes,
+                      "agent_cpu_ms_per_snapshot": n.agent_cpu_s / run.snapshots * 1e3,
+                      "agent_phases_ms_per_snapshot": {p: v / run.snapshots * 1e3 for p, v in n.agent_phases_s.items()}}
+                     for n in run.nodes],
+           "pulled": sorted({(p["origin"], p["iteration"]) for p in run.pulled}),
+           "pulled_complete": all(set(p["versions"].values()) == {p["iteration"]} for p in run.pulled)}
+    print(f"[node memory] full node: {row} ({time.monotonic() - started:.0f} s)", flush=True)
+    return row
+
+
 def dlrover_row(workdir: Path, model: list[str], env: dict) -> dict:
     """DLRover on the schedule in the benchmark worker: its shared memory and skipped checkpoints."""
     result, run_id = workdir / "dlrover.json", f"nm{os.getpid()}"
@@ -145,7 +171,8 @@ def main(argv=None) -> int:
         for name, extra in (("58 x 256 experts, K=all", []),
                             ("58 x 256 experts, snapshot-K 2 / persist-K 1", ["--pec-snapshot-k", "2",
                                                                              "--pec-persist-k", "1"])):
-            out["rows"][f"new default, {name}"] = pec_row(name, REPO, extra, workdir, DEEPSEEK, 3, None, env)
+            out["rows"][f"new default, {name}"] = pec_row(name, REPO, extra, workdir, DEEPSEEK, 22, None, env)
+        out["full_node"] = full_node_row()
         if not args.no_dlrover:
             out["rows"]["DLRover flash checkpoint"] = dlrover_row(workdir, MODEL, env)
     finally:
@@ -166,9 +193,30 @@ def main(argv=None) -> int:
         plt = f"{r['plt'] * 100:.2f}%" if r.get("plt") is not None else "-"
         lines.append(f"| {name} | {ratio} | {r['skipped']} | {r.get('implied_k') or 'as asked'} | "
                      f"{r.get('restored') or '-'} | {r.get('lost_iterations', '-') if r.get('lost_iterations') is not None else '-'} | {plt} |")
+    lines += full_node_table(out["full_node"])
     Path(args.json).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def full_node_table(row: dict) -> list[str]:
+    lines = ["", f"A full node: {row['ranks_per_node']} scripted ranks on each of two nodes sharing one node agent "
+             f"each, every node keeping the other's replicas, {row['snapshots']} measured snapshots (one every "
+             f"{1e3 * STEP_S:.0f} ms), a persist every {row['persist_every']} (committed: {row['committed']}); "
+             f"skipped snapshots: {row['skipped']} (the longest wait for a home {row['longest_wait_s'] * 1e3:.0f} ms). "
+             f"Node 1 lost: its ranks pulled iteration(s) {', '.join(str(i) for _, i in row['pulled'])} from node "
+             f"{', '.join(str(o) for o, _ in row['pulled'])}'s memory, every item at that version: "
+             f"{row['pulled_complete']}.", "",
+             "| node | own ÷ node state | own + replicas ÷ node state | node agent CPU per snapshot of the node (ms) "
+             "| of which (ms) |", "|---|---|---|---|---|"]
+    for n, node in enumerate(row["nodes"]):
+        parts = ", ".join(f"{p} {v:.1f}" for p, v in sorted(node["agent_phases_ms_per_snapshot"].items(),
+                                                            key=lambda pv: -pv[1]) if v >= 0.05)
+        rest = node["agent_cpu_ms_per_snapshot"] - sum(node["agent_phases_ms_per_snapshot"].values())
+        parts += f", in no phase (replicas landing, threads) {rest:.1f}"
+        lines.append(f"| {n} | {node['own_ratio']:.3f} | {node['with_replicas_ratio']:.3f} | "
+                     f"{node['agent_cpu_ms_per_snapshot']:.1f} | {parts} |")
+    return lines
 
 
 if __name__ == "__main__":

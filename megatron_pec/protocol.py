@@ -272,10 +272,10 @@ class Released(Record):
     """The agent is done with a snapshot: ``recorded`` (node memory serves it; else its regions hold
     nothing) and persisted, if asked (``error`` says why not); ``pins``: the regions to keep now. A
     persistent snapshot is released twice: once recorded (``persisting``; the regions its write still
-    reads are pinned), then when its write ended."""
+    reads are pinned), then when its write ended (``written``)."""
 
     KIND: ClassVar[str] = "released"
-    VERSION: ClassVar[int] = 2  # v2: pins instead of whole-slot grants
+    VERSION: ClassVar[int] = 3  # v2: pins instead of whole-slot grants; v3: persisting, written
     slot: int
     iteration: int
     error: str | None
@@ -283,6 +283,7 @@ class Released(Record):
     pins: list[Pin] = field(default_factory=list)
     hold: str | None = None   # why the next snapshot must wait (a replica lags too far behind), if it must
     persisting: bool = False  # recorded, its persist still running: a second Released tells how it ended
+    written: bool = False     # that second one: the regions were answered for by the first
 
 
 @dataclass(frozen=True, slots=True)

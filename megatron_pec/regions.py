@@ -38,7 +38,9 @@ class RegionBook:
         self.newest = numpy.full(len(self.items), -1, dtype=numpy.int64)  # region of each item's newest recorded version
         self.pins: list[Pin] = []
         self.hold: str | None = None  # the agent's reason the next snapshot must wait (a lagging replica)
-        self.pending: dict[int, list[int]] = {}  # iteration announced -> its regions
+        # (iteration, its regions) per snapshot announced and not yet answered, in order: the agent answers
+        # in that order, and one iteration may be announced twice (a planned exit's save after its snapshot)
+        self.pending: list[tuple[int, list[int]]] = []
         self.stale: dict[int, str] = {}  # regions overwritten by attempts not announced yet -> the item written
 
     @property
@@ -53,7 +55,7 @@ class RegionBook:
         self.version[:] = -1
         self.state[:] = FREE
         self.newest[:] = -1
-        self.pending, self.stale = {}, {}
+        self.pending, self.stale = [], {}
         for slot, record in memory.slots.get(rank, {}).items():
             if slot >= self.regions:
                 continue
@@ -81,6 +83,8 @@ class RegionBook:
     def _pinned(self, pins: list[Pin]) -> numpy.ndarray:
         pinned = numpy.zeros(self.regions, dtype=bool)
         recorded = self.state == RECORDED
+        newest = numpy.zeros(self.regions, dtype=bool)
+        newest[self.newest[self.newest >= 0]] = True
         for pin in pins:
             mine = recorded & (self.holder >= 0)
             if pin.items is not None:
@@ -90,7 +94,9 @@ class RegionBook:
             if pin.newest:  # each item's newest recorded version up to the iteration
                 candidates = numpy.nonzero(mine & (self.version <= pin.iteration))[0]
                 if len(candidates):
-                    order = numpy.lexsort((self.version[candidates], self.holder[candidates]))
+                    # (two versions of one iteration - a planned exit's save after its snapshot: the one
+                    # recorded last is the newest, as the agent's index says)
+                    order = numpy.lexsort((newest[candidates], self.version[candidates], self.holder[candidates]))
                     ranked = candidates[order]
                     last = numpy.append(self.holder[ranked][1:] != self.holder[ranked][:-1], True)
                     pinned[ranked[last]] = True
@@ -101,7 +107,8 @@ class RegionBook:
     def released(self, iteration: int, recorded: bool) -> None:
         """The agent recorded snapshot ``iteration`` (each of its regions is its item's newest version,
         unless a later snapshot was released first), or not (its regions hold nothing)."""
-        for slot in self.pending.pop(iteration, []):
+        at = next((n for n, (announced, _) in enumerate(self.pending) if announced == iteration), None)
+        for slot in self.pending.pop(at)[1] if at is not None else []:
             i = self.holder[slot]
             if recorded:
                 self.state[slot] = RECORDED
@@ -114,7 +121,7 @@ class RegionBook:
 
     def agent_lost(self) -> None:
         """The agent died: what it had not recorded never will be."""
-        for iteration in list(self.pending):
+        for iteration, _ in list(self.pending):
             self.released(iteration, False)
 
     # ---- a snapshot ------------------------------------------------------------------------------
@@ -181,7 +188,7 @@ class RegionBook:
         """Snapshot ``iteration`` (``placement``: its regions) goes to the agent; returns the regions
         overwritten since the last announcement that it does not hold (skipped attempts), by the item
         last written into each."""
-        self.pending[iteration] = list(placement.values())
+        self.pending.append((iteration, list(placement.values())))
         for slot in placement.values():
             self.stale.pop(slot, None)
         stale: dict[str, list[int]] = {}

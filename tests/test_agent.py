@@ -342,6 +342,34 @@ def test_regions_never_overwrite_the_newest_version_in_flight_or_pinned_ones():
     assert book.home() == 0 and book.capacity() == 1 and book.pinned[1] and book.pinned[POOL + 1]
 
 
+def test_one_iteration_saved_twice_answers_each_save_and_pins_the_later_version():
+    """A planned exit saves the iteration of its last snapshot once more: the book keeps both announcements
+    apart (answered in order), the later version is the newest, and a pin of each item's newest version
+    holds that one, leaving the earlier one free."""
+    from megatron_pec.protocol import Pin
+
+    book = RegionBook(["dense", "L1.E0"], pool=2)
+    for iteration in (4, 5):
+        placed = book.place(book.home(), ["dense", "L1.E0"])
+        book.writing(iteration, placed)
+        book.announced(iteration, placed)
+        book.released(iteration, True)
+    assert book.newest[1] == POOL + 1
+    again = book.place(None, ["L1.E0"])                                     # the exit's save of 5
+    assert again == {"L1.E0": POOL}
+    book.writing(5, again)
+    book.announced(5, again)
+    held = book.place(book.home(), ["dense"])                               # a second announcement of 5,
+    book.writing(5, held)                                                   # before the first is answered
+    book.announced(5, held)
+    book.released(5, True)
+    assert book.pending == [(5, list(held.values()))]                       # the second is still in flight
+    book.released(5, True)
+    assert not book.pending and book.newest[1] == POOL
+    book.pin([Pin(5, ["L1.E0"], newest=True)])
+    assert book.pinned[POOL] and not book.pinned[POOL + 1] and book.capacity() == 1
+
+
 def test_a_restart_resumes_the_regions_of_its_timeline_only(trainers):
     """After a restore of 1, regions of the abandoned iteration 2 are free (and never restored); those of 1
     stay. A trainer of another --save on the same node directory starts from nothing."""

@@ -327,14 +327,14 @@ class Agent:
             # (a restart's new run resumes below the old run's iterations: its own writes count from then)
             if newest is None or newest[0] != link.run or newest[1] < msg.iteration:
                 self.persisted[link.rank] = (link.run, msg.iteration)
-        self._release(link, msg, True, error)
+        self._release(link, msg, True, error, written=True)
 
     def _release(self, link: Link, msg: SnapshotReady, recorded: bool, error: str | None,
-                 persisting: bool = False) -> None:
+                 persisting: bool = False, written: bool = False) -> None:
         if error is not None:
             log.info(f"rank {link.rank} iteration {msg.iteration}: {error}")
         self._send(link, Released(msg.slot, msg.iteration, error, recorded, *link.told(self._pins(link)),
-                                  persisting=persisting))
+                                  persisting=persisting, written=written))
 
     # ---- the timeline and the pins ------------------------------------------------------------------
     def _resume(self, job: jobs.Resume) -> None:

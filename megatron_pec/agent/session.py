@@ -201,7 +201,8 @@ class AgentSession:
                     self.regions.pin(msg.pins, msg.hold)
                 continue
             if isinstance(msg, Released):
-                self.regions.released(msg.iteration, msg.recorded)
+                if not msg.written:  # (a write's end: its regions were answered for when it was recorded)
+                    self.regions.released(msg.iteration, msg.recorded)
                 if msg.error is not None:
                     self.persist_errors += 1
                     log.warning(f"snapshot of iteration {msg.iteration} was not persisted: {msg.error}; training "

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from megatron_pec.agent.client import AgentClient, ensure_agent
 from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.agent.session import WRITE_WAIT_S
 from megatron_pec.memlayout import MemoryLayout
 from megatron_pec.protocol import Begin, Begun, Granted, Hello, JobInfo, Released, SlotHeader, SnapshotReady, Stop
 from megatron_pec.regions import RegionBook
@@ -39,7 +40,8 @@ class ScriptedTrainer:
         self.client = AgentClient(directory, rank)
         self.client.connect(Hello(rank, self.job))
         self.book = RegionBook(list(self.items), self.files.layout.regions, self.files.layout.homes)
-        self.waits = 0  # snapshots that found no home at once (the engine would skip a memory-only one)
+        self.waits = 0  # snapshots that found no home within the engine's wait (it would skip a memory-only one)
+        self.waited_s = 0.0  # the longest a snapshot waited for a home
         self.begin(run, resumed_from)
 
     def begin(self, run, resumed_from):
@@ -85,12 +87,16 @@ class ScriptedTrainer:
 
     def wait_for_home(self, timeout: float = 30.0):
         """A home slot for the next snapshot, waiting (up to ``timeout``) for the agent to hand one back
-        (a write reading the other one), as a persistent save of the engine waits."""
-        deadline = time.monotonic() + timeout
-        self.waits += self.book.home() is None
-        while self.book.home() is None and time.monotonic() < deadline:
+        (a write reading the other one), as a persistent save of the engine waits. Counts in ``waits`` a
+        snapshot that found none within the engine's wait for a write (it would skip a memory-only one)
+        and in ``waited_s`` the longest wait."""
+        started = time.monotonic()
+        while self.book.home() is None and time.monotonic() < started + timeout:
             for msg in self.client.poll(block_s=0.05):
                 self.hear(msg)
+        waited = time.monotonic() - started
+        self.waited_s = max(self.waited_s, waited)
+        self.waits += waited > WRITE_WAIT_S or self.book.home() is None
         return self.book.home()
 
     def released(self, iteration):
@@ -103,7 +109,7 @@ class ScriptedTrainer:
         raise AssertionError("no release from the agent")
 
     def hear(self, msg):
-        if isinstance(msg, Released):
+        if isinstance(msg, Released) and not msg.written:
             self.book.released(msg.iteration, msg.recorded)
         if isinstance(msg, (Released, Granted)):
             self.book.pin(msg.pins, msg.hold)
