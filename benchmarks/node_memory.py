@@ -51,13 +51,14 @@ ROWS = {  # name -> (tree: "baseline" or "this", extra flags)
     "new default, K=all": ("this", []),
     "new default, snapshot-K 2 / persist-K 1": ("this", ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
     "budget 1.25x, K=all asked": ("this", ["--pec-node-memory", "1.25x"]),
+    "new default, snapshot-K 1 (what that budget implies)": ("this", ["--pec-snapshot-k", "1"]),
 }
 RESTORED = re.compile(r"rank 0: restored iteration (\d+) from (\w+(?: memory)?)")
 PLT = re.compile(r"PLT[^0-9]*([0-9.]+)%")
 
 
 def run(tree: Path, workdir: Path, name: str, args: list[str], env: dict, timeout: float = 900) -> str:
-    log = workdir / f"{name}.log"
+    log = workdir / (re.sub(r"[^A-Za-z0-9.]+", "_", name) + ".log")
     job = launch.Launch(tree / "examples" / "gpt_moe" / "pretrain_gpt_moe.py", tuple(args), nproc=2)
     with open(log, "w") as out:
         launch.run(job, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tree, timeout=timeout)

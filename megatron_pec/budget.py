@@ -4,7 +4,9 @@ A rank's node memory (``memlayout.py``) is two home slots (header + dense state 
 expert regions: one per expert the rank holds (each expert's newest version) plus spares for what one
 snapshot writes. The spares follow the snapshot K: at K = all, one per expert (twice the state); at
 snapshot-K k, as many as the policy ever gives this rank in one snapshot - not three regions of every
-expert, most of them idle.
+expert, most of them idle - but at least a quarter of its experts: a save of every expert (the first
+persist, a planned exit) goes through the spares in rounds (``Engine._in_rounds``), at most
+``ROUNDS`` of them.
 
 ``--pec-node-memory`` sets a hard budget for the node (a multiple of the node's state, ``1.5x``, or
 GiB): its local ranks' files plus the replicas it keeps of peer nodes. Under it the pool takes the
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from megatron_pec import policy
 
 GIB = 1 << 30
+ROUNDS = 4  # the most rounds a save of every expert takes through the spares, unless a budget leaves fewer
 
 
 class BudgetError(ValueError):
@@ -137,7 +140,7 @@ def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes:
     ``demand(k)``: experts one snapshot at snapshot-K k writes (``per_snapshot``); ``node_state``: the
     node's state (all its ranks); ``replica_share``: the replica store over the local ranks."""
     def regions_for(k: int) -> int:
-        return experts + demand(k)
+        return experts + min(experts, max(demand(k), -(-experts // ROUNDS)))
 
     def bytes_for(k: int) -> int:
         return homes * home_file + pool_header + regions_for(k) * region_bytes + replica_share
@@ -157,7 +160,7 @@ def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes:
     k = asked_k
     while k > 1 and demand(k) > spares:
         k -= 1
-    regions = experts + min(spares, demand(asked_k))
+    regions = min(experts + spares, regions_for(asked_k))
     return MemoryPlan(state, home_file, homes, pool_header, region_bytes, experts, regions, replica_share, asked_k,
                       k, budget, bytes_for(asked_k))
 

@@ -15,9 +15,9 @@ A rank's node memory is three files (``slots.py`` maps them):
 
 An expert's bytes in a region are laid out as in every other file: its tensors one after the other,
 at offsets from the item's start (``experts``). The pool file's safetensors table is one tensor (all
-regions) and its metadata carries the experts' tensors, written once; ``item_header`` gives any reader
-a ``stformat.Header`` that places one item in one slot, so checksums, persists, replicas and restores
-read a region as they read a slot. Pure: no torch.
+regions) and its metadata carries the experts' tensors (each distinct list once), written once;
+``item_header`` gives any reader a ``stformat.Header`` that places one item in one slot, so checksums,
+persists, replicas and restores read a region as they read a slot. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -87,10 +87,16 @@ class MemoryLayout:
         return (TensorEntry(POOL_TENSOR, "U8", size, 0, size),)
 
     def pool_metadata(self) -> dict[str, str]:
-        experts = {item: [[e.name.split("/", 1)[1], e.dtype, e.numel] for e in entries]
-                   for item, entries in self.experts.items()}
+        """The experts' tensors, each distinct list once (experts of one model share theirs): a header of
+        kilobytes, not megabytes, for thousands of experts."""
+        shapes: dict[tuple, int] = {}
+        items = {}
+        for item, entries in self.experts.items():
+            shape = tuple((e.name.split("/", 1)[1], e.dtype, e.numel) for e in entries)
+            items[item] = shapes.setdefault(shape, len(shapes))
         return {"type": KIND, "v": "1", "region_bytes": str(self.region_bytes), "homes": str(self.homes),
-                "experts": json.dumps(experts, separators=(",", ":"))}
+                "shapes": json.dumps([list(map(list, shape)) for shape in shapes], separators=(",", ":")),
+                "experts": json.dumps(items, separators=(",", ":"))}
 
     @classmethod
     def from_headers(cls, home: Header | None, pool: Header) -> "MemoryLayout":
@@ -101,16 +107,16 @@ class MemoryLayout:
             raise FormatError("not an expert pool file")
         try:
             region_bytes, homes = int(meta["region_bytes"]), int(meta.get("homes", HOME_SLOTS))
-            listed = json.loads(meta["experts"])
+            shapes = json.loads(meta["shapes"])
             experts = {}
-            for item, tensors in listed.items():
+            for item, shape in json.loads(meta["experts"]).items():
                 at, entries = 0, []
-                for key, dtype, numel in tensors:
+                for key, dtype, numel in shapes[shape]:
                     size = numel * ITEMSIZE[dtype]
                     entries.append(TensorEntry(f"{item}/{key}", dtype, numel, at, at + size))
                     at += size
                 experts[item] = tuple(entries)
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
             raise FormatError(f"the expert pool's metadata is malformed ({exc})") from None
         regions = pool.tensors[0].numel // region_bytes if region_bytes else 0
         dense = () if home is None else tuple(e for e in home.tensors if e.item == NON_EXPERT)

@@ -229,13 +229,16 @@ class Begin(Record):
 
 @dataclass(frozen=True, slots=True)
 class Pin(Record):
-    """Regions of node memory the agent needs kept: those holding versions written at ``iteration``
-    (of ``items`` only, if given), or with ``newest``, each item's newest version up to ``iteration``."""
+    """Regions of node memory the agent needs kept: ``slots``, exactly, where given (what a write or a push
+    reads: each of ``items``' region, in order); else those holding versions written at ``iteration`` (of
+    ``items`` only, if given), or with ``newest``, each item's newest version up to ``iteration``."""
 
     KIND: ClassVar[str] = "pin"
+    VERSION: ClassVar[int] = 2  # v2: slots
     iteration: int
     items: list[str] | None = None
     newest: bool = False
+    slots: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,9 @@ class RegionBook:
         newest = numpy.zeros(self.regions, dtype=bool)
         newest[self.newest[self.newest >= 0]] = True
         for pin in pins:
+            if pin.slots is not None:  # (exactly the regions a write or a push still reads)
+                pinned[[s for s in pin.slots if 0 <= s < self.regions]] = True
+                continue
             mine = recorded & (self.holder >= 0)
             if pin.items is not None:
                 wanted = numpy.zeros(len(self.items) + 1, dtype=bool)

@@ -401,10 +401,11 @@ def test_a_restarts_uncommitted_persist_keeps_its_dense_state_pinned(trainers):
     t.snapshot(11, written=("dense", "L1.E0"), persist=False)
     _, released = t.snapshot(12, written=("dense", "L1.E1"))
     assert released.error is None and checkpoints(t.root).committed_iterations() == []
-    assert Pin(12, ["dense"]) in released.pins
+    home_of_12 = t.memory().regions(0, upto=12)["dense"][0]
+    assert Pin(12, ["dense"], slots=[home_of_12]) in released.pins   # (exactly its home)
     for iteration in (13, 14):                                # each needs a region for the dense state
         _, released = t.snapshot(iteration, written=("dense",), persist=False)
-        assert Pin(12, ["dense"]) in released.pins
+        assert Pin(12, ["dense"], slots=[home_of_12]) in released.pins
     assert regions_of(t)["dense"][1] == 14 and t.memory().regions(0, upto=12)["dense"][1] == 12
 
 
@@ -630,7 +631,7 @@ def test_a_trainer_that_begins_while_a_persist_is_written_keeps_off_its_regions(
         t.snapshot(i, persist=False, written=("dense", f"L1.E{i % 4}"))
     begun = t.begin("run-2", 13)
     assert Pin(13, None, newest=True) in begun.pins and [p for p in begun.pins if p.iteration == 10] in (
-        [], [Pin(10, [])]), begun.pins
+        [], [Pin(10, [], slots=[])]), begun.pins
     deadline = time.monotonic() + 30
     while (t.book.pins or checkpoints(t.root).committed_iterations() != [13, 10]) and time.monotonic() < deadline:
         for msg in t.client.poll(block_s=0.2):

@@ -28,19 +28,27 @@ from megatron_pec.items import NON_EXPERT
 from megatron_pec.protocol import Pin
 
 
-def pins(rank: int, job, memory: NodeMemory, checkpoints: CheckpointDir, replicating: list[int],
+def pins(rank: int, job, memory: NodeMemory, checkpoints: CheckpointDir, replicating: list[Pin],
          writing: list[Pin], persisted: tuple | None) -> list[Pin]:
     """The rank's pins now (``job``: its ``JobInfo``; ``checkpoints``: its --save); ``replicating``: the
-    iterations of its snapshots being sent or to send; ``writing``: the pins of its writes in flight;
+    pins of its snapshots being sent or to send; ``writing``: the pins of its writes in flight;
     ``persisted``: (run, iteration) of the newest snapshot this agent wrote the rank's file of, which may
-    still commit."""
-    out = [Pin(iteration, items, newest=True) for iteration, items in replicating] + list(writing)
+    still commit. Pins name their regions where the agent knows them: one iteration may lie in several
+    (a planned exit's save in rounds writes its dense state more than once)."""
+    out = list(replicating) + list(writing)
     if not job.replicas and job.num_nodes > 1:  # (its trainer has a third home slot for it)
         committed = memory.newest(rank, lambda r: (r.run, r.iteration) == persisted or
                                   checkpoints.is_committed(r.iteration))
         if committed is not None:
-            out.append(Pin(committed[1].iteration, [NON_EXPERT]))
+            out.append(Pin(committed[1].iteration, [NON_EXPERT], slots=[committed[0]]))
     return out
 
 
-__all__ = ["pins"]
+def reading(iteration: int, items, where: dict[str, int]) -> Pin:
+    """The pin of a write or a push of snapshot ``iteration`` that has ``items`` left to read (``where``:
+    item -> its region)."""
+    items = sorted(items)
+    return Pin(iteration, items, slots=[where[item] for item in items])
+
+
+__all__ = ["pins", "reading"]

@@ -34,10 +34,12 @@ import time
 
 from megatron_pec import faults, log
 from megatron_pec.agent import peers
+from megatron_pec.agent.pins import reading
 from megatron_pec.checksum import item_checks
 from megatron_pec.protocol import (
     JobInfo,
     PeerAddress,
+    Pin,
     ProtocolError,
     ReplicaEntry,
     ReplicaIndex,
@@ -340,7 +342,8 @@ class Replicator:
         self.node_dir, self.job, self.storage, self.slots = node_dir, job, storage, slots
         self.on_progress = on_progress
         self.pending: dict[int, tuple] = {}         # rank -> newest unsent snapshot
-        self.sending: dict[int, tuple[int, set]] = {}  # rank -> (iteration, items not read yet) being sent
+        self.sending: dict[int, tuple[int, set, dict]] = {}  # rank -> (iteration, items not read yet,
+        # item -> region) being sent
         self.synced: set[tuple[int, int]] = set()   # (holder, rank) that hold a base replica
         self.landed: dict[int, int] = {}            # rank -> iteration of its newest replica on every holder
         self.sent = {"snapshots": 0, "whole": 0, "bytes": 0}  # completed pushes (reported at exit)
@@ -355,16 +358,17 @@ class Replicator:
             self.pending[rank] = (home, dict(places), record, list(lineage))
             self.cond.notify()
 
-    def replicating(self, rank: int) -> list[tuple[int, list[str] | None]]:
-        """(iteration, items still to read; None: all) of ``rank``'s snapshots being sent or waiting to
-        be: what the trainer must keep."""
+    def replicating(self, rank: int) -> list[Pin]:
+        """The regions of ``rank``'s snapshots being sent (those still to read) or waiting to be: what the
+        trainer must keep."""
         with self.cond:
             out = []
             if rank in self.sending:
-                iteration, left = self.sending[rank]
-                out.append((iteration, sorted(left)))
+                iteration, left, where = self.sending[rank]
+                out.append(reading(iteration, left, where))
             if rank in self.pending:
-                out.append((self.pending[rank][2].iteration, None))
+                home, places, record, _ = self.pending[rank]
+                out.append(reading(record.iteration, record.items, {i: places.get(i, home) for i in record.items}))
             return out
 
     def idle(self) -> bool:
@@ -383,7 +387,8 @@ class Replicator:
                     self.cond.wait()
                 rank = min(self.pending)
                 home, places, record, lineage = self.pending.pop(rank)
-                self.sending[rank] = (record.iteration, set(record.items))
+                self.sending[rank] = (record.iteration, set(record.items),
+                                      {i: places.get(i, home) for i in record.items})
             try:
                 self._send_to_holders(rank, home, places, record, lineage)
             finally:
@@ -485,7 +490,7 @@ class _Source:
             return
         r = self.replicator
         with r.cond:
-            left = r.sending.get(self.rank, (None, set()))[1]
+            left = r.sending.get(self.rank, (None, set(), None))[1]
             left.discard(item)
         now = time.monotonic()
         if r.on_progress is not None and (item == NON_EXPERT or now - self.told >= self.EVERY_S):

@@ -13,7 +13,7 @@ from megatron_pec import log
 from megatron_pec.agent import peers
 from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.agent.replicas import ReplicaServer, ReplicaStore, Replicator, pull
-from megatron_pec.protocol import JobInfo, PeerAddress
+from megatron_pec.protocol import JobInfo, PeerAddress, Pin
 from megatron_pec.slots import SlotCache, slot_path
 from megatron_pec.storage import Storage
 
@@ -87,9 +87,9 @@ class Replication:
         return (f"rank {rank}'s newest replica on its peers is {lag} snapshots behind (--pec-replica-lag {bound}): "
                 "waiting for the push under way")
 
-    def replicating(self, rank: int) -> list[tuple[int, list[str] | None]]:
-        """(iteration, items still to read; None: all) of the rank's snapshots being sent to a peer or
-        waiting to be (pinned on its trainer)."""
+    def replicating(self, rank: int) -> list[Pin]:
+        """The regions of the rank's snapshots being sent to a peer (those still to read) or waiting to be
+        (pinned on its trainer)."""
         return self.replicator.replicating(rank) if self.replicator is not None else []
 
     def pull(self, job: JobInfo, rank: int, memory: NodeMemory) -> None:

@@ -47,7 +47,7 @@ from megatron_pec.agent.cpu import FILE as CPU_LEDGER
 from megatron_pec.agent.cpu import CpuLedger
 from megatron_pec.agent.memory import INDEX, NodeMemory
 from megatron_pec.agent.persist import check_snapshot
-from megatron_pec.agent.pins import pins
+from megatron_pec.agent.pins import pins, reading
 from megatron_pec.agent.replication import Replication
 from megatron_pec.agent.trainers import Link, Trainers
 from megatron_pec.checkpoint_dir import CheckpointDir
@@ -309,14 +309,17 @@ class Agent:
         # Its regions stay pinned while the write reads them, handed back item by item (``jobs.Progress``):
         # the trainer hears it recorded now, and overwrites what the write has read.
         items = checked.kept(set(msg.persist_items) if msg.persist_items is not None else None)
-        self.writing.setdefault(rank, {})[(msg.iteration, msg.generation)] = Pin(msg.iteration, sorted(items))
+        where = {item: msg.places.get(item, msg.slot) for item in items}
+        self.writing.setdefault(rank, {})[(msg.iteration, msg.generation)] = reading(msg.iteration, items, where)
         self._release(link, msg, True, None, persisting=True)
         self.writer.put(writer.Write(link, msg, checked))
 
     def _progress(self, job: jobs.Progress) -> None:
         writing = self.writing.get(job.rank, {})
-        if (job.iteration, job.generation) in writing:
-            writing[(job.iteration, job.generation)] = Pin(job.iteration, sorted(job.left))
+        key = (job.iteration, job.generation)
+        if key in writing:
+            read = writing[key]
+            writing[key] = reading(job.iteration, job.left, dict(zip(read.items, read.slots)))
             self._repin()
 
     def _written(self, job: jobs.Written) -> None:

@@ -5,6 +5,7 @@ its ranks pulled back from node 0's memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import time
@@ -98,10 +99,8 @@ def run_full_node(shm_dir: str, root: str, ranks: int = 8, iterations: int = 25,
             t.files.close()
             t.client.close(detach=False)
         subprocess.run(["rm", "-rf", dirs[1]], check=True)
-        for t in [trainer(r, run="run-2") for r in range(ranks, 2 * ranks)]:
-            result.pulled.append(_pulled(t))
-        result.pulled_own_bytes = node_bytes(dirs[1])[0]
-        return result
+        pulled = [_pulled(t) for t in [trainer(r, run="run-2") for r in range(ranks, 2 * ranks)]]
+        return dataclasses.replace(result, pulled=pulled, pulled_own_bytes=node_bytes(dirs[1])[0])
     finally:
         for t in made:
             try:
