@@ -183,7 +183,7 @@ def main(argv=None) -> int:
              f"`python -m benchmarks.node_memory` ({out['machine'].get('cpu', 'CPU')}); the example trainer on 2 CPU "
              f"ranks of one node, `{' '.join(MODEL)}`, {ITERS} iterations, a snapshot every iteration and a persist "
              f"every 20 (nothing waits for a slot), rank 0 SIGKILLed in its optimizer step {KILL_AT}, then relaunched. "
-             f"Three regions: commit {args.baseline}. State: one complete snapshot of a rank (header included).", "",
+             f"Three regions: commit {args.baseline}. State: one complete snapshot of a rank as a slot file of its own (its tensors and a header naming every one of them, with the room for a save's metadata: what a replica of the rank holds, and each slot of the three-region layout; `slots.snapshot_file_bytes`).", "",
              "| row | node memory per rank ÷ state | skipped snapshots | snapshot-K held | restored after the kill "
              "| iterations lost | PLT |", "|---|---|---|---|---|---|---|"]
     for name, r in out["rows"].items():

@@ -39,7 +39,7 @@ from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.save_history import SaveHistory
-from megatron_pec.slots import HEADER_ALIGN, SlotFiles, SlotSpaceError, tmpfs_room
+from megatron_pec.slots import HEADER_ALIGN, SlotFiles, SlotSpaceError, snapshot_file_bytes, tmpfs_room
 from megatron_pec.stager import Stager
 from megatron_pec.stformat import encode_header, tensor_table
 from megatron_pec.stformat import layout as tensor_layout
@@ -148,7 +148,7 @@ class Engine:
         job, config = self.job, self.config
         home_file = 8 + self._header_reserve() + (HEADER_ALIGN - 1) + len(tensor_table(layout.dense)) + \
             layout.dense_bytes
-        state = layout.state_bytes + home_file - layout.dense_bytes  # (one complete snapshot: its header too)
+        state = snapshot_file_bytes(layout, self._header_reserve())
         states = self.adapter.collectives.gather([state], 1)
         node = range(job.node_rank * job.local_world_size, (job.node_rank + 1) * job.local_world_size)
         node_state = sum(states[r][0] for r in node if r < len(states))

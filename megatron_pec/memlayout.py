@@ -23,6 +23,7 @@ persists, replicas and restores read a region as they read a slot. Pure: no torc
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from megatron_pec.items import NON_EXPERT
@@ -87,16 +88,17 @@ class MemoryLayout:
         return (TensorEntry(POOL_TENSOR, "U8", size, 0, size),)
 
     def pool_metadata(self) -> dict[str, str]:
-        """The experts' tensors, each distinct list once (experts of one model share theirs): a header of
-        kilobytes, not megabytes, for thousands of experts."""
-        shapes: dict[tuple, int] = {}
+        """The experts' tensors in kilobytes, not megabytes, for thousands of experts: experts of one model
+        differ only in the numbers of their tensor names (``o1.g0.b0.p4...`` against ``...p0...``), so each
+        distinct list is kept once with numbers relative to its first name's, and each expert names its
+        list and those first numbers."""
+        shapes: dict[str, int] = {}
         items = {}
         for item, entries in self.experts.items():
-            shape = tuple((e.name.split("/", 1)[1], e.dtype, e.numel) for e in entries)
-            items[item] = shapes.setdefault(shape, len(shapes))
+            shape, base = _shape_of(entries)
+            items[item] = [shapes.setdefault(json.dumps(shape, separators=(",", ":")), len(shapes)), *base]
         return {"type": KIND, "v": "1", "region_bytes": str(self.region_bytes), "homes": str(self.homes),
-                "shapes": json.dumps([list(map(list, shape)) for shape in shapes], separators=(",", ":")),
-                "experts": json.dumps(items, separators=(",", ":"))}
+                "shapes": "[" + ",".join(shapes) + "]", "experts": json.dumps(items, separators=(",", ":"))}
 
     @classmethod
     def from_headers(cls, home: Header | None, pool: Header) -> "MemoryLayout":
@@ -108,14 +110,8 @@ class MemoryLayout:
         try:
             region_bytes, homes = int(meta["region_bytes"]), int(meta.get("homes", HOME_SLOTS))
             shapes = json.loads(meta["shapes"])
-            experts = {}
-            for item, shape in json.loads(meta["experts"]).items():
-                at, entries = 0, []
-                for key, dtype, numel in shapes[shape]:
-                    size = numel * ITEMSIZE[dtype]
-                    entries.append(TensorEntry(f"{item}/{key}", dtype, numel, at, at + size))
-                    at += size
-                experts[item] = tuple(entries)
+            experts = {item: _entries_of(item, shapes[found[0]], found[1:])
+                       for item, found in json.loads(meta["experts"]).items()}
         except (KeyError, IndexError, ValueError, TypeError) as exc:
             raise FormatError(f"the expert pool's metadata is malformed ({exc})") from None
         regions = pool.tensors[0].numel // region_bytes if region_bytes else 0
@@ -156,3 +152,35 @@ class MemoryLayout:
 
 
 __all__ = ["MemoryLayout", "HOME_SLOTS", "HOMES_MAX", "POOL", "POOL_TENSOR", "is_pool"]
+
+
+def _shape_of(entries) -> tuple[list, list[int]]:
+    """An expert's tensor list with the numbers in its names relative to its first name's, and those
+    numbers: ``[[texts, offsets, dtype, numel], ...]`` (a name's numbers are its first name's plus its
+    offsets), or absolute numbers where a name has another count of them or a number with a leading zero."""
+    split = [_NUMBER.split(e.name.split("/", 1)[1]) for e in entries]
+    base = [int(n) for n in split[0][1::2]] if split else []
+    if any(len(parts) != len(split[0]) or any(str(int(n)) != n for n in parts[1::2]) for parts in split):
+        base = []
+    shape = []
+    for parts, e in zip(split, entries):
+        numbers = [int(n) for n in parts[1::2]] if base else []
+        shape.append([parts if not base else parts[0::2], [n - b for n, b in zip(numbers, base)], e.dtype, e.numel])
+    return shape, base
+
+
+def _entries_of(item: str, shape: list, base: list[int]) -> tuple[TensorEntry, ...]:
+    at, out = 0, []
+    for texts, offsets, dtype, numel in shape:
+        if base:
+            numbers = [str(b + o) for b, o in zip(base, offsets)]
+            key = "".join(t + n for t, n in zip(texts, numbers + [""]))
+        else:
+            key = "".join(texts)
+        size = numel * ITEMSIZE[dtype]
+        out.append(TensorEntry(f"{item}/{key}", dtype, numel, at, at + size))
+        at += size
+    return tuple(out)
+
+
+_NUMBER = re.compile(r"(\d+)")

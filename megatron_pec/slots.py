@@ -60,8 +60,7 @@ class SlotFiles:
         needed = len(encode_header(entries, {}, table=table)) - 8 + reserve
         # Existing slots of this layout (a restart restores from them) keep their header size when it
         # is large enough: the reserve is partly measured, and a different size would move every tensor.
-        self.capacity = (self._existing_capacity(directory, rank, table, needed)
-                         or -(-needed // HEADER_ALIGN) * HEADER_ALIGN)
+        self.capacity = self._existing_capacity(directory, rank, table, needed) or _aligned(needed)
         if self.capacity > MAX_HEADER:
             raise SlotSpaceError(
                 f"rank {rank}'s snapshot header would need {self.capacity / 2**20:.1f} MiB "
@@ -231,6 +230,18 @@ class SlotFiles:
         for m in self.maps:
             m.close()
         self.maps = []
+
+
+def snapshot_file_bytes(layout: MemoryLayout, reserve: int) -> int:
+    """One complete snapshot of a rank as a slot file of its own, its header naming every tensor (what a
+    replica of the rank holds, and each slot of the three-region layout before the pool): the state
+    that node memory is measured against."""
+    entries = layout.full_entries()
+    return 8 + _aligned(len(encode_header(entries, {})) - 8 + reserve) + layout.state_bytes
+
+
+def _aligned(header_bytes: int) -> int:
+    return -(-header_bytes // HEADER_ALIGN) * HEADER_ALIGN
 
 
 def _existing_pool(directory: str, rank: int, planned: MemoryLayout) -> MemoryLayout:

@@ -1,6 +1,8 @@
 """Issue 35: node memory sized by what snapshots write, and a hard budget's implied K (pure: ``budget.py``,
 ``memlayout.py``, ``regions.RegionBook``)."""
 
+import json
+
 import pytest
 import torch
 
@@ -74,6 +76,25 @@ def test_the_pool_places_any_expert_in_any_region_and_readers_find_it():
     assert again == memory
     placed = again.item_header(POOL + 2, "L1.E0", None, pool)
     assert [(e.begin, e.end) for e in placed.tensors] == [(128, 140), (140, 152)]
+
+
+def test_the_pool_header_keeps_each_list_of_expert_tensors_once_whatever_their_numbers():
+    """Thousands of experts differ only in the numbers of their tensor names: the header grows by the
+    experts' names, not by their tensor lists; names of other forms round-trip too."""
+    from megatron_pec.stformat import TensorEntry, decode_header, encode_header
+
+    def expert(item, first, kinds=("param", "exp_avg")):
+        names = [f"{item}/o1.g0.b0.p{first + j}.x0.{kind}" for kind in kinds for j in range(2)]
+        return tuple(TensorEntry(n, "F32", 8, 32 * i, 32 * i + 32) for i, n in enumerate(names))
+
+    experts = {f"L{layer}.E{e}": expert(f"L{layer}.E{e}", 2 * (16 * layer + e)) for layer in range(8) for e in range(16)}
+    experts["L9.E0"] = (TensorEntry("L9.E0/w007.a3", "BF16", 3, 0, 6), TensorEntry("L9.E0/b", "F32", 1, 6, 10))
+    memory = MemoryLayout((), experts, 4)
+    metadata = memory.pool_metadata()
+    assert len(json.loads(metadata["shapes"])) == 2
+    assert len(metadata["shapes"]) + len(metadata["experts"]) < 40 * len(experts)
+    again = MemoryLayout.from_headers(None, decode_header(encode_header(memory.pool_entries(), metadata)))
+    assert again.experts == experts
 
 
 def test_a_book_of_one_spare_takes_as_many_experts_as_regions_are_free():

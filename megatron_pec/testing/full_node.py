@@ -17,7 +17,7 @@ from megatron_pec.agent.client import agent_pid
 from megatron_pec.agent.cpu import read_ledger
 from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.protocol import Flush, Flushed
-from megatron_pec.slots import node_dir
+from megatron_pec.slots import HEADER_RESERVE, node_dir, snapshot_file_bytes
 from megatron_pec.stformat import layout
 from megatron_pec.storage import default_storage
 from megatron_pec.testing.scripted import ScriptedTrainer
@@ -85,7 +85,7 @@ def run_full_node(shm_dir: str, root: str, ranks: int = 8, iterations: int = 25,
             time.sleep(STEP_S)
         after = [_agent_cpu(t) for t in leaders]
         files = trainers[0].files
-        state = ranks * (files.file_len + files.layout.state_bytes - files.layout.dense_bytes)  # (its header too)
+        state = ranks * snapshot_file_bytes(files.layout, HEADER_RESERVE)
         result = FullNodeRun(sum(t.waits for t in trainers), max(t.waited_s for t in trainers),
                              CheckpointDir(root, default_storage()).committed_iterations(),
                              [NodeMeasure(*node_bytes(d), state, a["process_s"] - b["process_s"],
