@@ -218,11 +218,12 @@ class Pec(Method):
     def snapshot_bytes(self):
         from megatron_pec.agent.memory import NodeMemory
 
-        newest = NodeMemory.read(self.engine.job.node_dir).newest(self.ctx.rank)
+        memory = NodeMemory.read(self.engine.job.node_dir)
+        newest = memory.newest(self.ctx.rank)
         if newest is None:
             return None
-        record = newest[1]
-        # What the trainer copied: the items at this iteration (the others the agent carried in).
+        # What the trainer copied: the items at this iteration, in its home slot and in the expert pool.
+        record = memory.view(self.ctx.rank, newest[1].iteration)
         items = {i for i, version in record.items.items() if version == record.iteration}
         return sum(s.numel * s.dtype.itemsize for s in self.engine.adapter.slices if s.item in items)
 

@@ -32,7 +32,8 @@ class Storage(Protocol):
 
     def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview],
                      before_rename=None) -> tuple[int, int]:
-        """``chunks`` become ``path`` at once, durable; returns (size, crc32). ``before_rename()`` runs
+        """``chunks`` become ``path`` at once, durable; returns (size, crc32). A chunk is written and
+        summed before the next is asked for (its bytes may change then). ``before_rename()`` runs
         once the bytes are durable and may raise to keep them from becoming ``path``."""
 
     def write_text_atomic(self, path: str, text: str) -> None: ...
@@ -90,6 +91,9 @@ class PosixStorage:
                         crc.add(piece)
                         f.write(piece)
                         size += len(piece)
+                    # A chunk's bytes may change once the next one is asked for (a persist hands
+                    # each item's node-memory region back as soon as it is written).
+                    crc.caught_up()
                 os.fsync(f.fileno())
             if before_rename is not None:
                 before_rename()
@@ -204,7 +208,7 @@ class PosixStorage:
 
 class RunningCrc:
     """crc32 of a byte stream, computed in a background thread so it overlaps the writes
-    (the crc releases the GIL). Pieces must stay unchanged until ``result()``."""
+    (the crc releases the GIL). A piece must stay unchanged until ``caught_up()`` or ``result()``."""
 
     def __init__(self):
         self.crc = 0
@@ -215,9 +219,14 @@ class RunningCrc:
     def _run(self) -> None:
         while (piece := self.pieces.get()) is not None:
             self.crc = crc32(piece, self.crc)
+            self.pieces.task_done()
 
     def add(self, piece) -> None:
         self.pieces.put(piece)
+
+    def caught_up(self) -> None:
+        """Wait until every piece added is summed (its bytes may change from then on)."""
+        self.pieces.join()
 
     def result(self) -> int:
         if self.thread.is_alive():

@@ -57,3 +57,29 @@ def test_retiring_removes_what_an_abandoned_run_committed_after_the_restored_ite
     assert checkpoints.retire_after(10) == [20, 30]
     assert checkpoints.committed_iterations() == [10] and checkpoints.read_tracker() == "10"
     assert checkpoints.node_markers(20) == checkpoints.node_markers(30) == []
+
+
+def test_an_atomic_write_sums_each_chunk_before_the_next_is_asked_for(tmp_path, monkeypatch):
+    """A persist hands each item's node-memory region back once written: a region overwritten right
+    after (as a snapshot would) must not change the file's recorded crc32, however far the summing
+    thread lags behind the writes (here: slowed down)."""
+    import time
+    import zlib
+
+    from megatron_pec import storage
+
+    def slow_crc32(data, value=0):
+        time.sleep(0.05)
+        return zlib.crc32(data, value)
+
+    monkeypatch.setattr(storage, "crc32", slow_crc32)
+    regions = [bytearray(range(256)) * (32 << 10) for _ in range(6)]  # 8 MiB each
+
+    def chunks():
+        for i, region in enumerate(regions):
+            yield memoryview(region)
+            region[:] = bytes(len(region))  # handed back: the trainer writes over it at once
+
+    size, crc = PosixStorage().write_atomic(str(tmp_path / "rank.safetensors"), chunks())
+    written = (tmp_path / "rank.safetensors").read_bytes()
+    assert size == len(written) and crc == zlib.crc32(written)

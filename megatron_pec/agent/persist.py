@@ -14,6 +14,7 @@ the rest is still being written.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from megatron_pec.agent.memory import header_problem
@@ -108,23 +109,29 @@ def _write_compact(where: dict, order: list[str], snapshot: SlotHeader, expected
                                {i: v for i, v in snapshot.sums.items() if i in expected})
     head = encode_header(entries, kept.to_metadata())
 
-    def chunks():
+    def check(acc, piece) -> None:
+        with charged():
+            acc.update(piece)
+
+    def chunks(summing: ThreadPoolExecutor):
         yield head
         for item, begin, end in runs:
             view = memoryview(where[item][0])  # zero-copy; dropped before the mapping closes
             acc = accumulator(expected[item])
             for at in range(begin, end, CHUNK):
                 piece = view[at:min(at + CHUNK, end)]
-                with charged():
-                    acc.update(piece)
+                # (summed while written: both release the GIL; the region stays pinned until ``done``)
+                summed = summing.submit(check, acc, piece)
                 yield piece
+                summed.result()
             del view
             if acc.result() != expected[item]:
                 raise SnapshotMismatch(mismatch(f"{home} (in node memory)", item, acc.result(), expected[item]))
             if done is not None:
                 done(item)
 
-    size, crc = storage.write_atomic(target, chunks())
+    with ThreadPoolExecutor(1, thread_name_prefix="persist-sums") as summing:
+        size, crc = storage.write_atomic(target, chunks(summing))
     return {"size": size, "crc32": crc, "items": sorted(expected), "header_crc32": crc32(head)}
 
 
