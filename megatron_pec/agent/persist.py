@@ -26,7 +26,10 @@ from megatron_pec.stformat import encode_header
 from megatron_pec.storage import Storage
 
 
-CHUNK = 8 << 20  # bytes written (and summed) at a time
+# Bytes written (and summed) at a time: each piece is read three times at once (the write's copy, the
+# file's crc32, the item's sum64), so it should stay in the CPU's caches: 8 MiB pieces cost the agent
+# 3x the CPU of 1 MiB ones in the quick benchmark (writing 123 against 37 ms per K=all save).
+CHUNK = 1 << 20
 
 
 class SnapshotMismatch(RuntimeError):
