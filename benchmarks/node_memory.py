@@ -47,7 +47,8 @@ SCHEDULE = ["--non-persistent-save-interval", "1", "--save-interval", "20", "--p
 ITERS, KILL_AT = 40, 31
 ROWS = {  # name -> (tree: "baseline" or "this", extra flags)
     "three regions (before), K=all": ("baseline", []),
-    "three regions (before), snapshot-K 2 / persist-K 1": ("baseline", ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
+    "three regions (before), snapshot-K 2 / persist-K 1": ("baseline",
+                                                            ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
     "new default, K=all": ("this", []),
     "new default, snapshot-K 2 / persist-K 1": ("this", ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
     "budget 1.25x, K=all asked": ("this", ["--pec-node-memory", "1.25x"]),
@@ -183,7 +184,9 @@ def main(argv=None) -> int:
              f"`python -m benchmarks.node_memory` ({out['machine'].get('cpu', 'CPU')}); the example trainer on 2 CPU "
              f"ranks of one node, `{' '.join(MODEL)}`, {ITERS} iterations, a snapshot every iteration and a persist "
              f"every 20 (nothing waits for a slot), rank 0 SIGKILLed in its optimizer step {KILL_AT}, then relaunched. "
-             f"Three regions: commit {args.baseline}. State: one complete snapshot of a rank as a slot file of its own (its tensors and a header naming every one of them, with the room for a save's metadata: what a replica of the rank holds, and each slot of the three-region layout; `slots.snapshot_file_bytes`).", "",
+             f"Three regions: commit {args.baseline}. State: one complete snapshot of a rank as a slot file of its "
+             "own (its tensors and a header naming every one of them, with the room for a save's metadata: what a "
+             "replica of the rank holds, and each slot of the three-region layout; `slots.snapshot_file_bytes`).", "",
              "| row | node memory per rank ÷ state | skipped snapshots | snapshot-K held | restored after the kill "
              "| iterations lost | PLT |", "|---|---|---|---|---|---|---|"]
     for name, r in out["rows"].items():
@@ -192,8 +195,9 @@ def main(argv=None) -> int:
             continue
         ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
         plt = f"{r['plt'] * 100:.2f}%" if r.get("plt") is not None else "-"
+        lost = r.get("lost_iterations")
         lines.append(f"| {name} | {ratio} | {r['skipped']} | {r.get('implied_k') or 'as asked'} | "
-                     f"{r.get('restored') or '-'} | {r.get('lost_iterations', '-') if r.get('lost_iterations') is not None else '-'} | {plt} |")
+                     f"{r.get('restored') or '-'} | {'-' if lost is None else lost} | {plt} |")
     lines += full_node_table(out["full_node"])
     Path(args.json).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

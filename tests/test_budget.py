@@ -87,7 +87,8 @@ def test_the_pool_header_keeps_each_list_of_expert_tensors_once_whatever_their_n
         names = [f"{item}/o1.g0.b0.p{first + j}.x0.{kind}" for kind in kinds for j in range(2)]
         return tuple(TensorEntry(n, "F32", 8, 32 * i, 32 * i + 32) for i, n in enumerate(names))
 
-    experts = {f"L{layer}.E{e}": expert(f"L{layer}.E{e}", 2 * (16 * layer + e)) for layer in range(8) for e in range(16)}
+    experts = {f"L{layer}.E{e}": expert(f"L{layer}.E{e}", 2 * (16 * layer + e))
+               for layer in range(8) for e in range(16)}
     experts["L9.E0"] = (TensorEntry("L9.E0/w007.a3", "BF16", 3, 0, 6), TensorEntry("L9.E0/b", "F32", 1, 6, 10))
     memory = MemoryLayout((), experts, 4)
     metadata = memory.pool_metadata()

@@ -76,7 +76,7 @@ def test_an_atomic_write_sums_each_chunk_before_the_next_is_asked_for(tmp_path, 
     regions = [bytearray(range(256)) * (32 << 10) for _ in range(6)]  # 8 MiB each
 
     def chunks():
-        for i, region in enumerate(regions):
+        for region in regions:
             yield memoryview(region)
             region[:] = bytes(len(region))  # handed back: the trainer writes over it at once
 
