@@ -20,8 +20,8 @@ Rows, each from a torchrun of one rank:
   drives it, with restores from node memory and from storage, beside the storage's write and read floors.
 
 Per row: step overhead over training without checkpoints, save blocking (median, p90), skipped checkpoints,
-restore from memory and from storage, node memory used (megatron-pec: its slot files; DLRover: its
-shared-memory buffer; ``torch_dist`` async: its host staging, the trainer's resident-memory growth over a
+restore from memory and from storage, node memory used (megatron-pec: its home slots and expert pool;
+DLRover: its shared-memory buffer; ``torch_dist`` async: its host staging, the trainer's resident-memory growth over a
 save). ``--peers ""`` leaves the worker out; DLRover must be installed (``pip install -e .[bench]``, on a
 GPU machine without an index the wheels of ``scripts/gpu_wheels.sh``) or its row is an error.
 """
@@ -182,7 +182,7 @@ def example_row(r: dict, base_step: float | None, node_dir: Path | None) -> dict
             "first_over_later": taken[0] / statistics.median(later) if later else None,
             "restore_memory_s": None, "restore_storage_s": None,
             "node_memory_bytes": allocated_bytes(files_under(str(node_dir))) if node_dir else None,
-            "node_memory_what": "its slot files", "exit_code": r["code"]}
+            "node_memory_what": "its home slots and expert pool", "exit_code": r["code"]}
 
 
 def agent_cpu_per_snapshot(node_dir: Path, snapshots: int) -> float | None:

@@ -186,10 +186,11 @@ class Pec(Method):
         self.skipped += 0 if ok else 1
         return ok
 
-    node_memory_why = "its slot files"
+    node_memory_why = "its home slots and expert pool"
 
     def node_memory_bytes(self):
-        """This rank's share of the node's memory: its slot files (rank 0: also the node's other files)."""
+        """This rank's share of the node's memory: its home slots and expert pool (rank 0: also the node's
+        other files)."""
         if self.engine is None:
             return None
         rank = self.ctx.rank

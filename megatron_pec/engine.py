@@ -291,6 +291,8 @@ class Engine:
             current.lease()
             if current.slot is not None:
                 current.copy({NON_EXPERT})
+                # (the regions the last round freed may still be read by a replica push of it)
+                current.capacity = current.capacity or self.session.await_capacity()
             if current.slot is None or not current.capacity:
                 log.warning(f"cannot save every planned expert of iteration {save.iteration}: node memory frees no "
                             f"region for the {len(remaining)} left ({current.why_not or 'every region held'}); the "

@@ -73,6 +73,15 @@ class AgentSession:
         with self._lock:
             return self.regions.capacity()
 
+    def await_capacity(self, timeout: float = PERSISTENT_SLOT_WAIT_S) -> int:
+        """``capacity()``, waiting up to ``timeout`` for the agent to hand some region back when none is
+        free (a persist or a replica push still reads them): a later round of a save in rounds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self.regions.capacity() and self.client.connected and time.monotonic() < deadline:
+                self._collect(block_s=0.05)
+            return self.regions.capacity()
+
     # ---- the timeline --------------------------------------------------------------------------------
     def begin(self, resumed_from: int | None) -> None:
         """Start this process's next timeline: snapshots of other timelines after ``resumed_from`` are
