@@ -265,7 +265,8 @@ class Engine:
         """A persistent save whose experts node memory cannot take at once (every expert at a planned
         exit, or a first persist of every expert, into a pool with spares for a partial snapshot): rounds
         of memory-only snapshots of its iteration, each of as many of its experts as the pool has regions
-        free and recorded before the next (their older versions are then free), and a last one, persisted,
+        free and recorded before the next (their older versions are then free, once the agent's pushes
+        and persists of the last round hand them back: ``ROUND_WAIT_S``), and a last one, persisted,
         whose header names every item it wrote and where. No collective: the PEC bookkeeping records the
         save's plan once, as on every rank. False (warned) when node memory frees no region."""
         planned = self.parts.job.held_items(save.experts[0])

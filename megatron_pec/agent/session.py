@@ -33,6 +33,9 @@ PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions be
 REPLICA_WAIT_S = 120.0  # how long a snapshot waits for a replica push that holds the regions it needs
 RELEASE_WAIT_S = 2.0  # how long a snapshot waits for the agent to record the one before (it has had a step)
 WRITE_WAIT_S = 2.0  # ... for a write to storage to hand the dense state back (the first thing it reads)
+# How long a round of a save in rounds waits for the agent to hand regions back: its persists and pushes
+# always end, and giving up would leave the save's experts at older versions.
+ROUND_WAIT_S = 120.0
 
 
 class AgentSession:
@@ -73,7 +76,7 @@ class AgentSession:
         with self._lock:
             return self.regions.capacity()
 
-    def await_capacity(self, timeout: float = PERSISTENT_SLOT_WAIT_S) -> int:
+    def await_capacity(self, timeout: float = ROUND_WAIT_S) -> int:
         """``capacity()``, waiting up to ``timeout`` for the agent to hand some region back when none is
         free (a persist or a replica push still reads them): a later round of a save in rounds."""
         deadline = time.monotonic() + timeout
