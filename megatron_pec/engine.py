@@ -292,8 +292,7 @@ class Engine:
             current.lease()
             if current.slot is not None:
                 current.copy({NON_EXPERT})
-                # (the regions the last round freed may still be read by a replica push of it)
-                current.capacity = current.capacity or self.session.await_capacity()
+                current.await_capacity()
             if current.slot is None or not current.capacity:
                 log.warning(f"cannot save every planned expert of iteration {save.iteration}: node memory frees no "
                             f"region for the {len(remaining)} left ({current.why_not or 'every region held'}); the "
@@ -545,6 +544,12 @@ class Save:
         with self.phases("slot"):
             self.slot, self.why_not = self.parts.session.lease(self.persistent)
             self.capacity = self.parts.session.capacity() if self.slot is not None else 0
+
+    def await_capacity(self) -> None:
+        """A later round of a save in rounds: the regions the last round freed may still be read by the
+        agent (a replica push or a persist of that round); wait for some to be handed back."""
+        if self.slot is not None and not self.capacity:
+            self.capacity = self.parts.session.await_capacity()
 
     def start_agreement(self) -> None:
         """The save's one collective: a SUM all-reduce of token counts, "cannot snapshot" flags and what
