@@ -26,10 +26,9 @@ import uuid
 import torch
 
 from benchmarks.common import RESULTS, machine
-from megatron_pec.agent.cpu import read_ledger
-from megatron_pec.protocol import Flush, Flushed
 from megatron_pec.slots import node_dir
 from megatron_pec.stformat import layout
+from megatron_pec.testing.full_node import agent_ledger
 from megatron_pec.testing.scripted import ScriptedTrainer
 
 EXPERTS = 8
@@ -54,13 +53,13 @@ def measure(size_mb: int, snapshots: int, k: int | None, shm: str, save: str) ->
         experts = items[1:]
         for i in range(1, 4):  # first, each slot once: the agent maps it and parses its table
             t.snapshot(i, persist=False)
-        ledger = _flush(t)
+        ledger = agent_ledger(t)
         started = time.perf_counter()
         for i in range(4, snapshots + 4):
             written = items if k is None else ["dense"] + [experts[(k * i + j) % EXPERTS] for j in range(k)]
             t.snapshot(i, persist=False, written=written)
         wall = time.perf_counter() - started
-        after = _flush(t)
+        after = agent_ledger(t)
     finally:
         t.close()
         shutil.rmtree(os.path.dirname(directory), ignore_errors=True)
@@ -69,14 +68,6 @@ def measure(size_mb: int, snapshots: int, k: int | None, shm: str, save: str) ->
     return {"size_mb": size_mb, "k": k or EXPERTS, "snapshots": snapshots,
             "agent_cpu_s_per_snapshot": (after["process_s"] - ledger["process_s"]) / snapshots,
             "phases_s_per_snapshot": phases, "wall_s_per_snapshot": wall / snapshots}
-
-
-def _flush(t: ScriptedTrainer) -> dict:
-    t.client.request(Flush(), Flushed, timeout=120)
-    ledger = read_ledger(t.directory)
-    if ledger is None:
-        raise RuntimeError(f"the agent wrote no CPU ledger under {t.directory}")
-    return ledger
 
 
 def report(rows: list[dict]) -> str:

@@ -617,8 +617,10 @@ class Save:
         kept = self.parts.book.within(self.experts, caps)
         if kept == self.experts:
             return
-        log.info(f"iteration {self.iteration}: node memory takes {len(kept[0])} of the {len(self.experts[0])} experts "
-                 f"planned (regions free per EP rank: {caps})", rank0=True)
+        # (it may happen at every save while a persist reads the regions: said once, not per iteration)
+        log.info("a save took fewer experts than planned: node memory had no free region for the rest (being "
+                 "persisted or sent to a peer); they keep their older versions until a later save takes them",
+                 once=True, rank0=True)
         dropped = self.parts.job.held_items(self.experts[0] - kept[0])
         wasted = {item: slot for item, slot in self.placement.items() if item in dropped}
         self.parts.session.skipped(wasted)

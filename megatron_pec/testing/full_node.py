@@ -78,12 +78,12 @@ def run_full_node(shm_dir: str, root: str, ranks: int = 8, iterations: int = 25,
         leaders = [trainers[0], trainers[ranks]]
         for t in trainers:
             t.snapshot(1, persist=False)  # (the agents map every slot once, before the measured snapshots)
-        before = [_agent_cpu(t) for t in leaders]
+        before = [agent_ledger(t) for t in leaders]
         for iteration in range(2, iterations + 1):
             for t in trainers:
                 t.snapshot(iteration, persist=iteration % persist == 0)
             time.sleep(STEP_S)
-        after = [_agent_cpu(t) for t in leaders]
+        after = [agent_ledger(t) for t in leaders]
         files = trainers[0].files
         state = ranks * snapshot_file_bytes(files.layout, HEADER_RESERVE)
         result = FullNodeRun(sum(t.waits for t in trainers), max(t.waited_s for t in trainers),
@@ -109,7 +109,7 @@ def run_full_node(shm_dir: str, root: str, ranks: int = 8, iterations: int = 25,
                 pass
 
 
-def _agent_cpu(t: ScriptedTrainer) -> dict:
+def agent_ledger(t: ScriptedTrainer) -> dict:
     """The node agent's CPU ledger so far (written at a flush): ``process_s`` and ``phases``."""
     t.client.request(Flush(), Flushed, timeout=120)
     ledger = read_ledger(t.directory)
@@ -130,4 +130,4 @@ def _pulled(t: ScriptedTrainer) -> dict:
             "values": values}
 
 
-__all__ = ["FullNodeRun", "NodeMeasure", "run_full_node", "node_bytes", "ITEMS", "STEP_S"]
+__all__ = ["FullNodeRun", "NodeMeasure", "run_full_node", "node_bytes", "agent_ledger", "ITEMS", "STEP_S"]
