@@ -99,6 +99,16 @@ class ScriptedTrainer:
         self.waits += waited > WRITE_WAIT_S or self.book.home() is None
         return self.book.home()
 
+    def hear_until(self, done, timeout: float = 30.0) -> bool:
+        """Hear the agent's messages until ``done()`` holds (True) or ``timeout`` seconds pass (False)."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                return False
+            for msg in self.client.poll(block_s=0.2):
+                self.hear(msg)
+        return True
+
     def released(self, iteration):
         """The agent's last answer to snapshot ``iteration`` (a persistent one's: once it is written)."""
         for _ in range(150):
