@@ -15,14 +15,11 @@ the PEC bookkeeping is ``book``; copies are ``stager``'s; the node agent and the
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 
-from megatron_pec import budget, faults, log, smallstate
+from megatron_pec import budget, faults, log, node_plan, smallstate
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import AgentSession
 from megatron_pec.checkpoint_dir import CheckpointDir
@@ -39,9 +36,8 @@ from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.save_history import SaveHistory
-from megatron_pec.slots import HEADER_ALIGN, SlotFiles, SlotSpaceError, snapshot_file_bytes, tmpfs_room
+from megatron_pec.slots import SlotFiles, SlotSpaceError
 from megatron_pec.stager import Stager
-from megatron_pec.stformat import encode_header, tensor_table
 from megatron_pec.stformat import layout as tensor_layout
 from megatron_pec.storage import Storage
 
@@ -102,7 +98,10 @@ class Engine:
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slot_slices])
         # (several nodes, no replicas: the agent keeps the newest committed dense state for survivors)
         layout = MemoryLayout.of(entries, 0, homes=3 if self.job.num_nodes > 1 and not self.job.replicas else 2)
-        plan, error = self._plan_memory(layout)
+        reserve = node_plan.header_reserve(self.job, self.adapter.small_state_bound())
+        asked = self.book.state.snapshot.k if self.job.expert_layout else 1
+        plan, error = node_plan.plan(self.job, self.config, self.adapter.collectives, layout, asked,
+                                     self.adapter.ep_rank, reserve)
         self.adapter.collectives.raise_if_any(error)
         # Every rank takes the same snapshot K (the PEC bookkeeping is identical everywhere): the least any
         # rank's node memory holds.
@@ -117,9 +116,9 @@ class Engine:
         try:
             check_socket_path(self.job.node_dir)
             self.files = SlotFiles(self.job.node_dir, self.rank, replace(layout, regions=plan.regions),
-                                   self.job.local_world_size, plan.replica_share, reserve=self._header_reserve())
+                                   self.job.local_world_size, plan.replica_share, reserve=reserve)
             self.memory_plan = replace(plan, regions=self.files.layout.regions)
-            self._report_memory()
+            node_plan.report(self.memory_plan, self.job, torch.cuda.is_available())
             self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
             self.stager = Stager(self.files, self.adapter.slot_slices, self.rank)
             self.stager.pin()
@@ -133,49 +132,6 @@ class Engine:
         return SaveParts(self.job, self.config.job_id, self.adapter, self.book, self.history, self.session,
                          self.files, self.stager)
 
-    def _report_memory(self) -> None:
-        """The node memory planned: said once per node at start-up, and kept beside the files for ``inspect``."""
-        plan, job = self.memory_plan, self.job
-        with open(os.path.join(job.node_dir, f"rank{self.rank}.memory.json"), "w") as f:
-            json.dump(plan.record(), f)
-        if self.rank % job.local_world_size == 0:
-            log.info(plan.describe(job.local_world_size, torch.cuda.is_available(), tmpfs_room(job.node_dir)),
-                     rank=self.rank)
-
-    def _plan_memory(self, layout: MemoryLayout) -> tuple[budget.MemoryPlan | None, str | None]:
-        """This rank's node memory for the asked snapshot K, or the K a --pec-node-memory budget holds
-        (collective: the node's state is every local rank's)."""
-        job, config = self.job, self.config
-        home_file = 8 + self._header_reserve() + (HEADER_ALIGN - 1) + len(tensor_table(layout.dense)) + \
-            layout.dense_bytes
-        state = snapshot_file_bytes(layout, self._header_reserve())
-        states = self.adapter.collectives.gather([state], 1)
-        node = range(job.node_rank * job.local_world_size, (job.node_rank + 1) * job.local_world_size)
-        node_state = sum(states[r][0] for r in node if r < len(states))
-        header = 8 + len(encode_header(replace(layout, regions=2 * len(layout.experts)).pool_entries(),
-                                       layout.pool_metadata()))
-        experts = job.expert_layout
-        asked = self.book.state.snapshot.k if experts else 1
-        held = len(layout.experts)
-        demand = partial(budget.per_snapshot, experts, config.selection, ep_rank=self.adapter.ep_rank, held=held)
-        try:
-            # A node keeps a replica, the state's size, of each rank of ``replicas`` peer nodes (``replicas.py``).
-            plan = budget.plan(state, home_file, layout.homes, header, layout.region_bytes, held,
-                               lambda k: demand(k=k), asked, config.node_memory, node_state, job.local_world_size,
-                               job.replicas * state)
-        except budget.BudgetError as exc:
-            return None, str(exc)
-        if config.node_memory is not None:
-            asked_bytes = config.node_memory.bytes_for(node_state)
-            os.makedirs(job.node_dir, exist_ok=True)
-            held_now = sum(e.stat().st_size for e in os.scandir(job.node_dir) if e.is_file())
-            room = tmpfs_room(job.node_dir)[0] + held_now
-            if asked_bytes > room:
-                return None, (f"--pec-node-memory {config.node_memory} asks for {asked_bytes / 2**30:.2f} GiB of node "
-                              f"memory; the tmpfs {config.shm_dir} has {room / 2**30:.2f} GiB for it. Lower the budget "
-                              "or enlarge the tmpfs (for Docker: --shm-size)")
-        return plan, None
-
     def _warm_up(self) -> None:
         """Once the optimizer has state (after its first step): bind the live views (the moments placed
         contiguously) and build every slot's copy plan, so that the first save costs what later ones do."""
@@ -185,15 +141,6 @@ class Engine:
         live = self.adapter.live_views()
         self.stager.prepare(live)
         self.stager.sums(live).start(())  # (on a GPU: compiles the checksum kernel now, not in the first save)
-
-    def _header_reserve(self) -> int:
-        """Header room for a save's metadata, sized now so that no save runs out of it: per expert this
-        rank holds, its version in ``items`` (the name and a number, escaped once more inside the metadata
-        string), its name in the packed token counts and PEC state, and five base64 int64 values; plus
-        the small state."""
-        longest = max((len(name) for name in self.job.held_names.values()), default=0)
-        per_expert = 6 * (longest + 28)
-        return per_expert * len(self.job.held_names) + 2 * self.adapter.small_state_bound() + (16 << 10)
 
     # ---- save ----------------------------------------------------------------------------------------
     @without_gc

@@ -19,7 +19,6 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_pec.checksum import crc32
 from megatron_pec.jsontext import dumps_object
 
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1}

@@ -549,7 +549,6 @@ def _land(sock: socket.socket, reply: ReplicaReply, node_dir: str, rank: int, sl
     if len(layout.experts) > layout.regions:
         _drain(sock, reply.file_len - len(head))
         return f"this rank's pool has {layout.regions} regions for {len(layout.experts)} experts"
-    pool_map = slots.open(slot_path(node_dir, rank, POOL))[0]
     places = {item: POOL + j for j, item in enumerate(layout.experts)}
     held = set(reply.record.items)
     checks, at = {}, replica.data_start

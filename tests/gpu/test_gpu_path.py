@@ -5,6 +5,7 @@ iteration, is killed and restores from node memory with its bytes checked on the
 
 import json
 import os
+import sys
 
 import numpy
 import pytest
