@@ -244,15 +244,22 @@ def test_pec_trainer_kill_before_the_first_commit_restores_every_expert_from_mem
 
 
 # ---- invariant 6: agent SIGKILL -> training continues, a new agent starts, nothing torn visible -----
+IDLE_KILL_STALL_S = 20  # the window for the idle kill (the test needs a few seconds of it)
+
+
 def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, reference, tmp_path):
     c = clusters(tmp_path, "fagent")
     # Iteration 2: node 0's agent dies after its rank file, before its node marker; node 1's agent dies
     # mid-way through writing its rank file. Iteration 4: the committing agent dies with both node
     # markers written, before the manifest. Iteration 6: the committing agent dies between manifest
     # and tracker. Each point fires once per job (restarted agents inherit the environment).
-    c.launch(FULL, faults={0: "before_node_marker=kill@1:0,before_manifest=kill,before_tracker=kill",
-                           1: "persist_write=kill@3:1,before_manifest=kill,before_tracker=kill"})
-    c.wait_file(checkpoints(c.save).manifest_path(8), timeout=LAUNCH_TIMEOUT)
+    # Rank 0 is then held IDLE_KILL_STALL_S in its 11th optimizer step, so that the idle kill below comes before
+    # the end of training however fast the machine is (the run is 12 iterations of ~0.1 s).
+    c.launch(FULL, faults={0: "before_node_marker=kill@1:0,before_manifest=kill,before_tracker=kill,"
+                              "optimizer_step=stall@11:0",
+                           1: "persist_write=kill@3:1,before_manifest=kill,before_tracker=kill"},
+             node_env={0: {"MEGATRON_PEC_FAULT_STALL_S": str(IDLE_KILL_STALL_S)}})
+    c.wait_log("fault injection: stall at optimizer_step", node=0, timeout=LAUNCH_TIMEOUT)
     # Every armed point has fired, and node 0 runs an agent again (one killed by a point is replaced at
     # its trainer's next save): the kill below hits a live agent, however the points fell.
     points = ("before_node_marker", "persist_write", "before_manifest", "before_tracker")
@@ -261,7 +268,7 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     c.wait_for(lambda: c.agent_pid(0) is not None, LAUNCH_TIMEOUT, "node 0's agent running")
     # Idle: between persists (the agent only checks a memory snapshot per iteration).
     c.pause()  # so that saves remain to notice the loss, however slow the agents were
-    _wait_for_recorded_persists(c)  # (a kill mid-persist would lose that iteration: not this test's point)
+    persisted = _wait_for_recorded_persists(c)  # (a kill mid-persist would lose that iteration: not the point)
     before = c.log(0).count("connected to a new node agent")
     killed = c.kill_agent(0)
     assert killed is not None
@@ -291,9 +298,11 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     assert not os.path.exists(checkpoints(c.save).node_marker(2, 0))
     assert 2 not in committed(c.save)
     # Which iteration each later point hit depends on how fast the restarted agents came back (a snapshot
-    # announced to a dying agent is lost): the one killed between manifest and tracker is committed.
+    # announced to a dying agent is lost): the one killed between manifest and tracker is committed, and
+    # so are the persist recorded before the idle kill and the last one.
     between = int(re.search(r"kill at before_tracker \{'iteration': (\d+)\}", faults).group(1))
-    assert between in committed(c.save) and {8, 10, 12} <= set(committed(c.save)), (between, committed(c.save))
+    must = {between, ITERS} | ({persisted} if persisted % 2 == 0 else set())
+    assert must <= set(committed(c.save)), (must, committed(c.save))
     assert_sound(c.save)
     assert tracker(c.save) == str(ITERS)
 
