@@ -144,6 +144,22 @@ def no_worker_traceback(text: str) -> bool:
     return re.search(r"^\[rank\d+\]: Traceback", text, re.M) is None
 
 
+def held(node: int, after: int, faults: dict[int, str] | None = None,
+         node_env: dict[int, dict[str, str]] | None = None) -> dict:
+    """``Cluster.launch`` arguments that hold ``node``'s rank (one rank a node) in its optimizer step after
+    iteration ``after`` until the node is lost (a stall of 120 s), so that a loss comes after ``after``
+    however fast the machine is; ``faults`` and ``node_env``: the launch's others. Wait for it with
+    ``wait_held``. A launch from scratch only (the step is counted from the process's start)."""
+    faults, node_env = dict(faults or {}), {n: dict(e) for n, e in (node_env or {}).items()}
+    faults[node] = ",".join(filter(None, (faults.get(node), f"optimizer_step=stall@{after + 1}:{node}")))
+    node_env.setdefault(node, {})["MEGATRON_PEC_FAULT_STALL_S"] = "120"
+    return {"faults": faults, "node_env": node_env}
+
+
+def wait_held(c: Cluster, node: int) -> None:
+    c.wait_log("fault injection: stall at optimizer_step", node=node, timeout=LAUNCH_TIMEOUT)
+
+
 def with_flag(args: list[str], flag: str, value: str) -> list[str]:
     i = args.index(flag)
     return args[:i + 1] + [value] + args[i + 2:]
@@ -253,8 +269,8 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     # mid-way through writing its rank file. Iteration 4: the committing agent dies with both node
     # markers written, before the manifest. Iteration 6: the committing agent dies between manifest
     # and tracker. Each point fires once per job (restarted agents inherit the environment).
-    # Rank 0 is then held IDLE_KILL_STALL_S in its 11th optimizer step, so that the idle kill below comes before
-    # the end of training however fast the machine is (the run is 12 iterations of ~0.1 s).
+    # Rank 0 is then held IDLE_KILL_STALL_S in its 11th optimizer step, so that the idle kill below comes
+    # before the end of training however fast the machine is (the run is 12 iterations of ~0.1 s).
     c.launch(FULL, faults={0: "before_node_marker=kill@1:0,before_manifest=kill,before_tracker=kill,"
                               "optimizer_step=stall@11:0",
                            1: "persist_write=kill@3:1,before_manifest=kill,before_tracker=kill"},
@@ -373,9 +389,9 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     far less than the storage restore (persist-K 1 every 4 iterations) would."""
     c = clusters(tmp_path, "fnode")
     pec = with_flag(PEC, "--pec-keep", "0")  # the target's manifest is read at the end
-    c.launch(pec)
+    c.launch(pec, **held(1, after=10))
     c.wait_file(checkpoints(c.save).manifest_path(8), timeout=LAUNCH_TIMEOUT)
-    c.wait_iteration(10)
+    wait_held(c, 1)
     c.lose_node(1)
     assert not c.node_dir(1).exists()
     # The survivor notices by itself (its collectives fail) and exits: no hang.
@@ -411,11 +427,11 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     assert_sound(c.save)
 
 
-def lose_node_1_and_restore_from_its_replica(c: Cluster, after: int) -> tuple[int, int]:
-    """Node 1 is lost after iteration ``after``; the relaunch restores it from node 0's memory, node 0
-    from its own, at the same iteration, at most one snapshot interval back; no committed file is written
-    again meanwhile. Returns (reached, restored)."""
-    c.wait_iteration(after)
+def lose_node_1_and_restore_from_its_replica(c: Cluster) -> tuple[int, int]:
+    """Node 1, launched ``held`` after some iteration, is lost there; the relaunch restores it from node
+    0's memory, node 0 from its own, at the same iteration, at most one snapshot interval back; no
+    committed file is written again meanwhile. Returns (reached, restored)."""
+    wait_held(c, 1)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
     lost_at = c.iteration()
@@ -435,10 +451,10 @@ def test_replica_holder_killed_mid_transfer_then_the_node_is_lost(clusters, refe
     replica never becomes one, training goes on, node 0's trainer starts a new agent, node 1 sends it a
     whole replica again. Then node 1 is lost and still restores from peer memory, exactly."""
     c = clusters(tmp_path, "fholder")
-    c.launch(FULL, faults={0: "replica_receive=kill@3:0"})
+    c.launch(FULL, **held(1, after=9, faults={0: "replica_receive=kill@3:0"}))
     c.wait_for(lambda: "fault injection: kill at replica_receive" in agent_logs(c), LAUNCH_TIMEOUT,
                "node 0's agent killed mid-transfer")
-    lose_node_1_and_restore_from_its_replica(c, after=9)
+    lose_node_1_and_restore_from_its_replica(c)
     assert "connected to a new node agent" in c.log(0, 1)
     assert reference.assert_same_losses(c) >= ITERS
     assert_sound(c.save)
@@ -454,8 +470,8 @@ def test_three_nodes_the_replica_lives_outside_the_lost_nodes_failure_domain(clu
     racks = {0: {"MEGATRON_PEC_FAILURE_DOMAIN": "rack-a"}, 1: {"MEGATRON_PEC_FAILURE_DOMAIN": "rack-a"},
              2: {"MEGATRON_PEC_FAILURE_DOMAIN": "rack-b"}}
     run = ["--train-iters", "8", "--save-interval", "8", "--non-persistent-save-interval", "3"]
-    c.launch(run, node_env=racks)
-    c.wait_iteration(4)  # the newest snapshot is 3 (nothing persisted yet): 4 (and maybe 5) are replayed
+    c.launch(run, **held(0, after=4, node_env=racks))
+    wait_held(c, 0)  # the newest snapshot is 3 (nothing persisted yet): 4 is replayed
     c.lose_node(0)
     c.wait_stopped(60, nodes=[1, 2])
     first = {r["iteration"]: r["lm loss"] for r in c.metrics(1) if "lm loss" in r}
@@ -488,12 +504,12 @@ def test_a_damaged_replica_or_the_loss_of_every_copy_falls_back_to_storage(clust
     nodes are lost (the lost node and its only replica holder): everything restores from storage.
     Training continues exactly each time."""
     c = clusters(tmp_path, "fcopies")
-    c.launch(FULL)
-    c.wait_iteration(7)
+    c.launch(FULL, **held(1, after=7))
+    wait_held(c, 1)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
-    held = _replica_file(c, 0, 1, 1)
-    with open(held, "r+b") as f:
+    replica = _replica_file(c, 0, 1, 1)
+    with open(replica, "r+b") as f:
         f.seek(-9, os.SEEK_END)
         byte = f.read(1)
         f.seek(-9, os.SEEK_END)
@@ -531,9 +547,8 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
     The survivor restores 5 from memory, the lost node from storage, and training continues exactly."""
     c = clusters(tmp_path, "frare")
     no_replicas = RARE + ["--pec-replicas", "0"]  # the lost node then has storage only
-    # Node 1 is held in its 9th optimizer step, so the loss comes after 8 however loaded the machine is.
-    c.launch(no_replicas, faults={1: "optimizer_step=stall@9:1"}, node_env={1: {"MEGATRON_PEC_FAULT_STALL_S": "120"}})
-    c.wait_log("fault injection: stall at optimizer_step", node=1, timeout=LAUNCH_TIMEOUT)
+    c.launch(no_replicas, **held(1, after=8))
+    wait_held(c, 1)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
     assert committed(c.save) == [5]
@@ -625,8 +640,8 @@ def test_node_loss_lost_node_restores_from_its_replica_in_peer_memory(clusters, 
     is lost after iteration 7: a replacement starts with empty memory, its agent pulls the replica from
     node 0 and verifies it, and both ranks restore the newest snapshot before the kill from memory."""
     c = clusters(tmp_path, "fpeer")
-    c.launch(FULL)
-    lost_at, target = lose_node_1_and_restore_from_its_replica(c, after=7)
+    c.launch(FULL, **held(1, after=7))
+    lost_at, target = lose_node_1_and_restore_from_its_replica(c)
     assert f"pulled iteration {target} from node 0's memory" in agent_logs(c)
     assert reference.assert_same_losses(c) >= lost_at + ITERS - target
     assert target in committed(c.save), "the iteration restored from memory was persisted after the restart"
