@@ -144,15 +144,19 @@ def no_worker_traceback(text: str) -> bool:
     return re.search(r"^\[rank\d+\]: Traceback", text, re.M) is None
 
 
-def held(node: int, after: int, faults: dict[int, str] | None = None,
+def held(node: int, after: int, restored_at: int = 0, faults: dict[int, str] | None = None,
          node_env: dict[int, dict[str, str]] | None = None) -> dict:
     """``Cluster.launch`` arguments that hold ``node``'s rank (one rank a node) in its optimizer step after
     iteration ``after`` until the node is lost (a stall of 120 s), so that a loss comes after ``after``
-    however fast the machine is; ``faults`` and ``node_env``: the launch's others. Wait for it with
-    ``wait_held``. A launch from scratch only (the step is counted from the process's start)."""
+    however fast the machine is. ``restored_at``: the iteration the launch resumes from (its steps are
+    counted from there); ``faults`` and ``node_env``: the launch's others, none on ``node``. Wait for it
+    with ``wait_held``."""
     faults, node_env = dict(faults or {}), {n: dict(e) for n, e in (node_env or {}).items()}
-    faults[node] = ",".join(filter(None, (faults.get(node), f"optimizer_step=stall@{after + 1}:{node}")))
-    node_env.setdefault(node, {})["MEGATRON_PEC_FAULT_STALL_S"] = "120"
+    assert node not in faults, "a held node carries no other fault"
+    faults[node] = f"optimizer_step=stall@{after + 1 - restored_at}:{node}"
+    # (the node's one trainer is the only process reaching the point: it stalls whatever earlier launches
+    # of the cluster fired)
+    node_env.setdefault(node, {}).update(MEGATRON_PEC_FAULT_STALL_S="120", MEGATRON_PEC_FAULT_ONCE="")
     return {"faults": faults, "node_env": node_env}
 
 
@@ -516,8 +520,8 @@ def test_a_damaged_replica_or_the_loss_of_every_copy_falls_back_to_storage(clust
         f.write(bytes([byte[0] ^ 0x04]))
     stored = committed(c.save)[-1]
 
-    c.launch(FULL)
-    c.wait_iteration(10)
+    c.launch(FULL, **held(0, after=10, restored_at=stored))
+    wait_held(c, 0)
     restores = c.restores(2)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (stored, "memory"),
                                                                            1: (stored, "storage")}, restores
