@@ -79,10 +79,8 @@ class AgentSession:
     def await_capacity(self, timeout: float = ROUND_WAIT_S) -> int:
         """``capacity()``, waiting up to ``timeout`` for the agent to hand some region back when none is
         free (a persist or a replica push still reads them): a later round of a save in rounds."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while not self.regions.capacity() and self.client.connected and time.monotonic() < deadline:
-                self._collect(block_s=0.05)
+            self._collect_until(lambda: self.regions.capacity(), timeout)
             return self.regions.capacity()
 
     # ---- the timeline --------------------------------------------------------------------------------
@@ -189,19 +187,21 @@ class AgentSession:
 
     # ---- messages ---------------------------------------------------------------------------------------
     def _await_begun(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.begins_unanswered and self.client.connected and time.monotonic() < deadline:
-            self._collect(block_s=0.5)
+        self._collect_until(lambda: not self.begins_unanswered, timeout, block_s=0.5)
 
     def _await_released(self, timeout: float = RELEASE_WAIT_S) -> None:
         """The snapshots announced before are recorded (their answers are usually in already): until then
         their regions are in flight, and with two home slots the next snapshot would find no dense region."""
-        deadline = time.monotonic() + timeout
-        while self.regions.pending and self.client.connected and time.monotonic() < deadline:
-            self._collect(block_s=0.05)
+        self._collect_until(lambda: not self.regions.pending, timeout)
 
     def _collect(self, block_s: float = 0.0) -> None:
         self._handle(self.client.poll(block_s))
+
+    def _collect_until(self, done, timeout: float, block_s: float = 0.05) -> None:
+        """Handle the agent's messages until ``done()``, the agent is lost, or ``timeout`` seconds pass."""
+        deadline = time.monotonic() + timeout
+        while not done() and self.client.connected and time.monotonic() < deadline:
+            self._collect(block_s)
 
     def _handle(self, messages: list[Record]) -> None:
         for msg in messages:
