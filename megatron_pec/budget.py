@@ -11,14 +11,19 @@ persist, a planned exit) goes through the spares in rounds (``Engine._in_rounds`
 ``--pec-node-memory`` sets a hard budget for the node (a multiple of the node's state, ``1.5x``, or
 GiB): its local ranks' files plus the replicas it keeps of peer nodes. Under it the pool takes the
 spares the budget leaves; when they cannot hold what a snapshot at the asked K writes, snapshots
-take the K they can hold (the *implied K*, said once with the memory the asked K needs; below K = 1,
-as many experts as the spares hold). A budget
-that cannot hold two dense states and one version of every expert is refused at start-up, with the
-memory it needs. Pure: the agreement on the implied K (every rank must take the same) is the engine's.
+take the K they can hold (the *implied K*, said once with the memory the asked K needs); persistent
+saves keep the asked persist-K (they go through the spares in rounds). A budget is admitted only if it
+works: two dense states, one version of every expert, and the spares a K = 1 pool has (``least_spares``:
+what a snapshot at snapshot-K 1 writes while the newest versions stay, and enough that a save of every
+expert takes at most ``ROUNDS`` rounds). With fewer, no region could take a new version of an expert -
+every one holds its expert's newest - and every save would wait for regions that are never freed. A
+budget below that is refused at start-up with what it holds and the smallest that works. Pure: the
+agreement on the implied K (every rank must take the same) is the engine's.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -133,12 +138,29 @@ def per_snapshot(layout: policy.ExpertLayout | None, selection: str, k: int, ep_
     return min(held, most)
 
 
+def least_spares(experts: int, demand) -> int:
+    """The fewest spare regions a pool works with: what one snapshot at snapshot-K 1 writes (``demand(1)``),
+    and at least a ``ROUNDS``-th of the experts, so a save of every expert takes at most ``ROUNDS`` rounds
+    and blocks training for that many short copies, not for hundreds (the pool a K = 1 run gets unasked)."""
+    return min(experts, max(demand(1), -(-experts // ROUNDS))) if experts else 0
+
+
+def least_bytes(home_file: int, homes: int, pool_header: int, region_bytes: int, experts: int, demand,
+                replica_share: int) -> int:
+    """The smallest node memory a rank works with under a budget (its share of the replicas included)."""
+    regions = experts + least_spares(experts, demand)
+    return homes * home_file + pool_header + regions * region_bytes + replica_share
+
+
 def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes: int, experts: int, demand,
-         asked_k: int, budget: Budget | None, node_state: int, local_ranks: int, replica_share: int) -> MemoryPlan:
+         asked_k: int, budget: Budget | None, node_state: int, local_ranks: int, replica_share: int,
+         node_least: int | None = None) -> MemoryPlan:
     """The pool's regions for the asked snapshot-K, or under ``budget`` the largest K that fits.
 
     ``demand(k)``: experts one snapshot at snapshot-K k writes (``per_snapshot``); ``node_state``: the
-    node's state (all its ranks); ``replica_share``: the replica store over the local ranks."""
+    node's state (all its ranks); ``replica_share``: the replica store over the local ranks;
+    ``node_least``: the smallest budget every rank of the node works with (bytes for the node; default:
+    this rank's ``least_bytes`` times the local ranks). Raises BudgetError below this rank's least."""
     def regions_for(k: int) -> int:
         return experts + min(experts, max(demand(k), -(-experts // ROUNDS)))
 
@@ -149,14 +171,11 @@ def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes:
         return MemoryPlan(state, home_file, homes, pool_header, region_bytes, experts, regions_for(asked_k),
                           replica_share, asked_k, asked_k)
     room = budget.bytes_for(node_state) // local_ranks
-    least = homes * home_file + pool_header + experts * region_bytes + replica_share
+    least = least_bytes(home_file, homes, pool_header, region_bytes, experts, demand, replica_share)
     if room < least:
-        raise BudgetError(
-            f"--pec-node-memory {budget} leaves {room / GIB:.2f} GiB per rank; a rank needs at least "
-            f"{least / GIB:.2f} GiB ({least * local_ranks / GIB:.2f} GiB for the node: two dense states and one "
-            "version of every expert it holds" + (", and its share of peers' replicas" if replica_share else "")
-            + "). Raise the budget or leave it out")
-    spares = (room - least) // max(1, region_bytes)
+        raise BudgetError(_refusal(budget, room, least, experts, least_spares(experts, demand), node_state,
+                                   local_ranks, node_least or least * local_ranks, replica_share))
+    spares = (room - homes * home_file - pool_header - experts * region_bytes - replica_share) // max(1, region_bytes)
     k = asked_k
     while k > 1 and demand(k) > spares:
         k -= 1
@@ -165,4 +184,24 @@ def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes:
                       k, budget, bytes_for(asked_k))
 
 
-__all__ = ["Budget", "BudgetError", "MemoryPlan", "per_snapshot", "plan"]
+def smallest_ratio(node_least: int, node_state: int) -> float:
+    """The smallest ``Nx`` budget, to the hundredth and rounded up, that gives the node ``node_least``."""
+    return math.ceil(node_least * 100 / max(1, node_state)) / 100
+
+
+def _refusal(budget: Budget, room: int, least: int, experts: int, spares: int, node_state: int, local_ranks: int,
+             node_least: int, replica_share: int) -> str:
+    gib = lambda b: f"{b / GIB:.2f} GiB" if b >= GIB // 10 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    smallest = smallest_ratio(node_least, node_state)
+    replicas = ", and its share of peers' replicas" if replica_share else ""
+    return (f"--pec-node-memory {budget} leaves {gib(room)} of node memory per rank "
+            f"({room * local_ranks / node_state:.2f}x the node's state); a rank needs at least {gib(least)}: two "
+            f"dense states, one version of each of its {experts} experts and {spares} spare expert region(s){replicas}"
+            " (with fewer spares no region can take a new version of an expert while every region holds its "
+            "expert's newest, and saves would wait for regions never freed). The smallest budget that works is "
+            f"{smallest:g}x ({gib(node_least)} for the node); raise --pec-node-memory to at least that, or leave it "
+            "out (2x the state at K=all, less at a smaller --pec-snapshot-k)")
+
+
+__all__ = ["Budget", "BudgetError", "MemoryPlan", "least_bytes", "least_spares", "per_snapshot", "plan",
+           "smallest_ratio"]

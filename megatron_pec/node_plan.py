@@ -38,18 +38,25 @@ def plan(job: JobFacts, config: PecConfig, collectives, layout: MemoryLayout, as
     (plan, None) or (None, what is wrong). Collective: the node's state is every local rank's."""
     home_file = 8 + reserve + (HEADER_ALIGN - 1) + len(tensor_table(layout.dense)) + layout.dense_bytes
     state = snapshot_file_bytes(layout, reserve)
-    states = collectives.gather([state], 1)
-    node = range(job.node_rank * job.local_world_size, (job.node_rank + 1) * job.local_world_size)
-    node_state = sum(states[r][0] for r in node if r < len(states))
     header = 8 + len(encode_header(replace(layout, regions=2 * len(layout.experts)).pool_entries(),
                                    layout.pool_metadata()))
     held = len(layout.experts)
     demand = partial(budget.per_snapshot, job.expert_layout, config.selection, ep_rank=ep_rank, held=held)
+    # A node keeps a replica, the state's size, of each rank of ``replicas`` peer nodes (``replicas.py``).
+    replica_share = job.replicas * state
+    least = budget.least_bytes(home_file, layout.homes, header, layout.region_bytes, held, lambda k: demand(k=k),
+                               replica_share)
+    # (each rank's least too: a budget is shared equally, so the node's smallest is its neediest rank's times
+    # the local ranks, the same number in every rank's refusal)
+    gathered = collectives.gather([state, least], 2)
+    node = [gathered[r] for r in range(job.node_rank * job.local_world_size,
+                                       (job.node_rank + 1) * job.local_world_size) if r < len(gathered)]
+    node_state = sum(values[0] for values in node)
+    node_least = max(values[1] for values in node) * job.local_world_size
     try:
-        # A node keeps a replica, the state's size, of each rank of ``replicas`` peer nodes (``replicas.py``).
         planned = budget.plan(state, home_file, layout.homes, header, layout.region_bytes, held,
                               lambda k: demand(k=k), asked_k, config.node_memory, node_state, job.local_world_size,
-                              job.replicas * state)
+                              replica_share, node_least)
     except budget.BudgetError as exc:
         return None, str(exc)
     if config.node_memory is not None:

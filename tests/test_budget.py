@@ -54,14 +54,28 @@ def test_node_memory_follows_what_snapshots_write():
     assert plan(8, replicas=1).total == 3 * 10_000                              # (a replica: the state's size)
 
 
-def test_a_budget_implies_the_k_it_holds_and_refuses_less_than_one_version_of_everything():
-    tight = plan(8, "1.25x")
-    assert tight.own <= 12_500 and tight.regions == 8 + 0 and tight.k == 1     # no spare: as many as free regions
+def test_a_budget_implies_the_k_it_holds():
     fits = plan(8, "1.5x")
     assert fits.regions == 11 and fits.k == 3 and fits.own <= 15_000            # 3 spares: snapshot-K 3 (4 > 3)
     assert "needs" in fits.describe(1, False, (1 << 30, None)) and fits.needed_for_asked == 20_000
-    with pytest.raises(BudgetError, match=r"a rank needs at least 0\.00 GiB .*two dense states and one version"):
-        plan(8, "1.1x")
+    assert plan(2, "1.5x").k == 2 and plan(2, "1.5x").regions == 10            # (no more than the asked K takes)
+
+
+def test_the_tightest_budget_is_the_pool_a_k1_run_gets_and_below_it_is_refused_with_the_smallest():
+    """Issue 43: with no spare region every region holds its expert's newest version, so no save can write a
+    new one (the rounds of a persistent save waited 120 s and gave up). The least a budget must leave is the
+    spares of a K = 1 pool: what one snapshot at K = 1 writes, at least a quarter of the experts (a save of
+    every expert in at most ROUNDS rounds) - here 2 spares, 1.4x; a hundredth below it is refused."""
+    demand = lambda k: budget.per_snapshot(LAYOUT, "sequential", k, ep_rank=0, held=8)  # noqa: E731
+    assert budget.least_spares(8, demand) == 2 and budget.least_spares(0, demand) == 0
+    assert budget.least_bytes(2000, 2, 0, 1000, 8, demand, 0) == plan(1).own == 14_000
+    tightest = plan(8, "1.4x")
+    assert tightest.regions == 10 and tightest.k == 2 and tightest.own == 14_000
+    for below in ("1.39x", "1.25x", "1.1x"):
+        with pytest.raises(BudgetError, match=r"(?s)leaves .* per rank .* needs at least .*8 experts and 2 spare "
+                                              r"expert region.*The smallest budget that works is 1\.4x"):
+            plan(8, below)
+    assert budget.smallest_ratio(14_001, 10_000) == 1.41 and budget.smallest_ratio(14_000, 10_000) == 1.4
 
 
 def test_the_pool_places_any_expert_in_any_region_and_readers_find_it():
