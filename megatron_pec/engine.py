@@ -15,6 +15,7 @@ the PEC bookkeeping is ``book``; copies are ``stager``'s; the node agent and the
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -109,7 +110,8 @@ class Engine:
         if k < plan.asked_k:  # (a budget's K is a limit; without one, Dynamic-K may raise K beyond the spares)
             self.book.limit_k(k)
             log.warning(f"the node memory budget holds snapshot-K {k} per layer, not the asked {plan.asked_k}: "
-                        f"snapshots save {k} experts per layer (raise --pec-node-memory to "
+                        f"snapshots save {k} experts per layer, persistent saves still the asked persist-K, "
+                        "through node memory in rounds (raise --pec-node-memory to "
                         f"{plan.needed_for_asked * self.job.local_world_size / 2**30:.2f} GiB for K={plan.asked_k})",
                         rank0=True, once=True)
         error = None
@@ -213,14 +215,15 @@ class Engine:
         exit, or a first persist of every expert, into a pool with spares for a partial snapshot): rounds
         of memory-only snapshots of its iteration, each of as many of its experts as the pool has regions
         free and recorded before the next (their older versions are then free, once the agent's pushes
-        and persists of the last round hand them back: ``ROUND_WAIT_S``), and a last one, persisted,
-        whose header names every item it wrote and where. No collective: the PEC bookkeeping records the
-        save's plan once, as on every rank. False (warned) when node memory frees no region."""
+        and persists of the last round hand them back: one persist at most, ``AgentSession.await_capacity``),
+        and a last one, persisted, whose header names every item it wrote and where. No collective: the PEC
+        bookkeeping records the save's plan once, as on every rank. False (warned) when node memory frees no
+        region (a budget admits none where that can happen: ``budget.least_spares``)."""
         planned = self.parts.job.held_items(save.experts[0])
         remaining = [item for item in self.adapter_items if item in planned]
         known: dict[str, str] = {}     # item -> checksum, of the experts earlier rounds wrote
         elsewhere: dict[str, int] = {}  # item -> the region they wrote it to
-        current = save
+        current, rounds, waited = save, 1, 0.0  # (waited: for the agent to record a round and free regions)
         while True:
             take = remaining[:current.capacity]
             current.copy(set(take))
@@ -228,18 +231,26 @@ class Engine:
             if not remaining:
                 self.handover.submit(current.describe_whole(self.history.small, generation, save.persistent,
                                                             known, elsewhere))
+                log.info(f"persistent save of iteration {save.iteration}: {len(planned)} experts through node memory "
+                         f"in {rounds} rounds; training waited {waited:.3f} s in all for the node agent to record "
+                         "each round and hand its regions back (at most one persist per round)", rank0=True)
                 return True
             part = current.describe_part(self.history.small)
             self.handover.submit(part)
             self.handover.wait()
+            started = time.monotonic()
             self.session.settle()
             known.update({item: value for item, value in part.staged.sums().items() if item != NON_EXPERT})
             elsewhere.update({item: slot for item, slot in part.placement.items() if item != NON_EXPERT})
             current = Save(self.parts, save.iteration, persistent=True, experts=save.experts)
             current.lease()
             if current.slot is not None:
+                waited += time.monotonic() - started
                 current.copy({NON_EXPERT})
+                started = time.monotonic()
                 current.await_capacity()
+            waited += time.monotonic() - started
+            rounds += 1
             if current.slot is None or not current.capacity:
                 log.warning(f"cannot save every planned expert of iteration {save.iteration}: node memory frees no "
                             f"region for the {len(remaining)} left ({current.why_not or 'every region held'}); the "

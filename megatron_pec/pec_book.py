@@ -37,8 +37,10 @@ class PecBook:
         self._clamp()
 
     def _clamp(self) -> None:
+        # Only the snapshot K: a persistent save keeps the asked persist-K (every expert at K = all), whatever
+        # node memory takes at once - it goes through the spares in rounds (``Engine._in_rounds``).
         if self.max_k is not None and self.state.snapshot.k > self.max_k:
-            self.state.set_k(self.max_k, min(self.state.persist.k, self.max_k))
+            self.state.set_k(self.max_k, self.state.persist.k)
 
     def initial_state(self) -> PecState:
         """K from the flags (capped at the experts per layer), nothing saved yet."""

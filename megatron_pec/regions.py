@@ -146,6 +146,17 @@ class RegionBook:
         """Experts the next snapshot can write: the pool regions it may overwrite."""
         return int(self.writable()[POOL:].sum())
 
+    def may_free(self) -> bool:
+        """Waiting for the agent can give the pool a region: a snapshot is in flight (once recorded, its
+        experts' older regions are free) or the agent pins a region that is not its expert's newest (a
+        persist or a push hands it back). False: no region frees whatever the wait (each holds its expert's
+        newest version), so a save must not wait."""
+        if self.pending:
+            return True
+        held = self.pinned.copy()
+        held[self.newest[self.newest >= 0]] = False
+        return bool(held[POOL:].any())
+
     def held_by_replicas(self) -> bool:
         """There is no home only because of replication - the agent holds the snapshot back (a replica
         lags too far) or what is being sent to a peer holds the dense regions (``newest`` pins): the next

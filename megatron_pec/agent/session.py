@@ -33,8 +33,9 @@ PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions be
 REPLICA_WAIT_S = 120.0  # how long a snapshot waits for a replica push that holds the regions it needs
 RELEASE_WAIT_S = 2.0  # how long a snapshot waits for the agent to record the one before (it has had a step)
 WRITE_WAIT_S = 2.0  # ... for a write to storage to hand the dense state back (the first thing it reads)
-# How long a round of a save in rounds waits for the agent to hand regions back: its persists and pushes
-# always end, and giving up would leave the save's experts at older versions.
+# A round of a save in rounds waits only while the agent holds what will free a region (the last round
+# until recorded, a persist or push until it hands its regions back: one persist at most); this bound is
+# for an agent that never answers (its storage hangs), not the wait's length.
 ROUND_WAIT_S = 120.0
 
 
@@ -77,10 +78,11 @@ class AgentSession:
             return self.regions.capacity()
 
     def await_capacity(self, timeout: float = ROUND_WAIT_S) -> int:
-        """``capacity()``, waiting up to ``timeout`` for the agent to hand some region back when none is
-        free (a persist or a replica push still reads them): a later round of a save in rounds."""
+        """``capacity()``, waiting for the agent to hand some region back when none is free (a persist or a
+        replica push still reads them): a later round of a save in rounds. It waits only while a region can
+        be freed (``RegionBook.may_free``): never for regions that every expert's newest version holds."""
         with self._lock:
-            self._collect_until(lambda: self.regions.capacity(), timeout)
+            self._collect_until(lambda: self.regions.capacity() or not self.regions.may_free(), timeout)
             return self.regions.capacity()
 
     # ---- the timeline --------------------------------------------------------------------------------
