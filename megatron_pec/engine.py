@@ -22,7 +22,7 @@ import torch
 
 from megatron_pec import budget, faults, log, node_plan, smallstate
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
-from megatron_pec.agent.session import AgentSession
+from megatron_pec.agent.session import ROUND_WAIT_S, SNAPSHOT_ROOM_WAIT_S, AgentSession
 from megatron_pec.checkpoint_dir import CheckpointDir
 from megatron_pec.checksum import mismatch
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
@@ -68,6 +68,7 @@ class Engine:
                                     keep_shm=self.config.keep_shm, wait_for_slot=self.config.wait_for_slot)
         self.files: SlotFiles | None = None
         self.memory_plan: budget.MemoryPlan | None = None
+        self.snapshot_need = 0  # under a budget: the experts one snapshot at its implied K writes
         self.stager: Stager | None = None
         self.stats = {"saves": 0, "skipped": 0}
         self.save_phases = Phases()     # where the latest save's time went (benchmarks read them)
@@ -114,6 +115,9 @@ class Engine:
                         "through node memory in rounds (raise --pec-node-memory to "
                         f"{plan.needed_for_asked * self.job.local_world_size / 2**30:.2f} GiB for K={plan.asked_k})",
                         rank0=True, once=True)
+        if self.config.node_memory is not None:
+            self.snapshot_need = budget.per_snapshot(self.job.expert_layout, self.config.selection, k,
+                                                     self.adapter.ep_rank, len(layout.experts))
         error = None
         try:
             check_socket_path(self.job.node_dir)
@@ -159,6 +163,7 @@ class Engine:
         with phases("previous snapshot"):
             self.handover.wait()
         save.lease()
+        self._await_snapshot_room(save)
         save.start_agreement()
         # The dense state, which every plan writes, is copied while the all-reduce runs; so are the
         # experts when the plan reads no token counts (the all-reduce brings them).
@@ -183,6 +188,20 @@ class Engine:
                 pending = save.describe(self.history.small, generation)
             self.handover.submit(pending)
         self.history.wrote(iteration, save.writes_every_expert)
+
+    def _await_snapshot_room(self, save: "Save") -> None:
+        """Under a budget a snapshot takes the experts its implied K promises: where a persist or a push
+        still reads the regions it needs (the spares are exactly what one snapshot writes), it waits for
+        them to be handed back - one persist at most - rather than keep experts at older versions (the
+        PLT of a crash would be a smaller K's)."""
+        if save.slot is None or save.capacity >= self.snapshot_need:
+            return
+        started = time.monotonic()
+        with save.phases("slot"):
+            save.await_capacity(self.snapshot_need, SNAPSHOT_ROOM_WAIT_S)
+        log.info(f"the snapshot of iteration {save.iteration} waited {time.monotonic() - started:.3f} s for the node "
+                 "agent to hand back regions a persist or push was reading (--pec-node-memory leaves spares for one "
+                 "snapshot's experts)", rank=self.rank)
 
     def _final_snapshot(self) -> None:
         """A clean exit right after a save (nothing trained since) that left experts out, or was skipped:
@@ -503,11 +522,11 @@ class Save:
             self.slot, self.why_not = self.parts.session.lease(self.persistent)
             self.capacity = self.parts.session.capacity() if self.slot is not None else 0
 
-    def await_capacity(self) -> None:
-        """A later round of a save in rounds: the regions the last round freed may still be read by the
-        agent (a replica push or a persist of that round); wait for some to be handed back."""
-        if self.slot is not None and not self.capacity:
-            self.capacity = self.parts.session.await_capacity()
+    def await_capacity(self, least: int = 1, timeout: float = ROUND_WAIT_S) -> None:
+        """A later round of a save in rounds, or a snapshot under a budget: the regions it needs may still
+        be read by the agent (a replica push or a persist); wait for ``least`` to be handed back."""
+        if self.slot is not None and self.capacity < least:
+            self.capacity = self.parts.session.await_capacity(least, timeout)
 
     def start_agreement(self) -> None:
         """The save's one collective: a SUM all-reduce of token counts, "cannot snapshot" flags and what

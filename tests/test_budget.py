@@ -127,3 +127,32 @@ def test_a_book_of_one_spare_takes_as_many_experts_as_regions_are_free():
     book.announced(2, second)
     book.released(2, True)
     assert book.capacity() == 1 and book.newest[2] == second["L1.E1"]          # E1's old region is free again
+
+
+def test_a_save_waits_for_regions_only_while_the_agent_holds_one_it_will_free():
+    """Issue 43: the rounds of a persistent save waited 120 s for regions no wait could free (every region
+    held its expert's newest version). A wait is worth it only while a snapshot is in flight or a persist /
+    push pins a region that is not its expert's newest; it then ends when the pin is handed back."""
+    from megatron_pec.protocol import Pin
+
+    def snapshot(book, iteration, items, home):
+        placed = book.place(home, ["dense", *items])
+        book.writing(iteration, placed)
+        book.announced(iteration, placed)
+        return placed
+
+    full = RegionBook(["dense", "L1.E0", "L1.E1"], pool=2)                     # no spare
+    snapshot(full, 1, ["L1.E0", "L1.E1"], 0)
+    assert full.may_free() and full.capacity() == 0                            # (in flight: recording frees)
+    full.released(1, True)
+    assert full.capacity() == 0 and not full.may_free()                        # never frees: do not wait
+
+    book = RegionBook(["dense", "L1.E0", "L1.E1"], pool=3)                     # one spare
+    first = snapshot(book, 4, ["L1.E0", "L1.E1"], 0)
+    book.released(4, True)
+    book.pin([Pin(4, slots=sorted(first.values()))])                           # the persist of 4 reads them
+    snapshot(book, 5, ["L1.E0"], 1)
+    book.released(5, True)
+    assert book.capacity() == 0 and book.may_free()                            # E0's version 4: read, not newest
+    book.pin([Pin(4, slots=[first["L1.E1"]])])                                 # ... handed back
+    assert book.capacity() == 1 and book.writable()[first["L1.E0"]]

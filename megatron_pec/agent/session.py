@@ -37,6 +37,10 @@ WRITE_WAIT_S = 2.0  # ... for a write to storage to hand the dense state back (t
 # until recorded, a persist or push until it hands its regions back: one persist at most); this bound is
 # for an agent that never answers (its storage hangs), not the wait's length.
 ROUND_WAIT_S = 120.0
+# ... and how long a memory snapshot under a budget waits for them (its spares are what one snapshot writes:
+# a persist still reading the last one's regions is handed back in well under this; slower storage is a
+# fault, and the snapshot then takes fewer experts rather than hold training longer)
+SNAPSHOT_ROOM_WAIT_S = 10.0
 
 
 class AgentSession:
@@ -77,12 +81,13 @@ class AgentSession:
         with self._lock:
             return self.regions.capacity()
 
-    def await_capacity(self, timeout: float = ROUND_WAIT_S) -> int:
-        """``capacity()``, waiting for the agent to hand some region back when none is free (a persist or a
-        replica push still reads them): a later round of a save in rounds. It waits only while a region can
-        be freed (``RegionBook.may_free``): never for regions that every expert's newest version holds."""
+    def await_capacity(self, least: int = 1, timeout: float = ROUND_WAIT_S) -> int:
+        """``capacity()``, waiting for the agent to hand regions back until ``least`` are free (a persist or a
+        replica push still reads them): a later round of a save in rounds, a snapshot under a budget. It
+        waits only while a region can be freed (``RegionBook.may_free``): never for regions that every
+        expert's newest version holds."""
         with self._lock:
-            self._collect_until(lambda: self.regions.capacity() or not self.regions.may_free(), timeout)
+            self._collect_until(lambda: self.regions.capacity() >= least or not self.regions.may_free(), timeout)
             return self.regions.capacity()
 
     # ---- the timeline --------------------------------------------------------------------------------
