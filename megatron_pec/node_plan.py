@@ -17,6 +17,7 @@ from functools import partial
 from megatron_pec import budget, log
 from megatron_pec.config import PecConfig
 from megatron_pec.job import JobFacts
+from megatron_pec.node_files import memory_plan_name
 from megatron_pec.memlayout import MemoryLayout
 from megatron_pec.slots import HEADER_ALIGN, snapshot_file_bytes, tmpfs_room
 from megatron_pec.stformat import encode_header, tensor_table
@@ -73,7 +74,7 @@ def plan(job: JobFacts, config: PecConfig, collectives, layout: MemoryLayout, as
 
 def report(planned: budget.MemoryPlan, job: JobFacts, on_gpu: bool) -> None:
     """The node memory planned: said once per node at start-up, and kept beside the files for ``inspect``."""
-    with open(os.path.join(job.node_dir, f"rank{job.rank}.memory.json"), "w") as f:
+    with open(os.path.join(job.node_dir, memory_plan_name(job.rank)), "w") as f:
         json.dump(planned.record(), f)
     if job.rank % job.local_world_size == 0:
         log.info(planned.describe(job.local_world_size, on_gpu, tmpfs_room(job.node_dir)), rank=job.rank)

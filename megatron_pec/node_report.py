@@ -10,27 +10,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
-from megatron_pec.agent.memory import NO_HOME, NodeMemory
-
-REPLICAS = "replicas"
+from megatron_pec.agent.memory import INDEX, NO_HOME, NodeMemory
+from megatron_pec.node_files import RANK_FILE, REPLICAS, memory_plan_name
 
 
 def is_node_dir(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "slots.json")) or any(
-        re.fullmatch(r"rank\d+\.(slot\d+|pool)", name) for name in os.listdir(path))
+    return os.path.exists(os.path.join(path, INDEX)) or any(RANK_FILE.fullmatch(name) for name in os.listdir(path))
 
 
 def report(node_dir: str) -> dict:
     names = sorted(os.listdir(node_dir))
     memory = NodeMemory.read(node_dir)
-    ranks = sorted({int(m.group(1)) for n in names if (m := re.fullmatch(r"rank(\d+)\..*", n))})
+    ranks = sorted({int(m.group(1)) for n in names if (m := RANK_FILE.fullmatch(n))})
     out = {"node_dir": node_dir, "ranks": {}}
     for rank in ranks:
         files = {n: os.path.getsize(os.path.join(node_dir, n)) for n in names
-                 if re.fullmatch(rf"rank{rank}\.(slot\d+|pool)", n)}
-        plan = _json(os.path.join(node_dir, f"rank{rank}.memory.json"))
+                 if (m := RANK_FILE.fullmatch(n)) and int(m.group(1)) == rank}
+        plan = _json(os.path.join(node_dir, memory_plan_name(rank)))
         homes = [(r.iteration, s) for s, r in memory.slots.get(rank, {}).items() if r.iteration != NO_HOME]
         recorded = {item for r in memory.slots.get(rank, {}).values() for item in r.items}
         out["ranks"][str(rank)] = {"files": files, "bytes": sum(files.values()), "plan": plan,

@@ -21,6 +21,7 @@ import struct
 import threading
 
 from megatron_pec.memlayout import HOMES_MAX, MemoryLayout, is_pool
+from megatron_pec.node_files import home_slot_name, pool_name
 from megatron_pec.protocol import SlotHeader
 from megatron_pec.stformat import (MAX_HEADER, FormatError, Header, TensorEntry, decode_header, decode_metadata,
                                   encode_header, header_tail, read_head, read_header, tensor_table, tensor_views)
@@ -36,11 +37,11 @@ class SlotSpaceError(RuntimeError):
 
 def slot_path(node_dir: str, rank: int, slot: int) -> str:
     """The file slot ``slot`` of ``rank`` lies in (every pool region: the pool file)."""
-    return pool_path(node_dir, rank) if is_pool(slot) else os.path.join(node_dir, f"rank{rank}.slot{slot}")
+    return pool_path(node_dir, rank) if is_pool(slot) else os.path.join(node_dir, home_slot_name(rank, slot))
 
 
 def pool_path(node_dir: str, rank: int) -> str:
-    return os.path.join(node_dir, f"rank{rank}.pool")
+    return os.path.join(node_dir, pool_name(rank))
 
 
 def node_dir(shm_dir: str, job_id: str, node_rank: int) -> str:

@@ -474,10 +474,11 @@ def test_too_long_socket_path_is_refused_with_the_fix():
 # ---- replication between node agents ---------------------------------------------------------------
 def replica(node_dir, node, rank, iteration, timeout=30.0):
     """The entry of ``node``'s replica of ``rank`` held in ``node_dir``, once it holds ``iteration``."""
-    from megatron_pec.agent.replicas import INDEX, REPLICA_DIR
+    from megatron_pec.agent.replicas import INDEX
+    from megatron_pec.node_files import REPLICAS
     from megatron_pec.protocol import ReplicaIndex
 
-    path = os.path.join(node_dir, REPLICA_DIR, INDEX)
+    path = os.path.join(node_dir, REPLICAS, INDEX)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.exists(path):

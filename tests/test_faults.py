@@ -494,10 +494,11 @@ def test_three_nodes_the_replica_lives_outside_the_lost_nodes_failure_domain(clu
 
 
 def _replica_file(c: Cluster, holder: int, node: int, rank: int) -> Path:
-    from megatron_pec.agent.replicas import INDEX, REPLICA_DIR
+    from megatron_pec.agent.replicas import INDEX
+    from megatron_pec.node_files import REPLICAS
     from megatron_pec.protocol import ReplicaIndex
 
-    directory = c.node_dir(holder) / REPLICA_DIR
+    directory = c.node_dir(holder) / REPLICAS
     assert f"{node}.{rank}" in ReplicaIndex.loads((directory / INDEX).read_bytes()).entries
     return directory / f"node{node}.rank{rank}.replica"
 

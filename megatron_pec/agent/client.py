@@ -7,7 +7,6 @@ exactly one), detached in its own session so it survives the trainer's SIGKILL.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import subprocess
@@ -15,7 +14,7 @@ import sys
 import time
 
 from megatron_pec import log
-from megatron_pec.agent.server import LOCKFILE, PIDFILE, SOCKET
+from megatron_pec.node_files import AGENT_LOG, PIDFILE, SOCKET, agent_lock
 from megatron_pec.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
 
 
@@ -58,12 +57,11 @@ def ensure_agent(directory: str, node_rank: int, idle_timeout: float, keep_shm: 
                  timeout: float = 60.0) -> int:
     """Return the pid of this node's agent, starting one if none is alive."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, LOCKFILE), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with agent_lock(directory):
         pid = agent_pid(directory)
         if pid is not None and _connectable(directory):
             return pid
-        log_path = os.path.join(directory, "agent.log")
+        log_path = os.path.join(directory, AGENT_LOG)
         env = dict(os.environ, MEGATRON_PEC_NODE_RANK=str(node_rank))
         env.pop("RANK", None)  # the agent's fault points are scoped by node, not by rank
         with open(log_path, "a") as log_file:

@@ -51,11 +51,11 @@ from megatron_pec.protocol import (
 )
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.memlayout import POOL
+from megatron_pec.node_files import REPLICAS
 from megatron_pec.slots import SlotCache, slot_path
 from megatron_pec.stformat import MAX_HEADER, FormatError, decode_header, encode_header
 from megatron_pec.storage import Storage
 
-REPLICA_DIR = "replicas"
 INDEX = "index.json"
 CONNECT_TIMEOUT = 10.0
 NEED_FULL = "need the whole slot"
@@ -101,7 +101,7 @@ class ReplicaStore:
     """The replicas one node agent holds for other nodes: one file per (node, rank), each item in place."""
 
     def __init__(self, node_dir: str):
-        self.directory = os.path.join(node_dir, REPLICA_DIR)
+        self.directory = os.path.join(node_dir, REPLICAS)
         os.makedirs(self.directory, exist_ok=True)
         self.lock = threading.Lock()  # one transfer at a time touches the store
         try:
@@ -209,10 +209,6 @@ class ReplicaStore:
             with open(path, "rb") as f:
                 while chunk := f.read(4 << 20):
                     sock.sendall(chunk)
-
-    def clear(self) -> None:
-        for name in os.listdir(self.directory):
-            os.unlink(os.path.join(self.directory, name))
 
 
 class _Valid:

@@ -108,15 +108,11 @@ class Replication:
         log.info(f"rank {rank}: pulled iteration {record.iteration} from node {record.origin}'s memory")
 
     def close(self) -> None:
-        """Report what was sent; forget the replicas this node held (node memory is going away)."""
+        """Report what was sent (the replicas this node holds go with the job's node memory)."""
         if self.replicator is not None:
             sent = self.replicator.sent
             log.info(f"replication: sent {sent['snapshots']} snapshot(s) to peers, {sent['whole']} of them whole, "
                      f"{sent['bytes']} bytes")
-
-    def clear(self) -> None:
-        if self.store is not None:
-            self.store.clear()
 
 
 __all__ = ["Replication"]

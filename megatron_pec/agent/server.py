@@ -32,7 +32,6 @@ serving.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import queue
 import signal
@@ -43,14 +42,14 @@ import time
 from megatron_pec import faults, log
 from megatron_pec.agent import jobs, writer
 from megatron_pec.agent.committer import MemoryCopy
-from megatron_pec.agent.cpu import FILE as CPU_LEDGER
 from megatron_pec.agent.cpu import CpuLedger
-from megatron_pec.agent.memory import INDEX, NodeMemory
+from megatron_pec.agent.memory import NodeMemory
 from megatron_pec.agent.persist import check_snapshot
 from megatron_pec.agent.pins import pins, reading
 from megatron_pec.agent.replication import Replication
 from megatron_pec.agent.trainers import Link, Trainers
 from megatron_pec.checkpoint_dir import CheckpointDir
+from megatron_pec.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files
 from megatron_pec.protocol import (
     Begin,
     Begun,
@@ -72,9 +71,6 @@ from megatron_pec.protocol import (
 from megatron_pec.slots import SlotCache, slot_path
 from megatron_pec.storage import Storage
 
-SOCKET = "agent.sock"
-PIDFILE = "agent.pid"
-LOCKFILE = "agent.lock"  # held by a trainer starting an agent, and by an agent from its last job to its exit
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
 
 
@@ -127,10 +123,9 @@ class Agent:
             except socket.timeout:
                 pass
             self._check_idle()
-        with open(os.path.join(self.directory, LOCKFILE), "w") as lock:
+        with agent_lock(self.directory):
             # A trainer that wants an agent now waits until this one has persisted and cleaned up,
             # instead of starting a second one that this cleanup would then pull the memory from under.
-            fcntl.flock(lock, fcntl.LOCK_EX)
             self.jobs.put(jobs.Shutdown())
             worker.join(timeout=300)
             self.writer.stop(timeout=3600)  # every write queued ends (a trainer that flushed waited for them)
@@ -160,11 +155,9 @@ class Agent:
             except OSError:
                 pass
         if not self.keep_shm:
-            for name in os.listdir(self.directory):
-                if ".slot" in name or name in (INDEX, CPU_LEDGER):
-                    os.unlink(os.path.join(self.directory, name))
-            self.replication.clear()
-            log.info("removed node-memory slots")
+            # (the lock file too: this process holds it, and a waiter then locks a new one)
+            remove_job_files(self.directory)
+            log.info("removed the job's node memory (all but agent.log)")
 
     def _remove_stale_tmp(self) -> None:
         for name in os.listdir(self.directory):

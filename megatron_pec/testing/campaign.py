@@ -371,11 +371,12 @@ class Campaign:
 
     def _replica_corrupt(self, c: Cluster, spec: dict, result: dict) -> None:
         """The node is lost and the one replica of it has a flipped byte: it must not be restored."""
-        from megatron_pec.agent.replicas import INDEX, REPLICA_DIR
+        from megatron_pec.agent.replicas import INDEX
+        from megatron_pec.node_files import REPLICAS
         from megatron_pec.protocol import ReplicaIndex
 
         node, holder = spec["node"], 1 - spec["node"]
-        directory = c.node_dir(holder) / REPLICA_DIR
+        directory = c.node_dir(holder) / REPLICAS
 
         def replica():
             try:

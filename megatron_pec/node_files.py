@@ -1,0 +1,73 @@
+"""The names of what a job keeps in a node's memory directory (``<shm dir>/<job id>/node<k>/``), the lock
+that serialises starting and stopping its node agent, and the clean-up at the job's end.
+
+Everything in that directory belongs to one job: its trainers' home slots, expert pools and memory plans,
+its agent's socket, pid, lock, index, CPU ledger and the replicas it keeps for peers. Stdlib only: the
+agent imports it before anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+
+SOCKET = "agent.sock"
+PIDFILE = "agent.pid"
+LOCKFILE = "agent.lock"  # held by a trainer starting an agent, and by an agent from its last job to its exit
+AGENT_LOG = "agent.log"  # the one file a job leaves behind (without --pec-keep-shm)
+REPLICAS = "replicas"    # the folder of the replicas this node keeps for its peers
+
+RANK_FILE = re.compile(r"rank(\d+)\.(slot\d+|pool)")  # a rank's node memory: home slots and expert pool
+
+
+def home_slot_name(rank: int, slot: int) -> str:
+    return f"rank{rank}.slot{slot}"
+
+
+def pool_name(rank: int) -> str:
+    return f"rank{rank}.pool"
+
+
+def memory_plan_name(rank: int) -> str:
+    """The node memory a rank planned at start-up (for ``inspect``)."""
+    return f"rank{rank}.memory.json"
+
+
+@contextlib.contextmanager
+def agent_lock(directory: str):
+    """Hold the node's agent lock. The lock file is removed at the job's end by whoever holds it, so a
+    waiter may wake holding a file no longer in the directory: it then locks the one that is."""
+    path = os.path.join(directory, LOCKFILE)
+    while True:
+        with open(path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _is_in_place(lock, path):
+                yield
+                return
+
+
+def _is_in_place(opened, path: str) -> bool:
+    try:
+        return os.fstat(opened.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def remove_job_files(directory: str) -> None:
+    """Everything a job created in its node directory but the agent's log (called with ``agent_lock`` held,
+    by the agent at its exit: the lock file goes last, unlocked by the exit)."""
+    for entry in os.scandir(directory):
+        if entry.name == AGENT_LOG:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+
+
+__all__ = ["SOCKET", "PIDFILE", "LOCKFILE", "AGENT_LOG", "REPLICAS", "RANK_FILE", "home_slot_name", "pool_name",
+           "memory_plan_name", "agent_lock", "remove_job_files"]
