@@ -191,7 +191,7 @@ def smallest_ratio(node_least: int, node_state: int) -> float:
 
 def _refusal(budget: Budget, room: int, least: int, experts: int, spares: int, node_state: int, local_ranks: int,
              node_least: int, replica_share: int) -> str:
-    gib = lambda b: f"{b / GIB:.2f} GiB" if b >= GIB // 10 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    gib = lambda b: f"{b / GIB:.2f} GiB" if b >= GIB // 10 else f"{b / 2**20:.2f} MiB"  # noqa: E731
     smallest = smallest_ratio(node_least, node_state)
     replicas = ", and its share of peers' replicas" if replica_share else ""
     return (f"--pec-node-memory {budget} leaves {gib(room)} of node memory per rank "
