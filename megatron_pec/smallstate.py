@@ -24,8 +24,10 @@ def _encode(obj):
         return {"__float__": repr(obj)}  # repr keeps inf/nan and every bit
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
+        # (flattened first: a 0-dim tensor, a loss or a grad scale, has no dimension to view as bytes)
         return {"__tensor__": dtype_code(t.dtype), "shape": list(t.shape),
-                "b64": base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode()}
+                "b64": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                .decode()}
     if isinstance(obj, numpy.ndarray):
         return {"__ndarray__": obj.dtype.str, "shape": list(obj.shape),
                 "b64": base64.b64encode(numpy.ascontiguousarray(obj).tobytes()).decode()}
