@@ -12,12 +12,12 @@ starts without torch or Megatron.
 from megatron_pec.config import add_pec_args
 
 __all__ = ["save_checkpoint", "load_checkpoint", "prepare", "add_pec_args", "use_args", "plt_so_far",
-           "last_save_phases", "node_memory"]
+           "last_save_phases", "node_memory", "saved_state_kinds"]
 
 
 def __getattr__(name):
     if name in ("save_checkpoint", "load_checkpoint", "prepare", "use_args", "plt_so_far", "last_save_phases",
-                "node_memory"):
+                "node_memory", "saved_state_kinds"):
         from megatron_pec import api
 
         return getattr(api, name)

@@ -147,7 +147,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     engine = _get_engine(model, optimizer)
     engine.adapter.check_groups(tp=tp_group, pp=pp_group, dp_cp=dp_cp_group, dp=dp_group, expt_dp=expt_dp_group)
     engine.save(iteration, opt_param_scheduler, num_floating_point_operations_so_far,
-                persistent=not non_persistent_ckpt, rng_key_prefix=rng_state_key_prefix)
+                persistent=not non_persistent_ckpt, rng_key_prefix=rng_state_key_prefix,
+                data_iterator=train_data_iterator)
 
 
 @_keeping_memory_on_error
@@ -234,6 +235,14 @@ def node_memory() -> dict | None:
         return None
     return {"own_bytes": plan.own, "replica_bytes": plan.replica_share, "state_bytes": plan.state,
             "ratio": round(plan.total / plan.state, 4), "snapshot_k": plan.k, "asked_k": plan.asked_k}
+
+
+def saved_state_kinds() -> list[str]:
+    """The kinds of state every save of this process keeps (``model_params``, ``optimizer``, ``scheduler``,
+    ``rng``, ``counters``, ``checkpoint_args``, ``buffers``, ``frozen_params``, ``extra_state``,
+    ``grad_scaler``, ``rerun_state_machine``, ``dataloader``: those this model and these flags have), as
+    the start-up line lists them; empty before the engine."""
+    return [kind for kind, _ in _engine.adapter.state_kinds()] if _engine is not None else []
 
 
 def last_save_phases() -> dict[str, float]:

@@ -57,6 +57,7 @@ class Engine:
         self.optimizer = optimizer  # the engine serves this optimizer; api rebuilds it for another
         self.storage = storage
         log.set_rank(self.adapter.rank)
+        log.info("keeps " + "; ".join(text for _, text in self.adapter.state_kinds()), rank0=True)
         for note in megatron_flag_notes(args):
             log.warning(note, rank0=True)
         self.job = JobFacts.build(self.config, self.adapter)
@@ -150,14 +151,19 @@ class Engine:
 
     # ---- save ----------------------------------------------------------------------------------------
     @without_gc
-    def save(self, iteration: int, scheduler, flops: float, persistent: bool, rng_key_prefix: str = "") -> None:
-        """Save steps 1-4: every rank snapshots or none does (the PEC bookkeeping must stay identical)."""
+    def save(self, iteration: int, scheduler, flops: float, persistent: bool, rng_key_prefix: str = "",
+             data_iterator=None) -> None:
+        """Save steps 1-4: every rank snapshots or none does (the PEC bookkeeping must stay identical).
+        ``data_iterator``: the trainer's train_data_iterator (the rerun state machine's, and with
+        --dataloader-save the dataloader state a persistent save keeps, as Megatron's save does)."""
         if not self.config.save:
             raise CheckpointError("save_checkpoint was called but --save is not set")
         if persistent and self.history.unchanged_since_restore(iteration):
             log.info(f"iteration {iteration} is unchanged since it was restored: nothing to save", rank0=True,
                      once=True)
             return
+        if persistent:
+            self.adapter.save_dataloader_state(data_iterator, iteration)
         save = Save(self.parts, iteration, persistent)
         self.save_phases = phases = save.phases
         with phases("previous snapshot"):
@@ -173,7 +179,7 @@ class Engine:
         with phases("metadata"):
             # (a skipped save too: a clean exit right after it still saves this state, ``_final_snapshot``)
             self.history.called(iteration, smallstate.Captured(
-                self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix)))
+                self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix, data_iterator)))
         if save.why_not is not None:
             self.session.skipped(save.placement)
             self._skip(iteration, save.why_not)
@@ -336,6 +342,7 @@ class Engine:
                     "read Megatron's own formats yet: load it once with unpatched Megatron-LM and save with "
                     "megatron-pec, or point --pretrained-checkpoint at a megatron-pec --save directory")
         if restored is None:
+            self.adapter.exit_if_missing_checkpoint(root or pretrained)
             self.session.begin(None)
             return 0, 0
         return restored
@@ -425,7 +432,7 @@ class Engine:
                   phases: Phases) -> tuple[int, float]:
         """Load step 7, the restore is done: retire what an abandoned run left after it, say so (where the
         time went included) and start the new timeline."""
-        iteration = 0 if finetune else plan.iteration
+        iteration = self.adapter.iteration_after_load(plan.iteration, finetune)
         self.history.restore(iteration, here=directory.root == self.job.save_root)
         self._retire_after(directory, plan.iteration, finetune, phases)
         plan.log(self.rank)

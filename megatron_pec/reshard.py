@@ -81,11 +81,27 @@ class Resharder:
         tensors = {name: self._assemble(dtype, spans, self.mine.slices[name])
                    for name, (dtype, spans) in pieces.items()}
         headers = self.files.headers(self.m.iteration)
-        small = load_small_state(headers[self.rank % len(headers)].small)
+        small = self._small(headers)
         pec, report, at_target = self._account(headers)
         versions = {item: (self.m.iteration if item == NON_EXPERT else self.m.experts[item])
                     for item in {name.split("/", 1)[0] for name in self.mine.slices}}
         return Resharded(tensors, small, pec, at_target, versions, report)
+
+    def _small(self, headers: dict[int, SlotHeader]) -> dict:
+        """One old rank's small state, with the frozen parameters and modules' extra states of every old
+        rank of this rank's tensor-parallel position (keyed by global names: an expert's comes from the rank
+        that held it) and no rerun state (Megatron ignores it when the sharding changed)."""
+        ranks = sorted(headers)
+        mine = ranks[self.rank % len(ranks)]
+        small = load_small_state(headers[mine].small)
+        tp = max(1, int(self.m.topology.get("tp") or 1))
+        for r in [mine] + [r for r in ranks if r != mine and r % tp == self.rank % tp]:
+            other = small if r == mine else load_small_state(headers[r].small)
+            for kind in ("frozen", "extra_state"):
+                if other.get(kind) is not None:
+                    small[kind] = {**other[kind], **(small.get(kind) or {})}
+        small["rerun_state_machine"] = None
+        return small
 
     # ---- where each byte comes from --------------------------------------------------------------
     def _pieces(self) -> dict[str, tuple[str, list[tuple[int, int, CommittedFile, int]]]]:

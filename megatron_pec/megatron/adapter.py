@@ -10,12 +10,14 @@ Engine, loader, sources, manifest, agent and policy never import ``megatron``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from megatron_pec import log, smallstate
 from megatron_pec.collectives import Collectives
 from megatron_pec.items import ExpertId
-from megatron_pec.megatron import collect, contiguous, layout, restore
+from megatron_pec.megatron import collect, contiguous, layout, modelstate, restore
 from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.tokens import TokenCounter
 from megatron_pec.phases import Phases
@@ -92,6 +94,15 @@ class MegatronAdapter:
         self.slot_slices = collect.slot_order(self.slices)  # (the fingerprint keeps the build order)
         self.tokens = TokenCounter(model_chunks)
         self.buffers = collect.buffer_refs(model_chunks)
+        # refuses (naming it) any model state Megatron would save and megatron-pec would not keep
+        self.model_state = modelstate.ModelState.of(
+            model_chunks, {id(getattr(module, attr)) for _, module, attr in self.buffers})
+        if getattr(args, "dataloader_save", None) and megatron_checkpoint_function("maybe_save_dataloader_state") is None:
+            raise modelstate.UnkeptState(f"--dataloader-save {args.dataloader_save} asks for the dataloader's state, "
+                                         "which megatron-pec saves through Megatron-LM's own maybe_save_dataloader_state:"
+                                         " not importable here (megatron.training); drop the flag or run in Megatron-LM")
+        self.saved_args = modelstate.checkpoint_args(args)
+        self._frozen = None  # host copies of the frozen parameters (they do not change; taken at the first save)
         self.experts_held: list[ExpertId] = sorted({s.expert for s in self.slices if s.expert is not None})
         self._live: dict[str, torch.Tensor] | None = None
         self._step_hooks = []
@@ -147,11 +158,65 @@ class MegatronAdapter:
         """The optimizer holds its state (Adam's moments exist once it has stepped)."""
         return collect.has_state(self.optimizer)
 
-    def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "") -> dict:
+    def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "",
+                    data_iterator=None) -> dict:
         small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers,
                                     self.optimizer_state.state_dict)
         small["rng_key_prefix"] = rng_key_prefix
+        if self._frozen is None:
+            self._frozen = self.model_state.frozen_copies()
+        small["frozen"] = self._frozen
+        small["extra_state"] = self.model_state.extra_states()
+        small["rerun_state_machine"] = modelstate.rerun_state(data_iterator)
+        small["args"] = self.saved_args
+        small["grad_scaler"] = None if small["optimizer"] is not None else modelstate.grad_scalers(self.optimizers)
         return small
+
+    def save_dataloader_state(self, data_iterator, iteration: int) -> None:
+        """A persistent save with --dataloader-save: the train iterator's state, through Megatron-LM's own
+        maybe_save_dataloader_state (beside the checkpoint, where its dataloader reads it back)."""
+        path = getattr(self.args, "dataloader_save", None)
+        if path and data_iterator is not None:
+            megatron_checkpoint_function("maybe_save_dataloader_state")(data_iterator, iteration, path)
+
+    def state_kinds(self) -> list[tuple[str, str]]:
+        """What every save keeps, as (kind, description): the start-up line, and tests comparing with Megatron."""
+        kinds = [("model_params", "model parameters (as distributed-optimizer main params)"),
+                 ("optimizer", f"distributed-optimizer state ({', '.join(collect.state_kinds(self.optimizers[0]))}), "
+                               "param groups and step"),
+                 ("scheduler", "scheduler"), ("rng", "RNG (random, numpy, torch, cuda, tracker)"),
+                 ("counters", "iteration, consumed/skipped samples, FLOPs"),
+                 ("checkpoint_args", "the arguments check_checkpoint_args compares")]
+        if self.buffers:
+            kinds.append(("buffers", f"persistent buffers ({len(self.buffers)})"))
+        if self.model_state.frozen:
+            kinds.append(("frozen_params", f"frozen parameters ({len(self.model_state.frozen)})"))
+        if self.model_state.extra:
+            kinds.append(("extra_state", f"modules' extra state ({len(self.model_state.extra)})"))
+        if any(o.grad_scaler is not None for o in self.optimizers):
+            kinds.append(("grad_scaler", "grad scaler (before the first step too)"))
+        kinds.append(("rerun_state_machine", "rerun state machine (as this megatron-core release saves it)"))
+        if getattr(self.args, "dataloader_save", None):
+            kinds.append(("dataloader", f"dataloader state (--dataloader-save {self.args.dataloader_save})"))
+        return kinds
+
+    def exit_if_missing_checkpoint(self, where: str) -> None:
+        """--exit-on-missing-checkpoint and nothing to load: exit as Megatron-LM's loader does (every rank,
+        after a barrier, exit status 0)."""
+        if not getattr(self.args, "exit_on_missing_checkpoint", False):
+            return
+        log.info(f"no checkpoint under {where}", rank0=True)
+        if self.rank == 0:
+            print(">> '--exit-on-missing-checkpoint' set ... exiting. <<", flush=True)
+        torch.distributed.barrier()
+        sys.exit()
+
+    def iteration_after_load(self, iteration: int, finetune: bool) -> int:
+        """The iteration load_checkpoint returns: 0 when fine-tuning, --override-ckpt-iteration's when given."""
+        if finetune:
+            return 0
+        override = getattr(self.args, "override_ckpt_iteration", None)
+        return iteration if override is None else override
 
     def small_state_bound(self) -> int:
         """Bytes the JSON of ``small_state`` can reach during training: its structure now with every
@@ -161,7 +226,9 @@ class MegatronAdapter:
         state (neither holds per-parameter data: Megatron strips the params lists)."""
         widest = len(smallstate.dumps(_widest(self.small_state(None, 0, 0.0))))
         groups = sum(len(opt.optimizer.param_groups) for opt in self.optimizers)
-        return widest + 4096 * groups + (64 << 10)
+        # extra states may grow a little (base64: 4/3), a pending rerun saves its micro-batches
+        later = 2 * self.model_state.extra_state_margin() + modelstate.rerun_margin(self.args)
+        return widest + 4096 * groups + later + (64 << 10)
 
     def layout_record(self, fingerprint: str) -> RankLayout:
         """Where each slice lies in the model's global parameters (``RankLayout``)."""
@@ -223,10 +290,13 @@ class MegatronAdapter:
         Without ``load_optim`` only the main params (the weights) are restored.
         """
         phases = phases or Phases()
+        if not finetune:  # (as Megatron: a fine-tune does not check the arguments)
+            modelstate.check_args(self.args, small.get("args"), small.get("checkpoint_version", 3.0))
         with phases("optimizer state"):
             if load_optim and small["optimizer"] is None:
                 # saved before the first optimizer step: the optimizer goes back to having no state
                 restore.clear_optimizer_state(self.optimizer)
+                modelstate.restore_grad_scalers(self.optimizers, small.get("grad_scaler"))
                 self._live = None
                 targets = self._param_views()
             elif load_optim:
@@ -246,6 +316,10 @@ class MegatronAdapter:
             restore.sync_model_params(self.model, self.optimizer)
         with phases("other state"):
             restore.restore_buffers(self.buffers, small.get("buffers"))
+            self.model_state.restore(small.get("frozen"), small.get("extra_state"))
+            self._frozen = None
+            if not finetune:  # (a resharded restore's small state has none: Megatron ignores it then)
+                modelstate.restore_rerun_state(small.get("rerun_state_machine"))
             if scheduler is not None and load_optim and small["scheduler"] is not None:
                 restore.restore_scheduler(scheduler, small["scheduler"])
             saved_prefix = small.get("rng_key_prefix", "")
@@ -254,7 +328,7 @@ class MegatronAdapter:
                             f"this load asks for {rng_key_prefix!r}: RNG state not restored", rank0=True)
             elif load_rng:
                 restore.restore_rng(small["rng"])
-            restore.restore_args(self.args, small, finetune)
+            restore.restore_args(self.args, small, finetune, getattr(self.args, "override_ckpt_iteration", None))
 
     def _param_views(self) -> dict[str, torch.Tensor]:
         """The main-param views only (``--no-load-optim``: Adam may have no state yet)."""

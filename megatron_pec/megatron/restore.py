@@ -219,13 +219,24 @@ def restore_rng(state: dict) -> None:
     tracker.set_states(states)
 
 
-def restore_args(args, state: dict, finetune: bool) -> None:
-    """Megatron's load_checkpoint side effects on ``args``."""
+def restore_args(args, state: dict, finetune: bool, override_iteration: int | None = None) -> None:
+    """Megatron's load_checkpoint side effects on ``args``; ``override_iteration``
+    (--override-ckpt-iteration, core_v0.19): the samples consumed by that iteration instead, as Megatron
+    recomputes them, refused when the global batch size changed."""
     if finetune:
         args.finetune = True  # also when --pretrained-checkpoint made it a fine-tune, as Megatron does
         return
     args.consumed_train_samples = state["consumed_train_samples"]
     args.skipped_train_samples = state["skipped_train_samples"]
+    if override_iteration is not None:
+        saved_batch = (state.get("args") or {}).get("global_batch_size")
+        if saved_batch is not None and saved_batch != args.global_batch_size:
+            raise CheckpointError(
+                "--override-ckpt-iteration recomputes consumed_train_samples from the target iteration and current "
+                f"global_batch_size, but checkpoint global_batch_size ({saved_batch}) != current global_batch_size "
+                f"({args.global_batch_size}). This would replay the data loader from the wrong sample offset.")
+        args.consumed_train_samples = override_iteration * args.global_batch_size
+        args.skipped_train_samples = 0
     args.consumed_valid_samples = state["consumed_valid_samples"]
     try:
         from megatron.core.num_microbatches_calculator import update_num_microbatches
