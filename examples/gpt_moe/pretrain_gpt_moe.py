@@ -75,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="exit when --load holds no checkpoint instead of starting from random weights")
+    g.add_argument("--override-ckpt-iteration", type=int, default=None,
+                   help="resume as if the loaded checkpoint were this iteration (consumed samples recomputed)")
     g.add_argument("--pretrained-checkpoint", default=None,
                    help="fine-tune from this checkpoint when --load holds none (as Megatron does)")
     megatron_pec.add_pec_args(p)
