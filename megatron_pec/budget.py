@@ -197,8 +197,10 @@ def _refusal(budget: Budget, room: int, least: int, experts: int, spares: int, n
     return (f"--pec-node-memory {budget} leaves {gib(room)} of node memory per rank "
             f"({room * local_ranks / node_state:.2f}x the node's state); a rank needs at least {gib(least)}: two "
             f"dense states, one version of each of its {experts} experts and {spares} spare expert region(s){replicas}"
-            " (with fewer spares no region can take a new version of an expert while every region holds its "
-            "expert's newest, and saves would wait for regions never freed). The smallest budget that works is "
+            f": what a snapshot at snapshot-K 1 writes while the newest versions stay, and enough that a persistent "
+            f"save of every expert goes through node memory in at most {ROUNDS} rounds (fewer spares, more rounds, "
+            "each holding training; none, and no save could write a new version of any expert). The smallest "
+            "budget that works is "
             f"{smallest:g}x ({gib(node_least)} for the node); raise --pec-node-memory to at least that, or leave it "
             "out (2x the state at K=all, less at a smaller --pec-snapshot-k)")
 

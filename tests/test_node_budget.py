@@ -3,9 +3,10 @@ trainer; a MoE-heavy model: 16 experts of hidden 128, most of the state in exper
 
 * By default node memory follows what snapshots write: at most 2x the state with every expert, 1.5x at
   snapshot-K 2 of 16, a snapshot every iteration and a persist in progress skipping none.
-* Under ``--pec-node-memory 1.25x`` with every expert asked, snapshots take the K the budget holds (said
-  once), none is skipped, and a trainer killed mid-run restores from memory with exactly the PLT a run at
-  that K gets; a trainer killed in the middle of a snapshot never restores that half-written version.
+* Under ``--pec-node-memory 1.3x`` with every expert asked (the smallest this model admits: 4 spares for 16
+  experts, issue 43), snapshots take the K the budget holds (said once), none is skipped, and a trainer
+  killed mid-run restores from memory with exactly the PLT a run at that K gets; a trainer killed in the
+  middle of a snapshot never restores that half-written version.
 """
 
 import json
@@ -61,13 +62,13 @@ def restore_after_kill(tmp_path, shm_dir, job, *extra, fault):
 
 
 def test_a_tight_budget_takes_the_k_it_holds_and_restores_with_its_plt(tmp_path, shm_dir):
-    log, restored, plt = restore_after_kill(tmp_path, shm_dir, "tight", "--pec-node-memory", "1.25x",
+    log, restored, plt = restore_after_kill(tmp_path, shm_dir, "tight", "--pec-node-memory", "1.3x",
                                             fault="optimizer_step=kill@9:0")
     implied = re.search(r"holds snapshot-K (\d+) per layer, not the asked 16", log)
     assert implied, log[-3000:]
     assert "skipped the snapshot" not in log
     assert restored.iteration == 8 and restored.source == "memory", restored
-    assert round(node(shm_dir, "tight")["ratio"], 2) <= 1.25
+    assert round(node(shm_dir, "tight")["ratio"], 2) <= 1.3
     k = implied.group(1)
     _, same_k, same_plt = restore_after_kill(tmp_path, shm_dir, "at-k", "--pec-snapshot-k", k,
                                              fault="optimizer_step=kill@9:0")
@@ -78,7 +79,7 @@ def test_a_tight_budget_takes_the_k_it_holds_and_restores_with_its_plt(tmp_path,
 def test_a_snapshot_cut_short_under_a_budget_is_never_restored(tmp_path, shm_dir):
     """Killed after the copy of iteration 7 began (dense state and the experts it takes in flight): the
     restore takes 6 from memory - the regions 7 was writing were none of 6's."""
-    _, restored, _ = restore_after_kill(tmp_path, shm_dir, "cut", "--pec-node-memory", "1.25x",
+    _, restored, _ = restore_after_kill(tmp_path, shm_dir, "cut", "--pec-node-memory", "1.3x",
                                         fault="snapshot_mid=kill@7:0")
     assert restored.iteration == 6 and restored.source == "memory", restored
 
