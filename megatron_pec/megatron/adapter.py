@@ -102,6 +102,7 @@ class MegatronAdapter:
                                          "which megatron-pec saves through Megatron-LM's own maybe_save_dataloader_state:"
                                          " not importable here (megatron.training); drop the flag or run in Megatron-LM")
         self.saved_args = modelstate.checkpoint_args(args)
+        self._rerun_room = modelstate.rerun_margin(args)
         self._frozen = None  # host copies of the frozen parameters (they do not change; taken at the first save)
         self.experts_held: list[ExpertId] = sorted({s.expert for s in self.slices if s.expert is not None})
         self._live: dict[str, torch.Tensor] | None = None
@@ -167,7 +168,8 @@ class MegatronAdapter:
             self._frozen = self.model_state.frozen_copies()
         small["frozen"] = self._frozen
         small["extra_state"] = self.model_state.extra_states()
-        small["rerun_state_machine"] = modelstate.rerun_state(data_iterator)
+        small["rerun_state_machine"] = rerun = modelstate.rerun_state(data_iterator)
+        modelstate.check_rerun_room(rerun, self._rerun_room)
         small["args"] = self.saved_args
         small["grad_scaler"] = None if small["optimizer"] is not None else modelstate.grad_scalers(self.optimizers)
         return small
@@ -227,7 +229,7 @@ class MegatronAdapter:
         widest = len(smallstate.dumps(_widest(self.small_state(None, 0, 0.0))))
         groups = sum(len(opt.optimizer.param_groups) for opt in self.optimizers)
         # extra states may grow a little (base64: 4/3), a pending rerun saves its micro-batches
-        later = 2 * self.model_state.extra_state_margin() + modelstate.rerun_margin(self.args)
+        later = 2 * self.model_state.extra_state_margin() + self._rerun_room
         return widest + 4096 * groups + later + (64 << 10)
 
     def layout_record(self, fingerprint: str) -> RankLayout:

@@ -29,6 +29,9 @@ CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "add_positio
                 "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
                 "data_parallel_random_init", "global_batch_size", "tensor_model_parallel_size",
                 "pipeline_model_parallel_size", "vocab_file")
+# Frozen parameters live in the small state (base64 in every snapshot's header): kept for a few per rank
+# (frozen norms, embeddings of a small vocabulary, a stand-in's tables), refused beyond this.
+FROZEN_MAX = 64 << 20
 EXTRA_STATE_MARGIN = 4096  # bytes an extra state may grow beyond its size at start-up (TE's is fixed per recipe)
 
 
@@ -88,6 +91,12 @@ class ModelState:
                     continue
                 unkept.append(f"model state {key!r} ({type(value).__name__}: neither a parameter, a persistent "
                               "buffer nor a module's extra state)")
+        frozen_bytes = sum(p.numel() * p.element_size() for _, p in frozen)
+        if frozen_bytes > FROZEN_MAX:
+            largest = sorted(frozen, key=lambda kp: -kp[1].numel() * kp[1].element_size())[:3]
+            unkept.append(f"frozen parameters of {frozen_bytes / 2**20:.1f} MiB on this rank (largest: "
+                          f"{', '.join(k for k, _ in largest)}; megatron-pec keeps up to {FROZEN_MAX >> 20} MiB "
+                          "of them, in every snapshot's metadata)")
         unkept += _modelopt_state(model_chunks)
         if unkept:
             raise UnkeptState("megatron-pec would not keep state Megatron's own checkpoint keeps: "
@@ -269,10 +278,15 @@ def _enums_in(obj, module):
     return obj
 
 
+RERUN_ROOM_MAX = 16 << 20  # the most header room sized for a pending rerun's saved micro-batches
+
+
 def rerun_margin(args) -> int:
-    """Header room for a pending rerun's saved micro-batches (what the data iterator yields for one
-    iteration: tokens, labels, loss mask, position ids, an attention mask), base64 in the small state;
-    0 while the rerun state machine is disabled."""
+    """Header room for the rerun state machine's state: 64 KiB, plus, for a pending rerun's saved
+    micro-batches (one iteration's tokens, labels, loss mask, position ids; base64 in the small state),
+    an estimate capped at RERUN_ROOM_MAX (an attention mask in the batch, seq x seq, would take gigabytes
+    of node memory in every slot for an event of a faulty GPU); 0 while the machine is disabled. A pending
+    rerun whose state does not fit is refused at its save, with a message (``check_rerun_room``)."""
     module = _rerun_module()
     machine = getattr(module, "_GLOBAL_RERUN_STATE_MACHINE", None) if module else None
     if machine is None or machine.mode == module.RerunMode.DISABLED:
@@ -280,7 +294,21 @@ def rerun_margin(args) -> int:
     mbs, seq = getattr(args, "micro_batch_size", 1) or 1, getattr(args, "seq_length", 0) or 0
     microbatches = max(1, (getattr(args, "global_batch_size", 1) or 1)
                        // (mbs * max(1, getattr(args, "data_parallel_size", 1) or 1)))
-    return 2 * microbatches * mbs * seq * (4 * 8 + seq) + (64 << 10)
+    return min(2 * microbatches * mbs * seq * 4 * 8, RERUN_ROOM_MAX) + (64 << 10)
+
+
+def check_rerun_room(state: dict | None, room: int) -> None:
+    """A pending rerun's state (with its saved micro-batches) must fit the room sized at start-up."""
+    if not state or not (state.get("sharded") or {}).get("data_iterator_checkpoints"):
+        return
+    from megatron_pec import smallstate
+
+    size = len(smallstate.dumps(state))
+    if size > room:
+        raise CheckpointError(
+            f"the rerun state machine's pending rerun saves {size} bytes (its saved micro-batches), more than the "
+            f"{room} bytes megatron-pec sized for it at start-up: this checkpoint for fault attribution cannot be "
+            "kept; rerun the iteration with Megatron's own checkpointing (drop megatron-pec), or a smaller batch")
 
 
 def grad_scalers(optimizers) -> list | None:
@@ -299,4 +327,4 @@ def restore_grad_scalers(optimizers, saved: list | None) -> None:
 
 
 __all__ = ["ModelState", "UnkeptState", "checkpoint_args", "check_args", "rerun_state", "restore_rerun_state",
-           "rerun_margin", "grad_scalers", "restore_grad_scalers"]
+           "rerun_margin", "check_rerun_room", "grad_scalers", "restore_grad_scalers"]

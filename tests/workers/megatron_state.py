@@ -40,6 +40,9 @@ def main():
     save, shm = sys.argv[1], sys.argv[2]
     args, model, optimizer, scheduler, data_from = setup(
         ["--train-iters", "20", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "mstate"])
+    from megatron.core import rerun_state_machine as rsm
+
+    fresh_machine(rsm, rsm.RerunMode.VALIDATE_RESULTS)  # (as Megatron-LM's initialize does, before the model)
     megatron_pec.load_checkpoint(model, optimizer, scheduler)
     result = {}
 
@@ -64,8 +67,6 @@ def main():
         o.grad_scaler = None
 
     # 2. the rerun state machine, as this release's save_checkpoint keeps it.
-    from megatron.core import rerun_state_machine as rsm
-
     fresh_machine(rsm, rsm.RerunMode.VALIDATE_RESULTS)
     machine = rsm.get_rerun_state_machine()
     data = data_from(0)
