@@ -3,6 +3,7 @@ new default, partial experts, a tight budget, and DLRover's one buffer - ``bench
 
     python -m benchmarks.node_memory                 # about 12 minutes on 2 CPU cores
     python -m benchmarks.node_memory --baseline REV  # the "three regions" rows from another commit
+    python -m benchmarks.node_memory --budget-rows   # only the persistent saves under the tightest budget (~3 min)
 
 Each megatron-pec row runs the example trainer (2 CPU ranks, EP 2, one node, ``MODEL``) with a snapshot
 every iteration and a persist every 20, nothing waiting for a slot, and SIGKILLs rank 0 in its 31st
@@ -15,6 +16,10 @@ the footprint and skips over a persist (22 iterations). A full node: 8 scripted 
 node agent beside a peer node of 8, each keeping the other's replicas (``megatron_pec.testing.full_node``):
 footprint per node, the agent's CPU per snapshot of the whole node, skipped snapshots, and node 1 lost and
 pulled back from node 0's memory.
+
+The budget rows (issue 43) run K=all with and without the tightest budget the job admits (the smallest its
+refusal of ``1x`` names): the longest a save blocked training (the metrics file), skipped snapshots, whether
+each committed persistent save holds every expert at its iteration, and the kill's restore and PLT.
 """
 
 from __future__ import annotations
@@ -51,9 +56,14 @@ ROWS = {  # name -> (tree: "baseline" or "this", extra flags)
                                                             ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
     "new default, K=all": ("this", []),
     "new default, snapshot-K 2 / persist-K 1": ("this", ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
-    "budget 1.25x, K=all asked": ("this", ["--pec-node-memory", "1.25x"]),
+    "tightest budget, K=all asked": ("this", ["--pec-node-memory", "tightest"]),
     "new default, snapshot-K 1 (what that budget implies)": ("this", ["--pec-snapshot-k", "1"]),
 }
+BUDGET_ROWS = {  # the focused mode's rows (issue 43), measured with their save blocking and whole persists
+    "new default, K=all, persistent saves": [],
+    "tightest budget, K=all asked, persistent saves": ["--pec-node-memory", "tightest"],
+}
+SMALLEST = re.compile(r"The smallest budget that works is ([0-9.]+)x")
 RESTORED = re.compile(r"rank 0: restored iteration (\d+) from (\w+(?: memory)?)")
 PLT = re.compile(r"PLT[^0-9]*([0-9.]+)%")
 
@@ -81,29 +91,75 @@ def footprint(node_dir: Path) -> dict:
     return {"bytes_per_rank": own + held, "state_bytes": state, "ratio": (own + held) / state}
 
 
+def tightest(tree: Path, workdir: Path, model: list[str], extra: list[str], env: dict) -> list[str]:
+    """``extra`` with ``--pec-node-memory tightest`` replaced by the smallest budget the job admits: what its
+    refusal of ``1x`` names."""
+    if "tightest" not in extra:
+        return extra
+    save, shm = workdir / f"ck_{len(os.listdir(workdir))}", tempfile.mkdtemp(prefix="pec_nm_", dir="/dev/shm")
+    args = [*model, "--train-iters", "1", "--save", str(save), "--pec-shm-dir", shm,
+            "--pec-job-id", f"nmt{os.getpid()}", *[("1x" if a == "tightest" else a) for a in extra]]
+    try:
+        found = SMALLEST.search(run(tree, workdir, "refused", args, env, timeout=300))
+    finally:
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)
+    if found is None:
+        raise RuntimeError(f"--pec-node-memory 1x was not refused with the smallest budget; see {workdir}")
+    return [f"{found.group(1)}x" if a == "tightest" else a for a in extra]
+
+
 def pec_row(name: str, tree: Path, extra: list[str], workdir: Path, model: list[str], iters: int, kill: int | None,
-            env: dict) -> dict:
+            env: dict, saves: bool = False) -> dict:
+    """``saves``: also the longest save blocking and whether every committed persistent save is whole."""
+    extra = tightest(tree, workdir, model, extra, env)
     save, shm = workdir / f"ck_{len(os.listdir(workdir))}", Path(tempfile.mkdtemp(prefix="pec_nm_", dir="/dev/shm"))
     job = f"nm{os.getpid()}"
     args = [*model, "--train-iters", str(iters), "--save", str(save), "--load", str(save), "--pec-shm-dir", str(shm),
             "--pec-job-id", job, "--pec-keep-shm", *SCHEDULE, *extra]
+    metrics = [workdir / f"{save.name}.{n}.metrics" for n in ("first", "second")]
     started = time.monotonic()
-    first = run(tree, workdir, name + ".first", args, dict(env, MEGATRON_PEC_FAULT=f"optimizer_step=kill@{kill}:0")
-                if kill else env)
+    first = run(tree, workdir, name + ".first", args + (["--metrics-file", str(metrics[0])] if saves else []),
+                dict(env, MEGATRON_PEC_FAULT=f"optimizer_step=kill@{kill}:0") if kill else env)
     row = {"skipped": len(set(re.findall(r"skipped the snapshot of iteration (\d+)", first))),
            **footprint(shm / job / "node0")}
+    if "--pec-node-memory" in extra:
+        row["budget"] = extra[extra.index("--pec-node-memory") + 1]
+    whole = whole_persists(save) if saves else {}
     implied = re.search(r"holds snapshot-K (\d+) per layer, not the asked (\d+)", first)
     row["implied_k"] = f"{implied.group(1)} of {implied.group(2)}" if implied else None
     if kill:
-        second = run(tree, workdir, name + ".second", args, env)
+        second = run(tree, workdir, name + ".second", args + (["--metrics-file", str(metrics[1])] if saves else []),
+                     env)
         found, plt = RESTORED.search(second), PLT.findall(second)
         row.update(restored=f"{found.group(1)} from {found.group(2)}" if found else None,
                    lost_iterations=kill - 1 - int(found.group(1)) if found else None,
                    plt=float(plt[0]) / 100 if plt else 0.0)
+    if saves:
+        row.update(longest_blocking_s=longest_blocking(metrics), whole_persists={**whole, **whole_persists(save)})
     launch.stop_agents(shm)
     shutil.rmtree(shm, ignore_errors=True)
     print(f"[node memory] {name}: {row} ({time.monotonic() - started:.0f} s)", flush=True)
     return row
+
+
+def longest_blocking(paths: list[Path]) -> float:
+    """The longest a save blocked training in these metrics files (``save_blocking_s``)."""
+    rows = [json.loads(line) for p in paths if p.exists() for line in p.read_text().splitlines()]
+    return max((r.get("save_blocking_s", 0.0) for r in rows), default=0.0)
+
+
+def whole_persists(save: Path) -> dict[int, bool]:
+    """Iteration -> whether its committed persistent save (every ``--save-interval``) holds every expert at
+    that iteration (``inspect``)."""
+    from megatron_pec.checkpoint_dir import CheckpointDir
+    from megatron_pec.inspection import inspect
+    from megatron_pec.storage import PosixStorage
+
+    interval = int(SCHEDULE[SCHEDULE.index("--save-interval") + 1])
+    report = inspect(CheckpointDir(str(save), PosixStorage()))
+    return {it["iteration"]: set(it.get("expert_versions", {}).values()) == {it["iteration"]}
+            for it in report["iterations"] if it.get("committed") and it["iteration"] % interval == 0}
 
 
 def full_node_row(ranks: int = 8, iterations: int = 41, persist: int = 20) -> dict:
@@ -156,9 +212,19 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default=BASELINE, help=f"commit of the three-region rows (default {BASELINE})")
     p.add_argument("--no-dlrover", action="store_true")
     p.add_argument("--json", default=str(RESULTS / "node_memory.json"))
+    p.add_argument("--budget-rows", action="store_true",
+                   help="only the persistent saves under the tightest budget (node_memory.md's last section)")
     args = p.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="pec_node_memory_"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    markdown = Path(args.json).with_suffix(".md")
+    if args.budget_rows:
+        budget = budget_rows(workdir, env)
+        kept = markdown.read_text().split(BUDGET_HEADING)[0].rstrip("\n") if markdown.exists() else ""
+        markdown.write_text(kept + "\n" + "\n".join(budget_table(budget)) + "\n")
+        Path(args.json).with_name("node_memory_budget.json").write_text(json.dumps(budget, indent=1))
+        print("\n".join(budget_table(budget)))
+        return 0
     baseline = workdir / "baseline"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(baseline), args.baseline],
                    check=True)
@@ -175,6 +241,7 @@ def main(argv=None) -> int:
                                                                              "--pec-persist-k", "1"])):
             out["rows"][f"new default, {name}"] = pec_row(name, REPO, extra, workdir, DEEPSEEK, 22, None, env)
         out["full_node"] = full_node_row()
+        out["budget"] = budget_rows(workdir, env)
         if not args.no_dlrover:
             out["rows"]["DLRover flash checkpoint"] = dlrover_row(workdir, MODEL, env)
     finally:
@@ -198,10 +265,38 @@ def main(argv=None) -> int:
         lost = r.get("lost_iterations")
         lines.append(f"| {name} | {ratio} | {r['skipped']} | {r.get('implied_k') or 'as asked'} | "
                      f"{r.get('restored') or '-'} | {'-' if lost is None else lost} | {plt} |")
-    lines += full_node_table(out["full_node"])
-    Path(args.json).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    lines += full_node_table(out["full_node"]) + budget_table(out["budget"])
+    markdown.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+BUDGET_HEADING = "## Persistent saves under the tightest budget"
+
+
+def budget_rows(workdir: Path, env: dict) -> dict:
+    return {"machine": machine(), "model": MODEL, "schedule": SCHEDULE, "iterations": ITERS, "kill_at": KILL_AT,
+            "rows": {name: pec_row(name, REPO, extra, workdir, MODEL, ITERS, KILL_AT, env, saves=True)
+                     for name, extra in BUDGET_ROWS.items()}}
+
+
+def budget_table(out: dict) -> list[str]:
+    lines = ["", BUDGET_HEADING, "",
+             f"`python -m benchmarks.node_memory --budget-rows` ({out['machine'].get('cpu', 'CPU')}): the model and "
+             f"schedule above (K=all asked, a persistent save every 20 of {out['iterations']} iterations), rank 0 "
+             f"SIGKILLed in its optimizer step {out['kill_at']}, then relaunched; the tightest budget is the smallest "
+             "the job admits (what its refusal of `1x` names). Longest blocking: the longest any save held training, "
+             "both launches (metrics file); persists whole: each committed persistent save holds every expert at its "
+             "iteration (`inspect`).", "",
+             "| row | budget | node memory per rank ÷ state | longest save blocking (s) | skipped snapshots "
+             "| snapshot-K held | persists whole | restored after the kill | iterations lost | PLT |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in out["rows"].items():
+        whole = ", ".join(f"{i}: {'yes' if ok else 'NO'}" for i, ok in sorted(r["whole_persists"].items()))
+        lines.append(f"| {name} | {r.get('budget', 'none')} | {r['ratio']:.3f} | {r['longest_blocking_s']:.3f} | "
+                     f"{r['skipped']} | {r.get('implied_k') or 'as asked'} | {whole} | {r.get('restored') or '-'} | "
+                     f"{r.get('lost_iterations', '-')} | {r['plt'] * 100:.2f}% |")
+    return lines
 
 
 def full_node_table(row: dict) -> list[str]:
