@@ -7,8 +7,8 @@ into chunks of at most ``CHUNK_BYTES``, a tail of single bytes. The unit is the 
 bytes that lies on the same boundary in memory and within the item's words, so an 8-aligned run reads
 whole words and a run of odd-sized tensors still reads each byte once.
 
-Built on the host once per binding of the live tensors; rows are grouped by item so that the partial
-sums of an item are one slice of the kernel's output.
+Built on the host once per binding of the live tensors (numpy over every run at once); rows are
+grouped by item so that the partial sums of an item are one slice of the kernel's output.
 """
 
 from __future__ import annotations
@@ -42,21 +42,56 @@ def run_rows(addr: int, nbytes: int, pos: int, item: int) -> list[tuple[int, int
     return rows
 
 
+def table_rows(addrs, sizes, positions, owners) -> numpy.ndarray:
+    """[rows, ROW] int64: ``run_rows`` of every run (int64 arrays, one entry per run, non-empty runs) one
+    after the other, computed with numpy: a binding of 10^5 runs costs milliseconds, not a second."""
+    log2 = _LOG2[(addrs - positions) % 8]
+    unit = numpy.left_shift(1, log2)
+    head = numpy.minimum((-positions) % unit, sizes)
+    body = (sizes - head) // unit * unit
+    tail = sizes - head - body
+    chunks = -(-body // CHUNK_BYTES)
+    has_head, has_tail = (head > 0).astype(numpy.int64), (tail > 0).astype(numpy.int64)
+    counts = has_head + chunks + has_tail
+    first = numpy.cumsum(counts) - counts  # each run's first row
+    rows = numpy.empty((int(counts.sum()), ROW), dtype=numpy.int64)
+    at = first[has_head > 0]
+    rows[at] = numpy.stack([addrs, head, positions, numpy.zeros_like(log2), owners], axis=1)[has_head > 0]
+    run = numpy.repeat(numpy.arange(len(sizes)), chunks)
+    k = numpy.arange(len(run)) - numpy.repeat(numpy.cumsum(chunks) - chunks, chunks)  # chunk number in its run
+    start = head[run] + k * CHUNK_BYTES
+    rows[first[run] + has_head[run] + k] = numpy.stack(
+        [addrs[run] + start, numpy.minimum(CHUNK_BYTES, head[run] + body[run] - start), positions[run] + start,
+         log2[run], owners[run]], axis=1)
+    last = has_tail > 0
+    start = (head + body)[last]
+    rows[(first + counts - 1)[last]] = numpy.stack(
+        [addrs[last] + start, tail[last], positions[last] + start, numpy.zeros(int(last.sum()), dtype=numpy.int64),
+         owners[last]], axis=1)
+    return rows
+
+
+_LOG2 = numpy.array([3, 0, 1, 0, 2, 0, 1, 0], dtype=numpy.int64)  # unit_log2 by (addr - pos) % 8
+
+
 class ChunkTable:
     """Rows for every item of ``runs`` (item -> [(tensor, byte offset within the item)], in item order)."""
 
     def __init__(self, runs: dict[str, list[tuple[object, int]]]):
         self.items = list(runs)
         self.index = {item: i for i, item in enumerate(self.items)}
-        rows, self.first_row = [], []
+        addrs, sizes, positions, owners = [], [], [], []
         for i, item in enumerate(self.items):
-            self.first_row.append(len(rows))
             for tensor, offset in runs[item]:
                 nbytes = tensor.numel() * tensor.element_size()
                 if nbytes:
-                    rows += run_rows(tensor.data_ptr(), nbytes, offset, i)
-        self.first_row.append(len(rows))
-        self.rows = numpy.array(rows, dtype=numpy.int64).reshape(-1, ROW)
+                    addrs.append(tensor.data_ptr())
+                    sizes.append(nbytes)
+                    positions.append(offset)
+                    owners.append(i)
+        self.rows = table_rows(*(numpy.asarray(v, dtype=numpy.int64) for v in (addrs, sizes, positions, owners)))
+        # (rows are grouped by item: each item's first row, and one past the last item's)
+        self.first_row = numpy.searchsorted(self.rows[:, 4], numpy.arange(len(self.items) + 1)).tolist()
         self.sources = [t for item in self.items for t, _ in runs[item]]  # (kept alive while the table is)
 
     def __len__(self) -> int:
@@ -72,4 +107,4 @@ class ChunkTable:
         return totals
 
 
-__all__ = ["ChunkTable", "CHUNK_BYTES", "ROW", "run_rows", "unit_log2"]
+__all__ = ["ChunkTable", "CHUNK_BYTES", "ROW", "run_rows", "table_rows", "unit_log2"]
