@@ -49,9 +49,11 @@ class Sum64:
     """The sums of a byte stream fed in pieces of any size and alignment (numpy, releases the GIL on
     large pieces)."""
 
-    def __init__(self):
+    def __init__(self, start: int = 0):
+        """``start``: the item byte the first piece begins at (the sums of a run that is a part of an
+        item; the sums of an item's runs add up to the item's, mod 2**64)."""
         self.a = self.b = 0
-        self.length = 0  # bytes seen
+        self.length = start  # stream bytes before the next piece
 
     def update(self, data) -> "Sum64":
         view = numpy.frombuffer(data, dtype=numpy.uint8)
@@ -131,17 +133,29 @@ class DeviceSums:
     ``add(item, tensor, offset)`` takes the bytes of ``tensor`` (1-D, contiguous) as bytes
     ``offset`` onwards of ``item``; nothing leaves the device until ``result`` (the sums of every
     item as one int64 tensor, in the order the items were first added), so a caller can queue it all
-    on a stream and copy one small tensor to the host."""
+    on a stream and copy one small tensor to the host. ``constants``: ``DeviceSums.constants(device)``,
+    built once (without, each instance builds its own)."""
 
-    def __init__(self, device):
+    def __init__(self, device, constants=None):
         import torch
 
         self.torch, self.device = torch, device
         self.items: dict[str, int] = {}
         self._a: list = []
         self._b: list = []
-        self._arange = torch.arange(COLUMNS, dtype=torch.int64, device=device)
-        self._places = _place_values(torch, device)
+        self._arange, self._places = constants or DeviceSums.constants(device)
+
+    @staticmethod
+    def constants(device):
+        """What every instance on ``device`` reads: built on the device, or uploaded from page-locked memory
+        without waiting (nothing synchronous on a copy stream's path)."""
+        import torch
+
+        arange = torch.arange(COLUMNS, dtype=torch.int64, device=device)
+        places = _place_values(torch, "cpu")
+        if torch.device(device).type == "cuda":
+            places = places.pin_memory().to(device, non_blocking=True)
+        return arange, places
 
     def add(self, item: str, tensor, offset: int) -> None:
         slot = self.items.setdefault(item, len(self.items))
@@ -240,4 +254,4 @@ def _place_values(torch, device):
                         dtype=torch.int64, device=device)
 
 
-__all__ = ["Sum64", "DeviceSums", "item_sums", "digest", "is_sum64", "PREFIX"]
+__all__ = ["Sum64", "DeviceSums", "item_sums", "digest", "is_sum64", "PREFIX", "MASK"]
