@@ -36,6 +36,7 @@ from megatron_pec.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.pec_book import PecBook
 from megatron_pec.phases import Phases
 from megatron_pec.protocol import SlotHeader
+from megatron_pec.run_sums import KernelLoad
 from megatron_pec.save_history import SaveHistory
 from megatron_pec.slots import SlotFiles, SlotSpaceError
 from megatron_pec.stager import Stager
@@ -98,6 +99,10 @@ class Engine:
         self.adapter.collectives.raise_if_any(error)
 
     def _start_memory_tier(self) -> None:
+        # The checksum kernel compiles and loads in a thread now, beside the rest of the start-up (slot files,
+        # page-locking, the agent): neither the first save nor a restore compiles; a Triton that cannot
+        # compile falls back to stock operations here, with one log line, never in a training step.
+        kernel = KernelLoad(torch.cuda.current_device()) if torch.cuda.is_available() else None
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slot_slices])
         # (several nodes, no replicas: the agent keeps the newest committed dense state for survivors)
         layout = MemoryLayout.of(entries, 0, homes=3 if self.job.num_nodes > 1 and not self.job.replicas else 2)
@@ -127,7 +132,7 @@ class Engine:
             self.memory_plan = replace(plan, regions=self.files.layout.regions)
             node_plan.report(self.memory_plan, self.job, torch.cuda.is_available())
             self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
-            self.stager = Stager(self.files, self.adapter.slot_slices, self.rank)
+            self.stager = Stager(self.files, self.adapter.slot_slices, self.rank, kernel=kernel)
             self.stager.pin()
             self.session.start()
         except (SlotSpaceError, AgentUnavailable) as exc:
@@ -145,9 +150,7 @@ class Engine:
         if self._warm or self.stager is None or not self.adapter.has_state:
             return
         self._warm = True
-        live = self.adapter.live_views()
-        self.stager.prepare(live)
-        self.stager.sums(live).start(())  # (on a GPU: compiles the checksum kernel now, not in the first save)
+        self.stager.prepare(self.adapter.live_views())  # (the kernel itself was compiled at start-up)
 
     # ---- save ----------------------------------------------------------------------------------------
     @without_gc

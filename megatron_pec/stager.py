@@ -9,14 +9,19 @@ items into the regions chosen for them, ``copy`` of more, ``finish``), and ``fin
 yields the items' checksums (``sums()``).
 
 Checksums are computed where the bytes come from: on the GPU, by the copy stream, over the live
-tensors it copies, all items of a snapshot in one kernel launch (``run_sums``); two int64 partial sums
-per chunk travel to the host with the snapshot. On the CPU the copies are synchronous memcpys and the
+tensors it copies, all items of a snapshot in one kernel launch (``run_sums``; the kernel compiled and
+loaded at start-up by ``run_sums.KernelLoad``); two int64 partial sums per chunk travel to the host with
+the snapshot. Only device memory goes to the device: runs whose live tensors are in host memory (the
+stateless views before the first optimizer step, CPU-offloaded optimizer state) are copied synchronously
+and summed over their copies in node memory, as on CPU ranks. On the CPU the copies are synchronous memcpys and the
 sums are computed over node memory once the copies are done (``sum64.item_sums``), by whoever asks (the
 hand-over thread, off the training thread).
 
 A snapshot enqueues a fixed number of operations whatever the number of items and runs: one
 ``_foreach_copy_`` per ``copy`` call (two per save: the dense state, then the experts) and, at
-``finish``, the sums' launch and their copy to the host.
+``finish``, the sums' launch and their copy to the host. Nothing on that path waits for the device: the
+sums' tables are uploaded once, from page-locked memory, when a binding is made; every wait for a copy
+(the hand-over, ``synchronize``, ``close``) blocks on an event without spinning a core.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from megatron_pec.coalesce import coalesced_with_starts, run_view
 from megatron_pec.items import NON_EXPERT
 from megatron_pec.memlayout import POOL
-from megatron_pec.run_sums import PendingSums, RunSums
+from megatron_pec.run_sums import KernelLoad, PendingSums, RunSums, on_device
 from megatron_pec.slots import SlotFiles
 from megatron_pec.sum64 import item_sums
 
@@ -75,13 +80,24 @@ class Staging:
     def copy(self, placement: dict[str, int]) -> None:
         """Start copying the slices of each item of ``placement`` into the slot it names."""
         stager = self.stager
-        dst, src = [], []
+        dst, src, host_dst, host_src = [], [], [], []
         for item, slot in placement.items():
             runs = stager.runs(slot, item, self.live)
             if runs is not None:
-                dst += runs[0]
-                src += runs[1]
+                host = stager.host_runs(item) if stager.stream is not None else ()
+                if host:  # (in host memory: copied here, by the host, never by a device kernel)
+                    host_dst += [runs[0][i] for i in host]
+                    host_src += [runs[1][i] for i in host]
+                    kept = [i for i in range(len(runs[0])) if i not in host]
+                    dst += [runs[0][i] for i in kept]
+                    src += [runs[1][i] for i in kept]
+                else:
+                    dst += runs[0]
+                    src += runs[1]
                 self.placed[item] = slot
+        if host_dst:
+            with torch.no_grad():
+                torch._foreach_copy_(host_dst, host_src)
         if not dst:
             return
         stream = stager.stream
@@ -90,6 +106,7 @@ class Staging:
         # (no_grad: main params require grad, and autograd would record every copy)
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
+        stager.enqueued()  # (a save skipped after this copy still has it in flight: ``Stager.close`` waits)
 
     def drop(self, placement: dict[str, int]) -> None:
         """These items were copied for nothing (the save's agreement left them out): not part of it."""
@@ -103,31 +120,38 @@ class Staging:
             files = stager.files
             return StagedCopy(over_regions=[(files.mapping(slot), files.item_header(slot, item), item)
                                             for item, slot in self.placed.items()])
-        with torch.no_grad(), torch.cuda.stream(stager.stream):
-            sums = stager.sums(self.live).start(self.placed)
-        event = torch.cuda.Event()
-        event.record(stager.stream)
-        return StagedCopy(event, sums)
+        landed = stager.landed(self.placed, self.live)  # (host runs: summed over their copies in node memory)
+        with torch.no_grad(), torch.cuda.stream(stager.stream):  # (a new binding's table uploads on it too)
+            sums = stager.sums(self.live)
+            pending = sums.start(self.placed, landed) if landed else sums.start(self.placed)
+        return StagedCopy(stager.enqueued(), pending)
 
 
 class Stager:
     """``asynchronous``: copies on a side stream with the sums on the device (default: on a GPU);
-    ``sums_for``: the item sums over the live runs (default ``RunSums.for_device``; the tests count
-    launches through their own)."""
+    ``kernel``: the checksum kernel's load, started by the engine at start-up (default: started here, with
+    the copy stream); ``sums_for``: the item sums over the live runs (default ``RunSums.for_runs``; the
+    tests count launches through their own); ``is_device``: whether a live tensor is device memory
+    (default ``run_sums.on_device``; the CPU tests mark some CPU tensors as device memory)."""
 
     def __init__(self, files: SlotFiles, slot_slices, rank: int, asynchronous: bool | None = None,
-                 sums_for=None):
+                 sums_for=None, kernel: KernelLoad | None = None, is_device=None):
         self.files, self.slot_slices, self.rank = files, slot_slices, rank
         if asynchronous is None:
             asynchronous = torch.cuda.is_available()
         self.stream = torch.cuda.Stream() if asynchronous else None
-        self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self._sums_for = sums_for or (lambda runs: RunSums.for_device(runs, self.device))
+        self.is_device = is_device or on_device
+        if kernel is None and asynchronous and sums_for is None:
+            kernel = KernelLoad(torch.cuda.current_device())
+        self.kernel = kernel
+        self._sums_for = sums_for or (lambda runs: RunSums.for_runs(runs, self.kernel, self.is_device))
+        self._last = None  # a blocking event after the last work enqueued on the copy stream
         self.pinning = None
         self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
         self._runs: dict[tuple[int, str], list] = {}  # (slot, item) -> views of its runs there (kept: a few per item)
         self._runs_of = None     # the live views the runs read
         self._run_starts = None  # item -> (first slice name and size of each run, live views of the runs)
+        self._host_runs: dict[str, tuple[int, ...]] = {}  # item -> its runs whose live views are host memory
         self._sums = None        # the item sums over those live views (``RunSums``)
 
     def pin(self) -> None:
@@ -144,15 +168,40 @@ class Stager:
         """A snapshot from the live views ``live``."""
         return Staging(self, live)
 
+    def enqueued(self):
+        """A blocking event (the waiting thread sleeps, no core spins) after what the copy stream has been given
+        so far; the one ``synchronize`` and ``close`` wait for. None on CPU ranks (their copies are done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.stream)
+        self._last = event
+        return event
+
     def synchronize(self) -> None:
-        """Wait for every copy started so far."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        """Wait for every copy started so far (blocking, not spinning)."""
+        if self._last is not None:
+            self._last.synchronize()
 
     def prepare(self, live: dict) -> None:
         """Bind ``live``: each item's runs (coalesced once) and their sums, before the first save."""
         self._bind(live)
         self.sums(live)
+
+    def host_runs(self, item: str) -> tuple[int, ...]:
+        """Indices of ``item``'s runs whose live tensors are in host memory (once bound; mostly none)."""
+        return self._host_runs.get(item, ())
+
+    def landed(self, placed: dict[str, int], live: dict) -> dict[str, list]:
+        """item -> [(its copy in node memory, byte offset within the item)] of each host run of the ``placed``
+        items (what the host sums, rather than the live tensors a later optimizer step may change)."""
+        out = {}
+        for item, slot in placed.items():
+            host = self.host_runs(item)
+            if host:
+                dst = self.runs(slot, item, live)[0]
+                out[item] = [(dst[i], self.run_offsets[item][i]) for i in host]
+        return out
 
     def runs(self, slot: int, item: str, live: dict) -> tuple[list, list] | None:
         """(views in ``slot``, live views) of ``item``'s runs; None for an item the rank does not hold."""
@@ -186,10 +235,13 @@ class Stager:
             dst.append(first_region[s.item][s.name])
             src.append(live[s.name])
             names.append(s.name)
-        self._run_starts, self.run_offsets = {}, {}
+        self._run_starts, self.run_offsets, self._host_runs = {}, {}, {}
         for item, (dst, src, names) in pairs.items():
             run_dst, run_src, starts = coalesced_with_starts(dst, src)
             self._run_starts[item] = ([names[i] for i in starts], [t.numel() for t in run_dst], run_src)
+            host = tuple(i for i, t in enumerate(run_src) if not self.is_device(t))
+            if host:
+                self._host_runs[item] = host
             offsets, at = [], 0
             for t in run_dst:
                 offsets.append(at)
@@ -209,7 +261,10 @@ class Stager:
         return None if self._run_starts is None or item not in self._run_starts else self._run_starts[item][0]
 
     def close(self) -> None:
-        """Forget the copy plan (it holds views of the slots) and unpin (before the slots are unmapped)."""
+        """Wait for every copy enqueued (a skipped save's too: no snapshot waits for it), forget the copy plan
+        (it holds views of the slots) and unpin: before the slots are unmapped."""
+        self.synchronize()
+        self._last = None
         self._runs, self._runs_of, self._run_starts, self._sums = {}, None, None, None
         if self.pinning is not None:
             self.pinning.unpin_all()

@@ -9,6 +9,7 @@ A chunk whose item is not selected writes zeros (its sums are not asked for).
 
 Imported only where Triton is (CUDA builds of torch ship it). With ``TRITON_INTERPRET=1`` set before
 Triton is first imported, the same kernel runs on CPU tensors in Triton's interpreter (the tests).
+``load`` compiles and loads it at start-up (``run_sums.KernelLoad``, a thread), never in a save or a restore.
 """
 
 from __future__ import annotations
@@ -57,4 +58,28 @@ def launch(kernel, table, partials, selected) -> None:
     kernel[(table.shape[0],)](table, partials, selected, BLOCK=BLOCK)
 
 
-__all__ = ["BLOCK", "chunk_sums", "launch"]
+def load(device) -> None:
+    """Compile the kernel for ``device`` and load it there: one launch over one word, its sums checked. Triton
+    caches what it compiled per process and device, so later launches with arguments of the same kinds
+    (torch-allocated int64 table and partials, uint8 selection) compile nothing. Raises what Triton raises
+    when it cannot compile (no C compiler, no writable cache, a driver it does not know) and RuntimeError
+    when the sums are wrong. Any thread: the device and the stream are set here."""
+    import contextlib
+
+    import torch
+
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        stream = torch.cuda.Stream(device) if on_gpu else None
+        with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+            word = torch.full((1,), 0x0102030405060708, dtype=torch.int64, device=device)
+            table = torch.tensor([[word.data_ptr(), 8, 0, 3, 0]], dtype=torch.int64).to(device)
+            partials = torch.zeros((1, 2), dtype=torch.int64, device=device)
+            launch(chunk_sums, table, partials, torch.ones(1, dtype=torch.uint8, device=device))
+            got = partials.cpu().tolist()
+    if got != [[0x0102030405060708, 0x0102030405060708]]:
+        raise RuntimeError(f"the compiled checksum kernel gives {got} for a known word")
+
+
+__all__ = ["BLOCK", "chunk_sums", "launch", "load"]

@@ -2,28 +2,37 @@
 over the chunk table (``chunks.py``) gives ``Sum64``'s values bit for bit, run here on CPU tensors by
 Triton's interpreter (a fresh process with TRITON_INTERPRET=1: the interpreter must be chosen before
 Triton is first imported); ``tests/gpu/`` runs the compiled kernel on CUDA. And what a snapshot
-enqueues on the device does not grow with its runs."""
+enqueues on the device does not grow with its runs.
+
+Issue 41, the branches of the GPU path that need no device: the kernel is compiled and loaded at
+start-up in a thread, so a fresh process's restore compiles nothing; a Triton that cannot compile falls
+back to the stock operations with one log line, before any save; only device memory goes to the kernel
+(tensors in host memory are copied and summed by the host, a mixed snapshot is bit-exact); close waits
+for every copy it enqueued, on blocking events."""
 
 import json
 import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 
 from conftest import REPO, WORKERS
-from megatron_pec.chunks import CHUNK_BYTES, run_rows, unit_log2
+from megatron_pec.chunks import CHUNK_BYTES, run_rows, table_rows, unit_log2
 
 pytest.importorskip("triton")
 
 
-def interpreted(mode: str, *args: str) -> dict:
+def interpreted(mode: str, *args: str, stderr: list | None = None) -> dict:
     out = args[0]
     proc = subprocess.run([sys.executable, str(WORKERS / "fused_sums.py"), mode, *args], capture_output=True,
                           text=True, timeout=300, cwd=REPO,
                           env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     with open(out) as f:
         return json.load(f)
 
@@ -88,3 +97,218 @@ def test_the_kernel_compiles_for_the_gpus_users_train_on():
     for capability in (80, 90, 100):
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
         assert compiled.asm["cubin"], capability
+
+
+def test_the_table_of_every_run_at_once_equals_the_rows_run_by_run():
+    """The binding's table is built with numpy over every run (ms at 10^5 runs): the same rows as ``run_rows``
+    one run at a time, over runs of every alignment, size (head, chunks, tail) and item."""
+    rng = numpy.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(1, 25))
+        addrs = rng.integers(0, 1 << 40, n)
+        sizes = rng.integers(1, 3 * CHUNK_BYTES + 50, n) * (rng.random(n) < 0.5) + rng.integers(1, 40, n)
+        positions, owners = rng.integers(0, 1 << 20, n), numpy.sort(rng.integers(0, 5, n))
+        expected = [list(r) for a, b, p, o in zip(addrs, sizes, positions, owners)
+                    for r in run_rows(int(a), int(b), int(p), int(o))]
+        assert table_rows(addrs, sizes, positions, owners).tolist() == expected
+
+
+class _Marked:
+    def __init__(self, *tensors):
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+
+    def __call__(self, tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.storages
+
+
+def _items():
+    sys.path.insert(0, str(WORKERS))
+    from fused_sums import mixed_items
+
+    return mixed_items(5)
+
+
+def test_runs_are_summed_where_each_tensor_is_and_add_up_to_the_reference():
+    """Item 4 without the interpreter: the kernel is chosen by each tensor's device, not the caller's. A
+    binding with runs in device and host memory sums each part on its side (the device part here by the stock
+    operations: no kernel loaded), and every item's sums equal numpy's over all its bytes; a binding with no
+    device memory at all never touches a device path."""
+    from megatron_pec.run_sums import HostRunSums, RunSums, SplitRunSums, StockRunSums, split_runs
+
+    items = _items()
+    marked = _Marked(*[t for runs in items.values() for k, (t, _) in enumerate(runs) if k % 3 == 0])
+    device, host = split_runs(items, marked)
+    assert all(marked(t) for runs in device.values() for t, _ in runs)
+    assert not any(marked(t) for runs in host.values() for t, _ in runs)
+    sums = RunSums.for_runs(items, None, marked)
+    assert isinstance(sums, SplitRunSums) and [type(p) for p in sums.parts] == [StockRunSums, HostRunSums]
+    reference = HostRunSums(items, "cpu")
+    for chosen in (list(items), ["L1.E2"], ["empty", "L1.E4"]):
+        assert sums.start(chosen).digests() == reference.start(chosen).digests()
+    assert isinstance(RunSums.for_runs(items, None), HostRunSums)  # (CPU tensors: host memory)
+
+
+def test_the_stock_fallback_gives_items_without_runs_the_references_sums():
+    from megatron_pec.run_sums import HostRunSums, StockRunSums
+
+    items = _items()
+    chosen = ["empty", "L1.E1"]
+    assert StockRunSums(items, "cpu").start(chosen).digests() == HostRunSums(items, "cpu").start(chosen).digests()
+
+
+def test_a_kernel_that_cannot_be_compiled_leaves_the_stock_sums_and_never_raises():
+    from megatron_pec.run_sums import KernelLoad, RunSums, StockRunSums
+
+    def no_compiler(device):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    load = KernelLoad("cpu", load=no_compiler)
+    assert load.kernel() is None and load.failure.startswith("RuntimeError: Failed to find C compiler")
+    items = _items()
+    assert isinstance(RunSums.for_runs(items, load, lambda t: True), StockRunSums)
+
+
+def test_the_kernel_is_loaded_by_a_thread_at_start_up():
+    import threading
+
+    from megatron_pec.run_sums import KernelLoad
+
+    seen, release = [], threading.Event()
+
+    def load(device):
+        seen.append(threading.current_thread().name)
+        release.wait(10)
+        return "kernel"
+
+    started = KernelLoad("cpu", load=load)  # (returns at once: the caller's start-up goes on)
+    release.set()
+    assert started.kernel() == "kernel" and seen == ["megatron-pec kernel load"]
+
+
+def test_a_fresh_processs_restore_compiles_nothing(tmp_path):
+    """Item 2: in a fresh process the kernel's load (its compile on a GPU) starts when the stager is built (the
+    engine's start-up), in its own thread; the restore's check on the device and the save after it start
+    none, one launch each, with the right sums."""
+    result = interpreted("startup", str(tmp_path / "startup.json"), str(tmp_path / "slots"))
+    assert result["loads"] == [{"phase": "start", "thread": "megatron-pec kernel load"}]
+    assert result["launches"] == {"megatron-pec kernel load": 1, "restore in MainThread": 1,
+                                  "save in MainThread": 1}
+    assert result["restored"] == result["saved"] == result["reference"]
+
+
+@pytest.mark.parametrize("error", ["RuntimeError", "ImportError"])
+def test_a_triton_that_cannot_compile_falls_back_at_start_up_with_one_line(tmp_path, error):
+    """Item 3: the kernel's load raises (no C compiler; or no Triton): two engines (one rebuilt), each with a
+    restore check and two saves: the stock-operation sums, right, no launch of the kernel, no exception, and
+    one log line in all."""
+    stderr = []
+    result = interpreted("nocompile", str(tmp_path / "nocompile.json"), str(tmp_path / "slots"), error,
+                         stderr=stderr)
+    assert result["kinds"] == ["StockRunSums", "StockRunSums"] and result["launches"] == 0
+    assert all(f.startswith(error) for f in result["failures"]) and result["restored"] == [True, True]
+    assert len(result["saves"]) == 4 and all(s["sums"] == s["reference"] for s in result["saves"])
+    assert stderr[0].count("the checksum kernel cannot be compiled here") == 1, stderr[0][-2000:]
+
+
+def test_host_memory_is_copied_and_summed_by_the_host_and_a_mixed_snapshot_is_exact(tmp_path):
+    """Item 4 through the interpreter: runs marked as device memory go to the kernel, the others (host tensors,
+    as the moments before the first optimizer step) never do; a binding's digests and a staged snapshot of a
+    mix (its bytes in node memory and its sums) equal the reference bit for bit."""
+    result = interpreted("mixed", str(tmp_path / "mixed.json"), str(tmp_path / "slots"))
+    split = result["split"]
+    assert (split["kind"], split["parts"]) == ("SplitRunSums", ["FusedRunSums", "HostRunSums"])
+    assert split["device_runs_marked"] and split["host_runs_unmarked"] and split["every_run_once"]
+    assert split["both_sides"] and split["kernel_read_device"] and not split["kernel_read_host"]
+    for case in split["cases"]:
+        assert case["mixed"] == case["reference"], case["items"]
+    snapshot = result["snapshot"]
+    assert snapshot["host_runs"] == {"dense": 2, "L1.E0": 2, "L1.E1": 2}  # (each item's two moments)
+    assert snapshot["landed"] and snapshot["sums"] == snapshot["reference"]
+    assert snapshot["launches"] == 1 and snapshot["kernel_read_device"] and not snapshot["kernel_read_host"]
+
+
+class _Recorder:
+    """torch.cuda's streams and events on CPU, recording what waits for what."""
+
+    def __init__(self):
+        self.log = []
+        recorder = self
+
+        class Event:
+            count = 0
+
+            def __init__(self, blocking=False, **kwargs):
+                Event.count += 1
+                self.name, self.blocking, self.recorded = f"event{Event.count}", blocking, False
+
+            def record(self, stream=None):
+                self.recorded = True
+                recorder.log.append(("record", self.name))
+
+            def synchronize(self):
+                recorder.log.append(("wait", self.name, self.blocking))
+
+            def query(self):
+                return True
+
+        class Stream:
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def wait_stream(self, other):
+                pass
+
+            def wait_event(self, event):
+                pass
+
+            def synchronize(self):
+                recorder.log.append(("stream synchronize",))
+
+        self.Event, self.Stream = Event, Stream
+
+
+def test_close_waits_for_a_skipped_saves_copy_on_a_blocking_event_before_unpinning(tmp_path, monkeypatch):
+    """Item 5: a save copies its dense state and is then skipped (no snapshot, no event of its own to wait
+    for); closing the stager waits for that copy before it unregisters the page-locked memory (and the engine
+    unmaps the slots after). Every wait is on a blocking event: the waiting thread sleeps, no core spins
+    (the hand-over's wait for a snapshot's copies included)."""
+    import contextlib
+
+    from megatron_pec.memlayout import POOL, MemoryLayout
+    from megatron_pec.run_sums import HostRunSums
+    from megatron_pec.slots import SlotFiles
+    from megatron_pec.stager import Stager
+    from megatron_pec.stformat import layout
+
+    recorder = _Recorder()
+    monkeypatch.setattr(torch.cuda, "Event", recorder.Event)
+    monkeypatch.setattr(torch.cuda, "Stream", recorder.Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: recorder.Stream())
+    entries = layout([("dense/w.param", torch.float32, 100), ("L1.E0/w.param", torch.float32, 50)])
+    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1)
+    live = {e.name: torch.randn(e.numel) for e in entries}
+    slices = [type("S", (), {"name": e.name, "item": e.item})() for e in entries]
+    stager = Stager(files, slices, 0, asynchronous=True, is_device=lambda t: True,
+                    sums_for=lambda runs: HostRunSums(runs, "cpu"))
+
+    class Pinning:
+        def unpin_all(self):
+            recorder.log.append(("unpin",))
+
+    stager.pinning = Pinning()
+    staged = stager.begin(live)
+    staged.copy({"dense": 1})
+    staged.copy({"L1.E0": POOL})
+    snapshot = staged.finish()
+    snapshot.wait()  # (what the hand-over thread does)
+    assert recorder.log[-1] == ("wait", recorder.log[-2][1], True)
+    skipped = stager.begin(live)
+    skipped.copy({"dense": 0})  # (the save is skipped now: no finish, no snapshot)
+    last_copy = recorder.log[-1]
+    assert last_copy[0] == "record"
+    stager.close()
+    files.close()
+    assert recorder.log[-2:] == [("wait", last_copy[1], True), ("unpin",)], recorder.log
+    assert all(entry[2] for entry in recorder.log if entry[0] == "wait")
+    assert ("stream synchronize",) not in recorder.log

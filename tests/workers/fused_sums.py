@@ -5,19 +5,29 @@ TRITON_INTERPRET=1 before anything imports Triton). argv: MODE OUT_JSON [SLOT_DI
   within the item, odd byte counts, runs longer than a chunk, empty items, subsets of items) by the
   kernel, by ``Sum64`` over the bytes (the reference) and by stock torch operations (``DeviceSums``);
 * ``launches``: what one snapshot enqueues through the stager's device path (the CPU stand-ins for the
-  streams), with 10 and with 10,000 runs: torch operations dispatched and kernel launches.
+  streams), with 10 and with 10,000 runs: torch operations dispatched and kernel launches;
+* ``mixed``:    runs of "device" tensors (CPU tensors the test marks as device memory) and of host tensors:
+  the partition by each tensor, the digests of a mixed binding, and a staged snapshot of a mix (params on
+  the "device", moments on the host, as before the first optimizer step) in node memory, bit for bit, with
+  the device kernel reading device memory only;
+* ``startup``:  a fresh process: the stager starts the kernel's load (its compile) at start-up, in a
+  thread; a restore's check and a save after it load nothing;
+* ``nocompile``: the kernel's load raises as a Triton without a C compiler does: the stock-operation sums,
+  one log line, saves and restores without an exception (argv: MODE OUT SLOT_DIR EXCEPTION).
 """
 
 import json
 import os
 import sys
+import threading
 
 import numpy
 import torch
 
 from megatron_pec import sum64_kernel  # (Triton imported here: interpreted under TRITON_INTERPRET=1)
 from megatron_pec.chunks import CHUNK_BYTES
-from megatron_pec.run_sums import FusedRunSums, HostRunSums
+from megatron_pec.memlayout import POOL
+from megatron_pec.run_sums import FusedRunSums, HostRunSums, StockRunSums
 
 
 def mixed_items(seed: int) -> dict:
@@ -54,26 +64,15 @@ def exact(out: str) -> None:
     for chosen in (list(items), ["L1.E3"], ["L1.E0", "empty", "L1.E5"]):
         result["cases"].append({"items": chosen, "fused": fused.start(chosen).digests(),
                                 "reference": reference.start(chosen).digests(),
-                                "stock": _stock_digests(items, chosen)})
+                                "stock": StockRunSums(items, "cpu").start(chosen).digests()})
     with open(out, "w") as f:
         json.dump(result, f)
-
-
-def _stock_digests(items, chosen) -> dict:
-    from megatron_pec.sum64 import DeviceSums
-
-    sums = DeviceSums("cpu")
-    for item in chosen:
-        for tensor, offset in items[item]:
-            sums.add(item, tensor, offset)
-    digests = sums.digests(sums.result())
-    return {item: digests.get(item, "s64:" + "0" * 32) for item in chosen}
 
 
 def launches(out: str, slot_dir: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_pec.memlayout import POOL, MemoryLayout
+    from megatron_pec.memlayout import MemoryLayout
     from megatron_pec.slots import SlotFiles
     from megatron_pec.stager import Stager
     from megatron_pec.stformat import layout
@@ -103,7 +102,7 @@ def launches(out: str, slot_dir: str) -> None:
         source = torch.randn(runs * 4)
         live = {e.name: source[4 * i:4 * i + 3] for i, e in enumerate(entries)}
         slices = [type("Slice", (), {"name": e.name, "item": e.item})() for e in entries]
-        stager = Stager(files, slices, 0, asynchronous=True,
+        stager = Stager(files, slices, 0, asynchronous=True, is_device=lambda t: True,
                         sums_for=lambda r: FusedRunSums(r, "cpu", sum64_kernel.chunk_sums))
         stager.prepare(live)  # (what the engine does once, after the first optimizer step)
         stager.runs(1, "dense", live), stager.runs(POOL, "L1.E0", live)
@@ -121,6 +120,204 @@ def launches(out: str, slot_dir: str) -> None:
         json.dump(result, f)
 
 
+class Marked:
+    """``is_device`` for the tests: a tensor is "device memory" when its storage is one of the marked ones."""
+
+    def __init__(self, *tensors):
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+
+    def __call__(self, tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.storages
+
+
+def mixed(out: str, slot_dir: str) -> None:
+    from megatron_pec.run_sums import KernelLoad, RunSums, SplitRunSums, split_runs
+    from megatron_pec.sum64 import item_sums
+    from megatron_pec.testing import cpu
+
+    cpu.activate()
+    launched = []  # the [start, end) byte ranges each kernel launch's table reads
+    original = sum64_kernel.launch
+
+    def launch(kernel, table, partials, selected):
+        if threading.current_thread() is threading.main_thread():  # (not the start-up load's own launch)
+            launched.append([(r[0], r[0] + r[1]) for r in table.tolist()])
+        original(kernel, table, partials, selected)
+
+    sum64_kernel.launch = launch
+    result = {}
+    # 1. A binding's runs, some in "device" memory: split by each tensor, the digests equal the reference.
+    items = mixed_items(7)
+    device_tensors = [t for runs in items.values() for k, (t, _) in enumerate(runs) if k % 2 == 0]
+    marked = Marked(*device_tensors)
+    device_runs, host_runs = split_runs(items, marked)
+    sums = RunSums.for_runs(items, KernelLoad("cpu"), marked)
+    reference = HostRunSums(items, "cpu")
+    result["split"] = {
+        "kind": type(sums).__name__, "parts": [type(p).__name__ for p in getattr(sums, "parts", [])],
+        "device_runs_marked": all(marked(t) for runs in device_runs.values() for t, _ in runs),
+        "host_runs_unmarked": not any(marked(t) for runs in host_runs.values() for t, _ in runs),
+        "every_run_once": all(len(items[i]) == len(device_runs[i]) + len(host_runs[i]) for i in items),
+        "both_sides": sum(map(len, device_runs.values())) > 0 and sum(map(len, host_runs.values())) > 0,
+        "cases": []}
+    assert isinstance(sums, SplitRunSums)
+    for chosen in (list(items), ["L1.E3"], ["L1.E0", "empty", "L1.E5"]):
+        result["split"]["cases"].append({"items": chosen, "mixed": sums.start(chosen).digests(),
+                                         "reference": reference.start(chosen).digests()})
+    result["split"]["kernel_read_host"] = _reads_any(launched, [t for runs in host_runs.values() for t, _ in runs])
+    result["split"]["kernel_read_device"] = _reads_any(launched, device_tensors)
+    launched.clear()
+    # 2. A staged snapshot of a mix: params in "device" memory, moments host zeros (collect.stateless_views).
+    files, slices, live, device_base = _mixed_state(slot_dir)
+    marked = Marked(device_base)
+    stager = Stager_(files, slices, marked)
+    stager.prepare(live)
+    staging = stager.begin(live)
+    staging.copy({"dense": 1})
+    staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
+    staged = staging.finish()
+    got = staged.sums()
+    want = {}
+    for item, slot in staging.placed.items():
+        want.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+    landed = all(bytes(files.item_views(slot, name.split("/", 1)[0])[name].numpy().tobytes())
+                 == live[name].numpy().tobytes() for name in live
+                 for slot in [staging.placed[name.split("/", 1)[0]]])
+    host_live = [t for name, t in live.items() if not marked(t)]
+    result["snapshot"] = {"sums": got, "reference": want, "landed": landed,
+                          "host_runs": {item: len(stager.host_runs(item)) for item in staging.placed},
+                          "launches": len(launched), "kernel_read_host": _reads_any(launched, host_live),
+                          "kernel_read_device": _reads_any(launched, [device_base])}
+    stager.close()
+    files.close()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def _reads_any(launched, tensors) -> bool:
+    """Whether a launch's table reads a byte of ``tensors``."""
+    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()]
+    return any(a < e and s < b for rows in launched for a, b in rows for s, e in ranges)
+
+
+def _mixed_state(slot_dir: str):
+    """A rank's slot files and live views: dense and two experts, each a param (in one "device" tensor) and
+    two moments (host zeros of their own, as ``collect.stateless_views`` gives before the first step)."""
+    from megatron_pec.memlayout import MemoryLayout
+    from megatron_pec.slots import SlotFiles
+    from megatron_pec.stformat import layout
+
+    sizes = {"dense": 3001, "L1.E0": 777, "L1.E1": 1024}
+    specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in sizes.items()
+             for kind in ("param", "exp_avg", "exp_avg_sq")]
+    entries = layout(specs)
+    files = SlotFiles(slot_dir, 0, MemoryLayout.of(entries, 4), 1)
+    device_base = torch.randn(sum(sizes.values()) + 8)
+    live, at = {}, 1  # (one element in: runs 4 bytes off 8-alignment)
+    for item, n in sizes.items():
+        live[f"{item}/w.param"] = device_base[at:at + n]
+        at += n
+        live[f"{item}/w.exp_avg"] = torch.randn(n)  # (not zeros: a misplaced byte must show)
+        live[f"{item}/w.exp_avg_sq"] = torch.rand(n)
+    slices = [type("Slice", (), {"name": e.name, "item": e.item})() for e in entries]
+    return files, slices, live, device_base
+
+
+def Stager_(files, slices, marked, **kwargs):
+    """The stager the engine builds on a GPU (copy stream, the kernel loaded at start-up), on CPU."""
+    from megatron_pec.stager import Stager
+
+    return Stager(files, slices, 0, asynchronous=True, is_device=marked, **kwargs)
+
+
+def startup(out: str, slot_dir: str) -> None:
+    """What a relaunched trainer does: the engine starts (the stager, the kernel's load in a thread), then a
+    restore checks what it copied (``Engine._checked_after_copy``), then saves. Every load of the kernel
+    (its compile, on a GPU) is recorded with the phase it started in and its thread."""
+    from megatron_pec.sum64 import item_sums
+    from megatron_pec.testing import cpu
+
+    cpu.activate()
+    phase, loads, launches_in = ["start"], [], {}
+    original_load, original_launch = sum64_kernel.load, sum64_kernel.launch
+
+    def load(device):
+        loads.append({"phase": phase[0], "thread": threading.current_thread().name})
+        original_load(device)
+
+    def launch(*args):
+        thread = threading.current_thread()  # (the load's own launch: whichever phase the main thread is in)
+        key = f"{phase[0]} in {thread.name}" if thread is threading.main_thread() else thread.name
+        launches_in[key] = launches_in.get(key, 0) + 1
+        original_launch(*args)
+
+    sum64_kernel.load, sum64_kernel.launch = load, launch
+    files, slices, live, device_base = _mixed_state(slot_dir)
+    marked = Marked(*live.values())  # (after a restore every tensor is the optimizer's, on the device)
+    stager = Stager_(files, slices, marked)  # (``Engine._start_memory_tier``)
+    phase[0] = "restore"
+    items = ["dense", "L1.E0", "L1.E1"]
+    restored = stager.sums(live).start(items).digests()  # (``Engine._checked_after_copy``)
+    phase[0] = "save"
+    staging = stager.begin(live)
+    staging.copy({"dense": 1})
+    staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
+    staged = staging.finish()
+    saved = staged.sums()
+    want = {}
+    for item, slot in staging.placed.items():
+        want.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+    stager.close()
+    files.close()
+    with open(out, "w") as f:
+        json.dump({"loads": loads, "launches": launches_in, "restored": restored, "saved": saved,
+                   "reference": want}, f)
+
+
+def nocompile(out: str, slot_dir: str, error: str) -> None:
+    """Triton imports but cannot compile (``error``: what the kernel's load raises)."""
+    from megatron_pec.sum64 import item_sums
+    from megatron_pec.testing import cpu
+
+    cpu.activate()
+
+    def load(device):
+        if error == "ImportError":
+            raise ImportError("No module named 'triton'")
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    sum64_kernel.load = load
+    launches = []
+    sum64_kernel.launch = lambda *args: launches.append(args)
+    result = {"saves": []}
+    for engine in range(2):  # (an engine rebuilt for another optimizer loads again: said once all the same)
+        files, slices, live, device_base = _mixed_state(os.path.join(slot_dir, str(engine)))
+        marked = Marked(*live.values())
+        stager = Stager_(files, slices, marked)
+        stager.prepare(live)  # (``Engine._warm_up``, after the first optimizer step)
+        sums = stager.sums(live)
+        restored = sums.start(["dense", "L1.E0"]).digests()
+        for _ in range(2):
+            staging = stager.begin(live)
+            staging.copy({"dense": 1})
+            staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
+            staged = staging.finish()
+            want = {}
+            for item, slot in staging.placed.items():
+                want.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+            result["saves"].append({"sums": staged.sums(), "reference": want})
+        result.setdefault("kinds", []).append(type(sums).__name__)
+        result.setdefault("failures", []).append(stager.kernel.failure)
+        result.setdefault("restored", []).append(restored == {k: want[k] for k in restored})
+        stager.close()
+        files.close()
+    result["launches"] = len(launches)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (CPU tensors)"
-    {"exact": lambda: exact(sys.argv[2]), "launches": lambda: launches(sys.argv[2], sys.argv[3])}[sys.argv[1]]()
+    {"exact": lambda: exact(sys.argv[2]), "launches": lambda: launches(sys.argv[2], sys.argv[3]),
+     "mixed": lambda: mixed(sys.argv[2], sys.argv[3]), "startup": lambda: startup(sys.argv[2], sys.argv[3]),
+     "nocompile": lambda: nocompile(sys.argv[2], sys.argv[3], sys.argv[4])}[sys.argv[1]]()
