@@ -1,10 +1,13 @@
-"""The GPU path, on a GPU (skipped without CUDA; the CPU suite tests the same code with stand-ins):
-checksums computed on the device equal the CPU's bit for bit, a staged snapshot's copies land in pinned
-slots with the device's sums, large mappings register in chunks, and the example trainer snapshots every
-iteration, is killed and restores from node memory with its bytes checked on the device."""
+"""The GPU path, on a GPU (skipped without CUDA; the CPU suite tests the same code with stand-ins and
+Triton's interpreter: tests/test_fused_sums.py): checksums computed on the device equal the CPU's bit for
+bit, a staged snapshot's copies land in pinned slots with the device's sums (host-memory tensors copied
+and summed by the host), nothing on the copy stream's path synchronizes, a fresh process's restore
+compiles nothing, and the example trainer snapshots every iteration, is killed and restores from node
+memory with its bytes checked on the device."""
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy
@@ -15,6 +18,7 @@ from megatron_pec.testing import launch
 
 from conftest import REPO
 
+sys.path.insert(0, str(REPO / "tests" / "workers"))
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -33,48 +37,104 @@ def test_device_sums_equal_the_cpu_sums_bit_for_bit():
 
 def test_the_one_launch_kernel_equals_the_cpu_sums_bit_for_bit():
     """The compiled Triton kernel over every kind of run (the interpreter runs the same cases on CPU:
-    tests/test_fused_sums.py), and the stock-operation fallback, against numpy over the same bytes."""
-    sys.path.insert(0, str(REPO / "tests" / "workers"))
+    tests/test_fused_sums.py), and the stock-operation fallback, against numpy over the same bytes (items
+    without runs included: zeros, as the reference); a binding with runs on both sides sums each where it is."""
     from fused_sums import mixed_items
 
     from megatron_pec import sum64_kernel
-    from megatron_pec.run_sums import FusedRunSums, HostRunSums, RunSums, StockRunSums
+    from megatron_pec.run_sums import (FusedRunSums, HostRunSums, KernelLoad, RunSums, SplitRunSums,
+                                       StockRunSums)
 
     host = mixed_items(11)
     device = {item: [(t.cuda(), offset) for t, offset in runs] for item, runs in host.items()}
-    assert isinstance(RunSums.for_device(device, "cuda"), FusedRunSums)
+    load = KernelLoad(torch.cuda.current_device())
+    assert load.kernel() is sum64_kernel.chunk_sums, load.failure
+    assert isinstance(RunSums.for_runs(device, load), FusedRunSums)
+    mixed = {item: [(t if k % 2 else t.cuda(), offset) for k, (t, offset) in enumerate(runs)]
+             for item, runs in host.items()}
+    split = RunSums.for_runs(mixed, load)
+    assert isinstance(split, SplitRunSums) and [type(p) for p in split.parts] == [FusedRunSums, HostRunSums]
     expected = HostRunSums(host, "cpu").start(list(host)).digests()
-    for sums in (FusedRunSums(device, "cuda", sum64_kernel.chunk_sums), StockRunSums(device, "cuda")):
-        for chosen in (list(host), ["L1.E2"]):
+    for sums in (FusedRunSums(device, "cuda", sum64_kernel.chunk_sums), StockRunSums(device, "cuda"), split):
+        for chosen in (list(host), ["L1.E2"], ["empty", "L1.E4"]):
             pending = sums.start(chosen)
             torch.cuda.synchronize()
             assert pending.digests() == {item: expected[item] for item in chosen}, type(sums).__name__
 
 
-def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(tmp_path):
+def _slot_files(tmp_path, specs, regions=2):
+    from megatron_pec.memlayout import MemoryLayout
     from megatron_pec.slots import SlotFiles
-    from megatron_pec.stager import Stager
     from megatron_pec.stformat import layout
+
+    entries = layout(specs)
+    return SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, regions), 1), entries
+
+
+def _landed_sums(files, placed):
     from megatron_pec.sum64 import item_sums
 
-    entries = layout([("dense/w.param", torch.float32, 1 << 20), ("L1.E0/w.param", torch.float32, 12345)])
-    files = SlotFiles(str(tmp_path), 0, entries, 1)
+    out = {}
+    for item, slot in placed.items():
+        out.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+    return out
+
+
+@pytest.mark.parametrize("moments", ["cuda", "cpu"])
+def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(tmp_path, moments):
+    """The dense state to home slot 1, an expert to a pool region, copied on the copy stream into page-locked
+    node memory with the device's sums; with the moments in host memory (before the first optimizer step:
+    ``collect.stateless_views``), those are copied and summed by the host and the kernel reads device memory
+    only. Nothing on the path synchronizes with the device (a new binding's table included)."""
+    from megatron_pec.memlayout import POOL
+    from megatron_pec.stager import Stager
+
+    specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in (("dense", 1 << 20), ("L1.E0", 12345))
+             for kind in ("param", "exp_avg", "exp_avg_sq")]
+    files, entries = _slot_files(tmp_path, specs)
     try:
-        live = {e.name: torch.randn(e.numel, device="cuda") for e in entries}
+        live = {e.name: torch.randn(e.numel, device="cuda" if e.name.endswith("param") else moments)
+                for e in entries}
         slices = [type("S", (), {"name": e.name, "item": e.item})() for e in entries]
         stager = Stager(files, slices, 0)
         stager.pin()
         assert stager.pinning is not None and not stager.pinning.failed
-        staging = stager.begin(live)
-        staging.copy({"dense": 1, "L1.E0": 1})
-        staged = staging.finish()
+        assert stager.kernel.kernel() is not None, stager.kernel.failure  # (loaded at start-up)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # (any synchronizing call on the path raises)
+        try:
+            staging = stager.begin(live)
+            staging.copy({"dense": 1})
+            staging.copy({"L1.E0": POOL})
+            staged = staging.finish()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert [len(stager.host_runs(item)) for item in ("dense", "L1.E0")] == ([0, 0] if moments == "cuda" else [2, 2])
         sums = staged.sums()
         assert staged.done()
-        assert sums == item_sums(files.maps[1], files.header, {"dense", "L1.E0"})
-        assert torch.equal(files.views[1]["dense/w.param"], live["dense/w.param"].cpu())
+        assert sums == _landed_sums(files, staging.placed)
+        for e in entries:
+            slot = 1 if e.item == "dense" else POOL
+            assert torch.equal(files.item_views(slot, e.item)[e.name], live[e.name].cpu()), e.name
+        skipped = stager.begin(live)
+        skipped.copy({"dense": 0})  # (a save skipped after its dense copy: close waits for it)
         stager.close()
+        assert torch.equal(files.views[0]["dense/w.param"], live["dense/w.param"].cpu())
     finally:
         files.close()
+
+
+def test_a_fresh_processs_restore_compiles_nothing(tmp_path):
+    """A fresh process: the kernel compiles and loads at start-up in a thread; the restore's check (a new
+    binding: its table, one launch) and the save after it compile nothing and take milliseconds, not the
+    0.7 s of a first compile."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "gpu_fresh_restore.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["compiles_at_start"] >= 1 and result["compiles_after"] == 0, result
+    assert result["sums_equal"], result
+    assert result["restore_check_s"] < 0.2, result
 
 
 def test_the_example_snapshots_every_iteration_and_restores_from_memory_on_the_gpu(tmp_path):
