@@ -62,7 +62,7 @@ class Budget:
         return self.node_bytes if self.node_bytes is not None else int(self.ratio * node_state)
 
     def __str__(self) -> str:
-        return f"{self.ratio:g}x" if self.ratio is not None else f"{self.node_bytes / GIB:g} GiB"
+        return f"{self.ratio:g}x" if self.ratio is not None else f"{self.node_bytes / GIB:.4g} GiB"
 
 
 @dataclass(frozen=True)
