@@ -121,7 +121,9 @@ def _initialise_state_before_dist_load() -> None:
     DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
-def main() -> None:
+def main(after_prepare=None) -> None:
+    """Run the script named by ``sys.argv[1]``; ``after_prepare()`` (if given) runs once the stand-ins are in
+    and the tree is importable, right before the script (``megatron_pec.testing.state_dump`` hooks in there)."""
     if len(sys.argv) < 2 or not sys.argv[1].endswith(".py"):
         raise SystemExit("usage: python -m megatron_pec.testing.megatron_lm_cpu TREE/pretrain_gpt.py ARGS...")
     script = Path(sys.argv[1]).resolve()
@@ -130,6 +132,8 @@ def main() -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     prepare(script.parent)
+    if after_prepare is not None:
+        after_prepare()
     sys.argv = [str(script), *sys.argv[2:]]
     # The script runs as __main__ but keeps this module's spec: processes Megatron spawns (the
     # torch_dist writer's multiprocessing Manager) then import this module, not re-run the script
