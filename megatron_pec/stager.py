@@ -13,8 +13,8 @@ tensors it copies, all items of a snapshot in one kernel launch (``run_sums``; t
 loaded at start-up by ``run_sums.KernelLoad``); two int64 partial sums per chunk travel to the host with
 the snapshot. Only device memory goes to the device: runs whose live tensors are in host memory (the
 stateless views before the first optimizer step, CPU-offloaded optimizer state) are copied synchronously
-and summed over their copies in node memory, as on CPU ranks. On the CPU the copies are synchronous memcpys and the
-sums are computed over node memory once the copies are done (``sum64.item_sums``), by whoever asks (the
+and summed over their copies in node memory. On CPU ranks every copy is a synchronous memcpy and the sums
+are computed over node memory once the copies are done (``sum64.item_sums``), by whoever asks (the
 hand-over thread, off the training thread).
 
 A snapshot enqueues a fixed number of operations whatever the number of items and runs: one
@@ -50,7 +50,7 @@ class StagedCopy:
         return self._event is None or self._event.query()
 
     def wait(self) -> None:
-        """Block the calling thread until the copies have landed."""
+        """Block the calling thread until the copies have landed (a blocking event: it sleeps, no spinning)."""
         if self._event is not None:
             self._event.synchronize()
 
@@ -88,7 +88,8 @@ class Staging:
                 if host:  # (in host memory: copied here, by the host, never by a device kernel)
                     host_dst += [runs[0][i] for i in host]
                     host_src += [runs[1][i] for i in host]
-                    kept = [i for i in range(len(runs[0])) if i not in host]
+                    skip = set(host)
+                    kept = [i for i in range(len(runs[0])) if i not in skip]
                     dst += [runs[0][i] for i in kept]
                     src += [runs[1][i] for i in kept]
                 else:
