@@ -155,13 +155,14 @@ def _small_states(files: CommittedFiles, layouts: dict[int, RankLayout]) -> dict
 
 def _add_buffers(tensors: dict[str, GlobalTensor], layouts: dict[int, RankLayout],
                  small: dict[int, SlotHeader]) -> None:
-    """Persistent buffers (the router's expert bias, ...) from the first rank that holds each."""
+    """Persistent buffers (the router's expert bias, ...) and frozen parameters (kept under their global
+    names, ``<chunk>/<name>``) from the first rank that holds each."""
     for rank, header in small.items():
         names = layouts[rank].buffers
-        if not names:
-            continue
-        for key, value in (smallstate.loads(header.small).get("buffers") or {}).items():
-            name = names.get(key)
+        state = smallstate.loads(header.small)
+        kept = [(names.get(key), value) for key, value in (state.get("buffers") or {}).items()]
+        kept += [(key.split("/", 1)[1], value) for key, value in (state.get("frozen") or {}).items()]
+        for name, value in kept:
             if name is not None and name not in tensors:
                 raw = value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                 tensors[name] = GlobalTensor(name, list(value.shape), dtype_code(value.dtype), raw=raw)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, WORKERS, checkpoints, read_jsonl, torchrun
-from megatron_pec.testing.cluster import SMALL_MODEL, Cluster
+from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, run_megatron_pec
+from test_export import read_safetensors
 
 pytestmark = pytest.mark.multiprocess
 
@@ -138,6 +139,11 @@ def test_frozen_parameter_and_extra_state_after_a_data_parallel_reshard(tmp_path
     env = {"PEC_TEST_STATE_LOG": str(logs), "PEC_TEST_FROZEN_SEED": "5"}
     torchrun(str(WORKER), *common, "--train-iters", "4", "--save-interval", "4", nproc=4, env=env, timeout=400)
     shutil.rmtree(shm_dir, ignore_errors=True)
+    # export's consolidated weights hold the frozen parameter too
+    exported = run_megatron_pec("export", ckpt, tmp_path / "export")
+    assert exported.returncode == 0, exported.stderr
+    weights = read_safetensors(tmp_path / "export" / "model.safetensors")
+    assert "decoder.final_layernorm.weight" in weights
     proc = torchrun(str(WORKER), *common, "--train-iters", "6", "--save-interval", "6", nproc=2,
                     env={**env, "PEC_TEST_FROZEN_SEED": "6"}, timeout=400)
     assert "restored iteration 4 from storage (resharded: world 4 → 2" in proc.stdout, proc.stdout[-3000:]
