@@ -134,6 +134,7 @@ class MegatronAdapter:
         ``keep_values=False``: a binding need not keep the state's values (see ``contiguous``)."""
         if self._live is None:
             if collect.has_state(self.optimizer):
+                collect.check_state_keys(self.optimizer)
                 contiguous.place_state_contiguously(self.optimizers, self.slot_slices, keep_values)
             self._live = collect.live_views(self.slices, self.optimizer)
             if self._live is None:
@@ -197,7 +198,8 @@ class MegatronAdapter:
             kinds.append(("extra_state", f"modules' extra state ({len(self.model_state.extra)})"))
         if any(o.grad_scaler is not None for o in self.optimizers):
             kinds.append(("grad_scaler", "grad scaler (before the first step too)"))
-        kinds.append(("rerun_state_machine", "rerun state machine (as this megatron-core release saves it)"))
+        if modelstate.rerun_enabled():
+            kinds.append(("rerun_state_machine", "rerun state machine (as this megatron-core release saves it)"))
         if getattr(self.args, "dataloader_save", None):
             kinds.append(("dataloader", f"dataloader state (--dataloader-save {self.args.dataloader_save})"))
         return kinds

@@ -76,6 +76,8 @@ def state_kinds(opt) -> tuple[str, ...]:
     """The per-element state tensors ``opt`` (a DistributedOptimizer) keeps per main param."""
     inner = opt.optimizer
     name = type(inner).__name__
+    if any(g.get("amsgrad") for g in inner.param_groups):
+        raise UnsupportedSetup("megatron-pec does not save AMSGrad's max_exp_avg_sq; use Adam without amsgrad")
     if name not in STATE_KINDS:
         raise UnsupportedSetup(f"megatron-pec does not know the state of optimizer {type(inner).__module__}.{name} "
                                f"(it knows {', '.join(sorted(STATE_KINDS))}); use one of those")
@@ -156,6 +158,20 @@ def live_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor] | None
             return None
         views[s.name] = tensors[kind].view(-1)[offset: offset + s.numel]
     return views
+
+
+def check_state_keys(optimizer) -> None:
+    """Refuse per-parameter optimizer state megatron-pec would not keep (keys beyond ``step`` and the
+    slice kinds, e.g. AMSGrad's ``max_exp_avg_sq``): checked once the optimizer has state."""
+    for opt in distributed_optimizers(optimizer):
+        known = {"step", *state_kinds(opt)}
+        for state in opt.optimizer.state.values():
+            unknown = sorted(set(state) - known)
+            if unknown:
+                raise UnsupportedSetup(f"{type(opt.optimizer).__name__} keeps per-parameter state {unknown}, which "
+                                       f"megatron-pec does not save (it keeps {sorted(known)}); use Megatron's own "
+                                       "checkpointing for this optimizer configuration")
+            break  # (every parameter's state has the same keys)
 
 
 def has_state(optimizer) -> bool:

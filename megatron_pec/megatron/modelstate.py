@@ -219,6 +219,13 @@ def _rerun_module():
     return rerun_state_machine
 
 
+def rerun_enabled() -> bool:
+    """A rerun state machine exists and is enabled (what Megatron's save then may keep)."""
+    module = _rerun_module()
+    machine = getattr(module, "_GLOBAL_RERUN_STATE_MACHINE", None) if module else None
+    return machine is not None and machine.mode != module.RerunMode.DISABLED
+
+
 def rerun_state(data_iterator) -> dict | None:
     """What Megatron's save_checkpoint stores of the rerun state machine, as the installed release does
     (core 0.16: only while a rerun is pending; 0.19: whenever it is enabled), JSON-safe: its enums by
@@ -287,9 +294,7 @@ def rerun_margin(args) -> int:
     an estimate capped at RERUN_ROOM_MAX (an attention mask in the batch, seq x seq, would take gigabytes
     of node memory in every slot for an event of a faulty GPU); 0 while the machine is disabled. A pending
     rerun whose state does not fit is refused at its save, with a message (``check_rerun_room``)."""
-    module = _rerun_module()
-    machine = getattr(module, "_GLOBAL_RERUN_STATE_MACHINE", None) if module else None
-    if machine is None or machine.mode == module.RerunMode.DISABLED:
+    if not rerun_enabled():
         return 0
     mbs, seq = getattr(args, "micro_batch_size", 1) or 1, getattr(args, "seq_length", 0) or 0
     microbatches = max(1, (getattr(args, "global_batch_size", 1) or 1)
@@ -326,5 +331,5 @@ def restore_grad_scalers(optimizers, saved: list | None) -> None:
             opt.grad_scaler.load_state_dict(state)
 
 
-__all__ = ["ModelState", "UnkeptState", "checkpoint_args", "check_args", "rerun_state", "restore_rerun_state",
+__all__ = ["ModelState", "UnkeptState", "checkpoint_args", "check_args", "rerun_enabled", "rerun_state", "restore_rerun_state",
            "rerun_margin", "check_rerun_room", "grad_scalers", "restore_grad_scalers"]
