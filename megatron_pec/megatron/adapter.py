@@ -97,10 +97,12 @@ class MegatronAdapter:
         # refuses (naming it) any model state Megatron would save and megatron-pec would not keep
         self.model_state = modelstate.ModelState.of(
             model_chunks, {id(getattr(module, attr)) for _, module, attr in self.buffers})
-        if getattr(args, "dataloader_save", None) and megatron_checkpoint_function("maybe_save_dataloader_state") is None:
-            raise modelstate.UnkeptState(f"--dataloader-save {args.dataloader_save} asks for the dataloader's state, "
-                                         "which megatron-pec saves through Megatron-LM's own maybe_save_dataloader_state:"
-                                         " not importable here (megatron.training); drop the flag or run in Megatron-LM")
+        dataloader_save = getattr(args, "dataloader_save", None)
+        if dataloader_save and megatron_checkpoint_function("maybe_save_dataloader_state") is None:
+            raise modelstate.UnkeptState(
+                f"--dataloader-save {dataloader_save} asks for the dataloader's state, which megatron-pec saves "
+                "through Megatron-LM's own maybe_save_dataloader_state: not importable here (megatron.training); "
+                "drop the flag or run in Megatron-LM")
         self.saved_args = modelstate.checkpoint_args(args)
         self._rerun_room = modelstate.rerun_margin(args)
         self._frozen = None  # host copies of the frozen parameters (they do not change; taken at the first save)

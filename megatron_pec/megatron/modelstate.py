@@ -331,5 +331,5 @@ def restore_grad_scalers(optimizers, saved: list | None) -> None:
             opt.grad_scaler.load_state_dict(state)
 
 
-__all__ = ["ModelState", "UnkeptState", "checkpoint_args", "check_args", "rerun_enabled", "rerun_state", "restore_rerun_state",
-           "rerun_margin", "check_rerun_room", "grad_scalers", "restore_grad_scalers"]
+__all__ = ["ModelState", "UnkeptState", "checkpoint_args", "check_args", "rerun_enabled", "rerun_state",
+           "restore_rerun_state", "rerun_margin", "check_rerun_room", "grad_scalers", "restore_grad_scalers"]
