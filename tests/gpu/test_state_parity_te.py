@@ -35,10 +35,11 @@ def fp8_unsupported() -> str | None:
 
 def moe_padding_flag(tree) -> list[str]:
     """The flag that pads each expert's tokens to what FP8 GEMMs need (renamed between releases)."""
-    text = (tree / "megatron" / "training" / "arguments.py").read_text()
-    for flag in ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8"):
-        if f"'{flag}'" in text or f'"{flag}"' in text:
-            return [flag]
+    # (the flags are made from TransformerConfig's fields)
+    text = (tree / "megatron" / "core" / "transformer" / "transformer_config.py").read_text()
+    for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8"):
+        if f"{field}:" in text:
+            return ["--" + field.replace("_", "-")]
     pytest.skip(f"{tree.name}: no MoE router padding flag for FP8")
 
 
