@@ -79,11 +79,36 @@ def _probe_class():
 
 
 def attach_probe(model):
-    """Give ``model`` (an unwrapped GPTModel) the probe; each forward step in training mode advances it."""
+    """Give ``model`` (an unwrapped GPTModel) the probe; each forward step in training mode advances it and
+    draws from every random generator (as dropout would), so that a restore that drops one shows."""
     probe = _probe_class()(int(os.environ.get(SEED_ENV, "0")))
     model.add_module(PROBE, probe)
-    model.register_forward_hook(lambda module, inputs, output: probe.advance() if module.training else None)
+
+    def step(module, inputs, output):
+        if module.training:
+            probe.advance()
+            _draw_from_every_generator()
+
+    model.register_forward_hook(step)
     return model
+
+
+def _draw_from_every_generator() -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU stand-ins' "CUDA" generator is the CPU's)
+    random.random()
+    np.random.random()
+    torch.rand(1)
+    torch.rand(1, device=device)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    for name in tracker.get_states():
+        with tracker.fork(name):
+            torch.rand(1, device=device)
 
 
 # ---- flattening and the file format --------------------------------------------------------------
@@ -196,7 +221,10 @@ def collect(model, optimizer, scheduler, args, returned=None) -> tuple[dict, dic
     for i, chunk in enumerate(model if isinstance(model, (list, tuple)) else [model]):
         put(dict(chunk.state_dict()), f"model{i}")
     if optimizer is not None:
-        put(optimizer.state_dict(), "optimizer/state_dict")
+        try:
+            put(optimizer.state_dict(), "optimizer/state_dict")
+        except AssertionError as exc:  # a DistributedOptimizer before its first step on CPU (torch's Adam)
+            put(f"<state_dict() fails: AssertionError {exc}>", "optimizer/state_dict")
         for c, inner in enumerate(_inner_optimizers(optimizer)):
             torch_opt = getattr(inner, "optimizer", None)
             if torch_opt is None:
