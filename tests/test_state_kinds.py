@@ -199,7 +199,8 @@ def test_grad_scaler_before_the_first_step_rerun_state_machine_and_override_iter
     """The grad scaler saved before any optimizer step comes back; the rerun state machine is saved as the
     installed megatron-core's save_checkpoint saves it (0.16: only while a rerun is pending; 0.19: whenever it
     is enabled) and a pending rerun comes back whole from memory and from storage; --override-ckpt-iteration
-    returns that iteration with the samples it consumed."""
+    returns that iteration with the samples it consumed; with --dataloader-save each persistent save hands the
+    train iterator to Megatron-LM's maybe_save_dataloader_state (a stand-in of it here)."""
     from importlib.metadata import version
 
     torchrun("megatron_state.py", str(tmp_path / "ckpt"), shm_dir, env={"PEC_TEST_OUT": str(tmp_path)})
@@ -214,3 +215,4 @@ def test_grad_scaler_before_the_first_step_rerun_state_machine_and_override_iter
         assert r["rerun_memory"]["after"]["call_type"] == "Call"
         assert "WILL_RERUN_FROM_CHECKPOINT" in r["rerun_memory"]["after"]["state"]
         assert r["override"] == {"loaded": [2, 0], "consumed": 16, "skipped": 0}, r["override"]
+        assert r["dataloader"] == [[True, 4, "/dataloader/state"]], r["dataloader"]

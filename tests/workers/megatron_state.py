@@ -113,6 +113,23 @@ def main():
     result["override"] = {"loaded": list(loaded), "consumed": args.consumed_train_samples,
                           "skipped": args.skipped_train_samples}
     args.override_ckpt_iteration = None
+
+    # 4. --dataloader-save: each persistent save (not a memory snapshot) hands the train iterator to Megatron-LM's
+    # own maybe_save_dataloader_state (here a stand-in module: Megatron-LM's training package is not installed).
+    import types
+
+    calls = []
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    checkpointing.maybe_save_dataloader_state = lambda it, iteration, path: calls.append((it is data, iteration, path))
+    training = types.ModuleType("megatron.training")
+    training.checkpointing = checkpointing
+    sys.modules.update({"megatron.training": training, "megatron.training.checkpointing": checkpointing})
+    args.dataloader_save = "/dataloader/state"
+    train(args, model, optimizer, scheduler, data, 1)
+    megatron_pec.save_checkpoint(3, model, optimizer, scheduler, 0, train_data_iterator=data, non_persistent_ckpt=True)
+    train(args, model, optimizer, scheduler, data, 1)
+    megatron_pec.save_checkpoint(4, model, optimizer, scheduler, 0, train_data_iterator=data)
+    result["dataloader"] = calls
     report("mstate", result)
     torch.distributed.barrier()
 
