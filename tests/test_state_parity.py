@@ -48,7 +48,9 @@ MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-s
          f"--log-interval 1 --seed 1234 --train-iters {ITERATION} "
          # fp16 keeps a grad scaler; Megatron's own torch_dist load of fp32 main params fails on CPU. The scale
          # starts low enough that no step is skipped and doubles after 2 (its state moves).
-         "--fp16 --initial-loss-scale 4096 --loss-scale-window 2").split()
+         "--fp16 --initial-loss-scale 4096 --loss-scale-window 2 "
+         # the rerun state machine records the loss (state a release that restores it must get back)
+         "--check-for-spiky-loss").split()
 SAVE_SEED, LOAD_SEED = "1", "2"  # the probe's frozen parameter: a restore that drops it keeps the load seed's
 
 # Keys where Megatron-LM's own restore, on these CPU runs, does not give back what it saved; megatron-pec's
