@@ -86,12 +86,13 @@ def run_dump(script: Path, *args: str, dump: Path, seed: str, at: str = "load", 
         env[state_dump.TORCH_DIST_ENV] = str(torch_dist)
     try:
         proc = launch.run(job, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-        log = "\n".join([f.read_text(errors="replace") for f in sorted(logs.rglob("*.log"), key=lambda f: f.parts[-2:])]
-                        + [proc.stdout, proc.stderr])
+        per_rank = sorted(logs.rglob("*.log"), key=lambda f: f.parts[-2:])
+        log = "\n".join([f.read_text(errors="replace") for f in per_rank] + [proc.stdout, proc.stderr])
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     dumped = all((dump / f"rank{r}.json").is_file() for r in range(nproc))
-    assert proc.returncode == 0 and dumped, f"{script.name} {' '.join(args[-8:])}: exit {proc.returncode}\n" + log[-5000:]
+    command = f"{script.name} {' '.join(args[-8:])}"
+    assert proc.returncode == 0 and dumped, f"{command}: exit {proc.returncode}\n{log[-5000:]}"
     return log
 
 
