@@ -101,6 +101,16 @@ class Resharder:
                 if other.get(kind) is not None:
                     small[kind] = {**other[kind], **(small.get(kind) or {})}
         small["rerun_state_machine"] = None
+        if self.m.topology.get("ep") != self.mine.topology.get("ep"):
+            # A module holding all local experts (TE's GroupedLinear) keeps one extra state for them all:
+            # another expert-parallel size gives it other experts (Megatron splits it per expert).
+            grouped = sorted(k for k in small.get("extra_state") or {}
+                             if ".experts." in k and ".local_experts." not in k)
+            if grouped:
+                raise ReshardError(f"the extra state of {grouped[0]} (and {len(grouped) - 1} more) covers all of a "
+                                   "rank's experts (grouped experts): megatron-pec cannot split it for another "
+                                   "expert-parallel size; restart with the saved EP size "
+                                   f"{self.m.topology.get('ep')}")
         return small
 
     # ---- where each byte comes from --------------------------------------------------------------
