@@ -320,7 +320,12 @@ class MegatronAdapter:
             restore.copy_slices([live for live, _ in pairs], [saved for _, saved in pairs])
         with phases("param sync"):
             restore.sync_model_params(self.model, self.optimizer)
+            if not load_optim and self._half_precision and not getattr(self.args, "load_main_params_from_ckpt", False):
+                # As Megatron's load without the optimizer: fp32 main params rebuilt from the half-precision
+                # model params (--load-main-params-from-ckpt keeps the saved ones, as restored above).
+                self.optimizer.reload_model_params()
         with phases("other state"):
+            restore.set_checkpoint_version(small.get("checkpoint_version", 3.0))
             restore.restore_buffers(self.buffers, small.get("buffers"))
             self.model_state.restore(small.get("frozen"), small.get("extra_state"))
             self._frozen = None
@@ -335,6 +340,10 @@ class MegatronAdapter:
             elif load_rng:
                 restore.restore_rng(small["rng"])
             restore.restore_args(self.args, small, finetune, getattr(self.args, "override_ckpt_iteration", None))
+
+    @property
+    def _half_precision(self) -> bool:
+        return bool(getattr(self.args, "fp16", False) or getattr(self.args, "bf16", False))
 
     def _param_views(self) -> dict[str, torch.Tensor]:
         """The main-param views only (``--no-load-optim``: Adam may have no state yet)."""

@@ -219,6 +219,16 @@ def restore_rng(state: dict) -> None:
     tracker.set_states(states)
 
 
+def set_checkpoint_version(version: float) -> None:
+    """Megatron-LM's record of the loaded checkpoint's format version (``get_checkpoint_version``), set at
+    every load as Megatron's own loader does; nothing outside Megatron-LM's training loop."""
+    try:
+        from megatron.training import checkpointing
+    except ImportError:
+        return
+    checkpointing.set_checkpoint_version(version)
+
+
 def restore_args(args, state: dict, finetune: bool, override_iteration: int | None = None) -> None:
     """Megatron's load_checkpoint side effects on ``args``; ``override_iteration``
     (--override-ckpt-iteration, core_v0.19): the samples consumed by that iteration instead, as Megatron
