@@ -114,7 +114,7 @@ def _restart(repo: Path, job: launch.Launch, env: dict, iters: int) -> dict:
 
 def _slot_facts() -> dict:
     """Rank 0's newest complete snapshot: its home slot's header, the expert pool's, and the bytes it wrote."""
-    from megatron_pec.slots import SlotCache, open_slot
+    from megatron_pec.memory.slots import SlotCache, open_slot
 
     best = None
     for path in SHM.glob("scale/node0/rank0.slot*"):
@@ -136,8 +136,8 @@ def _slot_facts() -> dict:
 
 
 def _rank_file_facts(root: Path) -> dict:
-    from megatron_pec.checkpoint_dir import CheckpointDir
-    from megatron_pec.storage import default_storage
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+    from megatron_pec.store.storage import default_storage
 
     checkpoints = CheckpointDir(str(root), default_storage())
     newest = checkpoints.committed_iterations()[0]

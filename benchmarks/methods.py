@@ -159,9 +159,9 @@ class Pec(Method):
         return a
 
     def setup(self):
-        from megatron_pec.checkpoint_dir import CheckpointDir
+        from megatron_pec.store.checkpoint_dir import CheckpointDir
         from megatron_pec.engine import Engine
-        from megatron_pec.storage import default_storage
+        from megatron_pec.store.storage import default_storage
 
         c = self.ctx
         self.storage = default_storage()
@@ -217,7 +217,7 @@ class Pec(Method):
         return self.checkpoints.is_committed(it)
 
     def snapshot_bytes(self):
-        from megatron_pec.agent.memory import NodeMemory
+        from megatron_pec.memory.history import NodeMemory
 
         memory = NodeMemory.read(self.engine.job.node_dir)
         newest = memory.newest(self.ctx.rank)
@@ -235,7 +235,7 @@ class Pec(Method):
         return process_cpu_s(pid) if pid else None
 
     def background_cpu_phases(self):
-        from megatron_pec.agent.cpu import read_ledger
+        from megatron_pec.agent.cpu_ledger import read_ledger
 
         self.engine.flush()  # (the agent writes its ledger when flushed)
         return read_ledger(self.engine.job.node_dir)
@@ -556,13 +556,13 @@ class DLRover(Method):
         self.wait_persisted(it)
 
     def _state(self, it):
-        from megatron_pec import smallstate
+        from megatron_pec.format import small_state
         from megatron_pec.megatron import collect
 
         c = self.ctx
         live = c.live_views()
         state = dict(live)
-        state["small"] = smallstate.dumps(collect.small_state(c.optimizer, c.scheduler, c.args, it, 0))
+        state["small"] = small_state.dumps(collect.small_state(c.optimizer, c.scheduler, c.args, it, 0))
         return state
 
     def save(self, it):

@@ -265,9 +265,9 @@ class Runner:
     def _resume_point(ckpt: str, node: str) -> int:
         """The iteration a restart will restore: newest complete snapshot every rank has in node
         memory, else the newest committed iteration on storage (what megatron-pec's agree step picks)."""
-        from megatron_pec.agent.memory import NodeMemory
-        from megatron_pec.checkpoint_dir import CheckpointDir
-        from megatron_pec.storage import default_storage
+        from megatron_pec.memory.history import NodeMemory
+        from megatron_pec.store.checkpoint_dir import CheckpointDir
+        from megatron_pec.store.storage import default_storage
 
         time.sleep(1.0)  # the agent finishes what the killed trainers announced
         best = max(CheckpointDir(ckpt, default_storage()).committed_iterations(), default=0)

@@ -215,7 +215,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
 
 
 def ledger_per_save(before: dict | None, after: dict | None, saves: int) -> dict | None:
-    """The persisting process's CPU seconds per save by phase between two ledgers (``agent/cpu.py``),
+    """The persisting process's CPU seconds per save by phase between two ledgers (``agent/cpu_ledger.py``),
     the rest of its CPU time as "other"."""
     if not before or not after or not saves:
         return None

@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from megatron_pec.checkpoint_dir import CheckpointDir
-from megatron_pec.storage import default_storage
+from megatron_pec.store.checkpoint_dir import CheckpointDir
+from megatron_pec.store.storage import default_storage
 
 
 def main(argv=None) -> int:
@@ -42,16 +42,16 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.dir):
         print(f"error: {args.dir} is not a directory", file=sys.stderr)
         return 2
-    from megatron_pec import inspection, node_report
+    from megatron_pec.tools import inspect_checkpoint, inspect_node_memory
 
-    if args.command == "inspect" and node_report.is_node_dir(args.dir):
-        found = node_report.report(args.dir)
-        print(json.dumps(found, indent=1) if args.json else node_report.format_report(found))
+    if args.command == "inspect" and inspect_node_memory.is_node_dir(args.dir):
+        found = inspect_node_memory.report(args.dir)
+        print(json.dumps(found, indent=1) if args.json else inspect_node_memory.format_report(found))
         return 0
     directory = CheckpointDir(args.dir, storage)
 
     if args.command == "export":
-        from megatron_pec.export import ExportError, export, progress_bar
+        from megatron_pec.tools.export import ExportError, export, progress_bar
 
         try:
             summary = export(directory, args.out, args.iteration, int(args.max_shard_gb * 2**30), progress_bar())
@@ -64,10 +64,10 @@ def main(argv=None) -> int:
               + (f"; {older} experts at older versions (PLT so far {summary['plt']:.2%})" if older else ""))
         return 0
     if args.command == "inspect":
-        report = inspection.inspect(directory)
-        print(json.dumps(report, indent=1) if args.json else inspection.format_inspect(report))
+        report = inspect_checkpoint.inspect(directory)
+        print(json.dumps(report, indent=1) if args.json else inspect_checkpoint.format_inspect(report))
         return 0
-    problems = inspection.verify(directory, args.iteration)
+    problems = inspect_checkpoint.verify(directory, args.iteration)
     for line in problems:
         print(f"FAIL {line}")
     if not problems:

@@ -13,8 +13,8 @@ import inspect
 import os
 import sys
 
-from megatron_pec import log
-from megatron_pec.errors import CheckpointError
+from megatron_pec.common import log
+from megatron_pec.common.errors import CheckpointError
 
 _fallback_args = None
 _engine = None
@@ -77,7 +77,7 @@ def _get_engine(model, optimizer):
 
         if _engine is not None:
             _engine.close()
-        from megatron_pec.storage import default_storage
+        from megatron_pec.store.storage import default_storage
 
         _engine = Engine(_args(), _chunks(model), optimizer, default_storage())
         if not getattr(sys.excepthook, "megatron_pec", False):
@@ -246,6 +246,6 @@ def saved_state_kinds() -> list[str]:
 
 
 def last_save_phases() -> dict[str, float]:
-    """Where this rank's latest save spent its blocking time: seconds by phase (``phases.py``;
+    """Where this rank's latest save spent its blocking time: seconds by phase (``common/phases.py``;
     empty before the first save)."""
     return dict(_engine.save_phases.seconds) if _engine is not None else {}

@@ -3,7 +3,7 @@ one place the package reads its environment.
 
 Runs on every rank, once, when the engine is first used. ``PecConfig.from_args`` reads the process
 environment once: the launcher's facts about this process (``Launch``: torchrun's variables), the
-failure domain's default, and a test hook. Outside this module only ``faults.py`` (fault
+failure domain's default, and a test hook. Outside this module only ``common/faults.py`` (fault
 injection, a test hook by design) and the slot files' cgroup check (``MEGATRON_PEC_CGROUP_DIR``, a
 test hook) read it; ``tests/test_structure.py`` keeps it so.
 """
@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from megatron_pec.budget import Budget
-from megatron_pec.policy import POLICIES
+from megatron_pec.memory.budget import Budget
+from megatron_pec.pec.policy import POLICIES
 
 DEFAULT_SHM_DIR = "/dev/shm/megatron_pec"
 

@@ -20,28 +20,31 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_pec import budget, faults, log, node_plan, smallstate
+from megatron_pec.memory import budget
+from megatron_pec.common import faults, log
+from megatron_pec.save import memory_plan
+from megatron_pec.format import small_state
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import ROUND_WAIT_S, SNAPSHOT_ROOM_WAIT_S, AgentSession
-from megatron_pec.checkpoint_dir import CheckpointDir
-from megatron_pec.checksum import mismatch
+from megatron_pec.store.checkpoint_dir import CheckpointDir
+from megatron_pec.integrity.checksum import mismatch
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
-from megatron_pec.errors import CheckpointError
-from megatron_pec.gcpause import without_gc
-from megatron_pec.handover import HandOver, PendingSnapshot
-from megatron_pec.items import NON_EXPERT, item_name
-from megatron_pec.job import JobFacts
-from megatron_pec.memlayout import MemoryLayout
-from megatron_pec.loader import LoadContext, Loader, Refused, RestorePlan
-from megatron_pec.pec_book import PecBook
-from megatron_pec.phases import Phases
-from megatron_pec.protocol import SlotHeader
-from megatron_pec.run_sums import KernelLoad
-from megatron_pec.save_history import SaveHistory
-from megatron_pec.slots import SlotFiles, SlotSpaceError
-from megatron_pec.stager import Stager
-from megatron_pec.stformat import layout as tensor_layout
-from megatron_pec.storage import Storage
+from megatron_pec.common.errors import CheckpointError
+from megatron_pec.common.gcpause import without_gc
+from megatron_pec.save.handover import HandOver, PendingSnapshot
+from megatron_pec.format.item_names import NON_EXPERT, item_name
+from megatron_pec.job_facts import JobFacts
+from megatron_pec.memory.layout import MemoryLayout
+from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
+from megatron_pec.save.pec_book import PecBook
+from megatron_pec.common.phases import Phases
+from megatron_pec.format.protocol import SlotHeader
+from megatron_pec.integrity.run_sums import KernelLoad
+from megatron_pec.save.save_history import SaveHistory
+from megatron_pec.memory.slots import SlotFiles, SlotSpaceError
+from megatron_pec.save.stager import Stager
+from megatron_pec.format.stformat import layout as tensor_layout
+from megatron_pec.store.storage import Storage
 
 
 class Engine:
@@ -106,9 +109,9 @@ class Engine:
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slot_slices])
         # (several nodes, no replicas: the agent keeps the newest committed dense state for survivors)
         layout = MemoryLayout.of(entries, 0, homes=3 if self.job.num_nodes > 1 and not self.job.replicas else 2)
-        reserve = node_plan.header_reserve(self.job, self.adapter.small_state_bound())
+        reserve = memory_plan.header_reserve(self.job, self.adapter.small_state_bound())
         asked = self.book.state.snapshot.k if self.job.expert_layout else 1
-        plan, error = node_plan.plan(self.job, self.config, self.adapter.collectives, layout, asked,
+        plan, error = memory_plan.plan(self.job, self.config, self.adapter.collectives, layout, asked,
                                      self.adapter.ep_rank, reserve)
         self.adapter.collectives.raise_if_any(error)
         # Every rank takes the same snapshot K (the PEC bookkeeping is identical everywhere): the least any
@@ -130,7 +133,7 @@ class Engine:
             self.files = SlotFiles(self.job.node_dir, self.rank, replace(layout, regions=plan.regions),
                                    self.job.local_world_size, plan.replica_share, reserve=reserve)
             self.memory_plan = replace(plan, regions=self.files.layout.regions)
-            node_plan.report(self.memory_plan, self.job, torch.cuda.is_available())
+            memory_plan.report(self.memory_plan, self.job, torch.cuda.is_available())
             self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
             self.stager = Stager(self.files, self.adapter.slot_slices, self.rank, kernel=kernel)
             self.stager.pin()
@@ -181,7 +184,7 @@ class Engine:
             step()
         with phases("metadata"):
             # (a skipped save too: a clean exit right after it still saves this state, ``_final_snapshot``)
-            self.history.called(iteration, smallstate.Captured(
+            self.history.called(iteration, small_state.Captured(
                 self.adapter.small_state(scheduler, iteration, flops, rng_key_prefix, data_iterator)))
         if save.why_not is not None:
             self.session.skipped(save.placement)
@@ -632,7 +635,7 @@ class Save:
             if first:
                 faults.point("snapshot_mid", iteration=self.iteration)
 
-    def describe(self, small: smallstate.Captured, generation: str) -> PendingSnapshot:
+    def describe(self, small: small_state.Captured, generation: str) -> PendingSnapshot:
         """Record the save in the PEC bookkeeping and describe the snapshot (its slot header, whose small
         state the hand-over encodes; ``generation``: a persistent save's, ``manifest``)."""
         parts, job = self.parts, self.parts.job
@@ -648,7 +651,7 @@ class Save:
         return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, dict(self.placement),
                                header, small, self.staging.finish(), generation)
 
-    def describe_part(self, small: smallstate.Captured) -> PendingSnapshot:
+    def describe_part(self, small: small_state.Captured) -> PendingSnapshot:
         """A round of a save of every expert in rounds: a memory-only snapshot of what it wrote (the PEC
         bookkeeping records the whole save, once, with the last round)."""
         parts, job = self.parts, self.parts.job
@@ -661,7 +664,7 @@ class Save:
         return PendingSnapshot(self.slot, self.iteration, False, None, dict(self.placement), header, small,
                                self.staging.finish())
 
-    def describe_whole(self, small: smallstate.Captured, generation: str, persistent: bool, known: dict[str, str],
+    def describe_whole(self, small: small_state.Captured, generation: str, persistent: bool, known: dict[str, str],
                        elsewhere: dict[str, int]) -> PendingSnapshot:
         """The last round: the snapshot of every item, those of earlier rounds where they wrote them (``known``:
         their checksums), persisted if the save is."""

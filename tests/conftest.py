@@ -46,8 +46,8 @@ def _stamp(path: str) -> tuple[int, str]:
 
 def checkpoints(root):
     """The checkpoint directory ``root`` (a ``CheckpointDir`` on POSIX storage), as the tests read it."""
-    from megatron_pec.checkpoint_dir import CheckpointDir
-    from megatron_pec.storage import PosixStorage
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+    from megatron_pec.store.storage import PosixStorage
     return CheckpointDir(str(root), PosixStorage())
 
 

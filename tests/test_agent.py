@@ -14,15 +14,15 @@ import torch
 
 from conftest import REPO, checkpoints
 from megatron_pec.agent.client import AgentUnavailable, agent_pid, check_socket_path
-from megatron_pec.agent.memory import JobKey
-from megatron_pec.memlayout import POOL
-from megatron_pec.protocol import Flushed, Pin, Released, Settle, SlotHeader, SnapshotReady
-from megatron_pec.regions import RegionBook
-from megatron_pec.slots import SlotCache, node_dir, open_slot, slot_path
-from megatron_pec.sources import SourceError, storage_source
-from megatron_pec.stformat import decode_header, layout
-from megatron_pec.storage import PosixStorage
-from megatron_pec.sum64 import item_sums
+from megatron_pec.memory.history import JobKey
+from megatron_pec.memory.layout import POOL
+from megatron_pec.format.protocol import Flushed, Pin, Released, Settle, SlotHeader, SnapshotReady
+from megatron_pec.memory.regions import RegionBook
+from megatron_pec.memory.slots import SlotCache, node_dir, open_slot, slot_path
+from megatron_pec.restore.sources import SourceError, storage_source
+from megatron_pec.format.stformat import decode_header, layout
+from megatron_pec.store.storage import PosixStorage
+from megatron_pec.integrity.sum64 import item_sums
 from megatron_pec.testing.scripted import ScriptedTrainer
 
 ENTRIES = layout([("dense/w.param", torch.float32, 256)]
@@ -57,7 +57,7 @@ def cli(*args):
 
 
 def test_every_job_of_the_worker_has_its_one_handler_and_every_trainer_message_too():
-    from megatron_pec import protocol
+    from megatron_pec.format import protocol
     from megatron_pec.agent import jobs
     from megatron_pec.agent.server import Agent
 
@@ -143,8 +143,8 @@ def test_partial_restore_reads_and_checks_only_the_experts_it_needs(trainers):
 def test_a_flush_leaves_the_agents_cpu_time_by_phase(trainers):
     """The benchmarks' breakdown of what persisting costs: after a flush the agent's ledger holds its
     CPU time in each phase of the snapshots so far, within its whole CPU time."""
-    from megatron_pec.agent.cpu import read_ledger
-    from megatron_pec.protocol import Flush
+    from megatron_pec.agent.cpu_ledger import read_ledger
+    from megatron_pec.format.protocol import Flush
 
     t0, t1 = trainers(0), trainers(1)
     assert read_ledger(t0.directory) is None  # nothing written before a flush
@@ -213,7 +213,7 @@ def test_partial_snapshots_leave_each_expert_where_it_was_written(trainers):
     """One expert per snapshot: the agent records each region where the trainer wrote it and copies
     nothing between slots; node memory still holds every expert at its newest version, each with the
     checksum the trainer computed, and a restore finds them all."""
-    from megatron_pec.sources import memory_sources
+    from megatron_pec.restore.sources import memory_sources
 
     t = trainers(0, nodes=1)
     (_, first), _ = t.snapshot(1, persist=False)                            # every expert at 1
@@ -237,7 +237,7 @@ def test_partial_snapshots_leave_each_expert_where_it_was_written(trainers):
 def test_the_agent_records_a_memory_snapshot_without_reading_its_bytes(trainers):
     """The header's checksums are the record: bytes changed in node memory after the trainer summed
     them are not read by the agent (the snapshot is recorded) but caught by the restore that reads them."""
-    from megatron_pec.sources import memory_sources
+    from megatron_pec.restore.sources import memory_sources
 
     t = trainers(0, nodes=1)
     home, placement = t.write(1)
@@ -308,7 +308,7 @@ def test_regions_never_overwrite_the_newest_version_in_flight_or_pinned_ones():
     """The trainer's choice of regions (``RegionBook``), on its own: the newest recorded version of every
     item, what is in flight and what the agent pinned are never handed out; with no dense region left
     there is no snapshot (skipped, never torn), and an expert takes any free pool region."""
-    from megatron_pec.protocol import Pin
+    from megatron_pec.format.protocol import Pin
 
     book = RegionBook(["dense", "L1.E0"], pool=2)                           # home slots 0, 1; pool POOL, POOL + 1
     assert book.home() == 0 and book.capacity() == 2
@@ -346,7 +346,7 @@ def test_one_iteration_saved_twice_answers_each_save_and_pins_the_later_version(
     """A planned exit saves the iteration of its last snapshot once more: the book keeps both announcements
     apart (answered in order), the later version is the newest, and a pin of each item's newest version
     holds that one, leaving the earlier one free."""
-    from megatron_pec.protocol import Pin
+    from megatron_pec.format.protocol import Pin
 
     book = RegionBook(["dense", "L1.E0"], pool=2)
     for iteration in (4, 5):
@@ -412,7 +412,7 @@ def test_a_restarts_uncommitted_persist_keeps_its_dense_state_pinned(trainers):
 def test_a_restore_through_the_trainers_mapping_takes_its_own_views(trainers):
     """A restore reading the trainer's own slot through its mapping takes the views the trainer
     already has of it (no 90k new ones on a large rank): the same objects, the verified bytes."""
-    from megatron_pec.sources import memory_sources
+    from megatron_pec.restore.sources import memory_sources
 
     t = trainers(0, nodes=1)
     (slot, _), _ = t.snapshot(1, persist=False)
@@ -474,9 +474,9 @@ def test_too_long_socket_path_is_refused_with_the_fix():
 # ---- replication between node agents ---------------------------------------------------------------
 def replica(node_dir, node, rank, iteration, timeout=30.0):
     """The entry of ``node``'s replica of ``rank`` held in ``node_dir``, once it holds ``iteration``."""
-    from megatron_pec.agent.replicas import INDEX
-    from megatron_pec.node_files import REPLICAS
-    from megatron_pec.protocol import ReplicaIndex
+    from megatron_pec.agent.replica_transport import INDEX
+    from megatron_pec.memory.node_files import REPLICAS
+    from megatron_pec.format.protocol import ReplicaIndex
 
     path = os.path.join(node_dir, REPLICAS, INDEX)
     deadline = time.monotonic() + timeout

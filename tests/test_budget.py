@@ -1,17 +1,17 @@
-"""Issue 35: node memory sized by what snapshots write, and a hard budget's implied K (pure: ``budget.py``,
-``memlayout.py``, ``regions.RegionBook``)."""
+"""Issue 35: node memory sized by what snapshots write, and a hard budget's implied K (pure: ``memory/budget.py``,
+``memory/layout.py``, ``regions.RegionBook``)."""
 
 import json
 
 import pytest
 import torch
 
-from megatron_pec import budget
-from megatron_pec.budget import Budget, BudgetError
-from megatron_pec.memlayout import POOL, MemoryLayout
-from megatron_pec.policy import ExpertLayout
-from megatron_pec.regions import RegionBook
-from megatron_pec.stformat import layout
+from megatron_pec.memory import budget
+from megatron_pec.memory.budget import Budget, BudgetError
+from megatron_pec.memory.layout import POOL, MemoryLayout
+from megatron_pec.pec.policy import ExpertLayout
+from megatron_pec.memory.regions import RegionBook
+from megatron_pec.format.stformat import layout
 
 LAYOUT = ExpertLayout(layers=(1, 2), num_experts=8, ep_size=2, expert_bytes=1000)
 
@@ -84,7 +84,7 @@ def test_the_pool_places_any_expert_in_any_region_and_readers_find_it():
     memory = MemoryLayout.of(entries, 3)
     assert memory.region_bytes == 64 and memory.state_bytes == 16 + 24 + 20   # (regions aligned to 64 bytes)
     assert [e.name for e in memory.full_entries()] == [e.name for e in entries]
-    from megatron_pec.stformat import Header, decode_header, encode_header
+    from megatron_pec.format.stformat import Header, decode_header, encode_header
     pool = decode_header(encode_header(memory.pool_entries(), memory.pool_metadata()))
     again = MemoryLayout.from_headers(Header(memory.dense, {}, 0), pool)
     assert again == memory
@@ -95,7 +95,7 @@ def test_the_pool_places_any_expert_in_any_region_and_readers_find_it():
 def test_the_pool_header_keeps_each_list_of_expert_tensors_once_whatever_their_numbers():
     """Thousands of experts differ only in the numbers of their tensor names: the header grows by the
     experts' names, not by their tensor lists; names of other forms round-trip too."""
-    from megatron_pec.stformat import TensorEntry, decode_header, encode_header
+    from megatron_pec.format.stformat import TensorEntry, decode_header, encode_header
 
     def expert(item, first, kinds=("param", "exp_avg")):
         names = [f"{item}/o1.g0.b0.p{first + j}.x0.{kind}" for kind in kinds for j in range(2)]
@@ -133,7 +133,7 @@ def test_a_save_waits_for_regions_only_while_the_agent_holds_one_it_will_free():
     """Issue 43: the rounds of a persistent save waited 120 s for regions no wait could free (every region
     held its expert's newest version). A wait is worth it only while a snapshot is in flight or a persist /
     push pins a region that is not its expert's newest; it then ends when the pin is handed back."""
-    from megatron_pec.protocol import Pin
+    from megatron_pec.format.protocol import Pin
 
     def snapshot(book, iteration, items, home):
         placed = book.place(home, ["dense", *items])

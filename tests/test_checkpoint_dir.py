@@ -5,9 +5,9 @@ import errno
 
 import pytest
 
-from megatron_pec.checkpoint_dir import CheckpointDir
-from megatron_pec.protocol import NodeMarker, RankFile
-from megatron_pec.storage import PosixStorage
+from megatron_pec.store.checkpoint_dir import CheckpointDir
+from megatron_pec.format.protocol import NodeMarker, RankFile
+from megatron_pec.store.storage import PosixStorage
 
 
 class FullStorage(PosixStorage):
@@ -66,7 +66,7 @@ def test_an_atomic_write_sums_each_chunk_before_the_next_is_asked_for(tmp_path, 
     import time
     import zlib
 
-    from megatron_pec import storage
+    from megatron_pec.store import storage
 
     def slow_crc32(data, value=0):
         time.sleep(0.05)

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_pec.coalesce import coalesced
+from megatron_pec.common.coalesce import coalesced
 
 
 def test_runs_contiguous_on_both_sides_become_one_copy_and_copy_the_same_bytes():
@@ -37,7 +37,7 @@ def test_another_slot_of_the_same_layout_takes_the_first_slots_runs():
     """The engine coalesces the first slot's slices and gives every other slot (same layout, its own
     mapping) the same runs from each run's first slice: the copies are the ones coalescing that slot
     would give, and copy the same bytes."""
-    from megatron_pec.coalesce import coalesced_with_starts, run_view
+    from megatron_pec.common.coalesce import coalesced_with_starts, run_view
 
     src_flat = torch.arange(60, dtype=torch.float32)
     src = [src_flat[0:10], src_flat[10:30], src_flat[35:40], src_flat[40:60]]

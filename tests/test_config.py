@@ -85,7 +85,7 @@ def test_a_checkpoint_error_exit_keeps_node_memory(monkeypatch):
     """CheckpointError exits through SystemExit, which skips sys.excepthook; the exit must still
     count as a crash, so the atexit hook leaves without a clean detach (that would delete memory)."""
     from megatron_pec import api
-    from megatron_pec.errors import CheckpointError
+    from megatron_pec.common.errors import CheckpointError
 
     monkeypatch.setattr(api, "_crashed", False)
     with pytest.raises(CheckpointError, match="without an optimizer"):
@@ -94,7 +94,7 @@ def test_a_checkpoint_error_exit_keeps_node_memory(monkeypatch):
 
 
 def test_megatron_checkpoint_flags_megatron_pec_does_not_follow_are_named_once_with_the_reason(capsys):
-    from megatron_pec import log
+    from megatron_pec.common import log
     from megatron_pec.config import megatron_flag_notes
 
     quiet = SimpleNamespace(no_save_optim=False, no_save_rng=False, async_save=False, ckpt_format="torch_dist",

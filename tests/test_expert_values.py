@@ -1,4 +1,4 @@
-"""Unit tests for megatron_pec.expert_values and megatron_pec.packed: per-expert counters as arrays
+"""Unit tests for megatron_pec.pec.expert_values and megatron_pec.format.packed_column: per-expert counters as arrays
 that read and write like dicts (pure; numpy only)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from megatron_pec.expert_values import ExpertValues, HeldExperts, values_in
-from megatron_pec.items import ExpertId, ExpertOrder
-from megatron_pec.packed import ABSENT, PackedColumn
+from megatron_pec.pec.expert_values import ExpertValues, HeldExperts, values_in
+from megatron_pec.format.item_names import ExpertId, ExpertOrder
+from megatron_pec.format.packed_column import ABSENT, PackedColumn
 
 EXPERTS = [ExpertId(layer, e) for layer in (1, 3) for e in range(4)]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import checkpoints, torchrun
-from megatron_pec.stformat import torch_dtype
+from megatron_pec.format.stformat import torch_dtype
 from megatron_pec.testing import launch
 from megatron_pec.testing.cluster import run_megatron_pec
 

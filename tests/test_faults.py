@@ -33,13 +33,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_committed_files_unchanged, checkpoints, committed_files
-from megatron_pec.agent.memory import NodeMemory
-from megatron_pec.checkpoint_dir import TRACKER
-from megatron_pec.items import item_name
-from megatron_pec.pec_state import PecState
-from megatron_pec.protocol import SlotHeader
-from megatron_pec.slots import open_slot
-from megatron_pec.stformat import decode_header
+from megatron_pec.memory.history import NodeMemory
+from megatron_pec.store.checkpoint_dir import TRACKER
+from megatron_pec.format.item_names import item_name
+from megatron_pec.pec.state import PecState
+from megatron_pec.format.protocol import SlotHeader
+from megatron_pec.memory.slots import open_slot
+from megatron_pec.format.stformat import decode_header
 from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, parse_plt, persist_only_plt, run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
@@ -494,9 +494,9 @@ def test_three_nodes_the_replica_lives_outside_the_lost_nodes_failure_domain(clu
 
 
 def _replica_file(c: Cluster, holder: int, node: int, rank: int) -> Path:
-    from megatron_pec.agent.replicas import INDEX
-    from megatron_pec.node_files import REPLICAS
-    from megatron_pec.protocol import ReplicaIndex
+    from megatron_pec.agent.replica_transport import INDEX
+    from megatron_pec.memory.node_files import REPLICAS
+    from megatron_pec.format.protocol import ReplicaIndex
 
     directory = c.node_dir(holder) / REPLICAS
     assert f"{node}.{rank}" in ReplicaIndex.loads((directory / INDEX).read_bytes()).entries

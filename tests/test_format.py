@@ -7,9 +7,9 @@ import struct
 import pytest
 import torch
 
-from megatron_pec import smallstate
-from megatron_pec.memlayout import MemoryLayout
-from megatron_pec.stformat import FormatError, decode_header, encode_header, layout, tensor_view
+from megatron_pec.format import small_state
+from megatron_pec.memory.layout import MemoryLayout
+from megatron_pec.format.stformat import FormatError, decode_header, encode_header, layout, tensor_view
 
 
 def test_header_is_strict_safetensors():
@@ -46,18 +46,18 @@ def test_malformed_files_are_rejected(mutate, message):
 def test_small_state_round_trip_without_pickle():
     state = {"param_groups": [{"betas": (0.9, 0.999), "lr": 1e-3, "step": 6.0, "params": [0, 1]}],
              "rng": torch.get_rng_state(), "nan": float("nan"), 3: None, "nested": [(1, "a")]}
-    back = smallstate.loads(smallstate.dumps(state))
+    back = small_state.loads(small_state.dumps(state))
     assert back["param_groups"] == state["param_groups"]
     assert torch.equal(back["rng"], state["rng"]) and back["rng"].dtype == torch.uint8
     assert back[3] is None and back["nested"] == [(1, "a")] and back["nan"] != back["nan"]
     with pytest.raises(TypeError, match="cannot store a object"):
-        smallstate.dumps({"x": object()})
+        small_state.dumps({"x": object()})
 
 
 def test_slot_header_keeps_its_table_and_blanks_longer_metadata(tmp_path):
     """A save rewrites only the metadata after the slot's tensor table; shorter metadata after longer
     leaves no stale bytes behind, and a re-opened slot (another process) finds its table in place."""
-    from megatron_pec.slots import SlotFiles, open_slot
+    from megatron_pec.memory.slots import SlotFiles, open_slot
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
     files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
@@ -81,7 +81,7 @@ def test_slot_header_keeps_its_table_and_blanks_longer_metadata(tmp_path):
 def test_a_restart_keeps_the_slots_header_size(tmp_path):
     """The header reserve is partly measured at start-up; a restart that measures a little less or more
     keeps the existing slots' header size (or the snapshots in them would no longer line up)."""
-    from megatron_pec.slots import HEADER_ALIGN, SlotFiles
+    from megatron_pec.memory.slots import HEADER_ALIGN, SlotFiles
 
     entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 4)]), 0)
     first = SlotFiles(str(tmp_path), 0, entries, 1, reserve=HEADER_ALIGN + 100)
@@ -96,8 +96,8 @@ def test_a_restart_keeps_the_slots_header_size(tmp_path):
 
 
 def test_a_header_beyond_the_limit_is_refused_at_start_up(tmp_path):
-    from megatron_pec.slots import SlotFiles, SlotSpaceError
-    from megatron_pec.stformat import MAX_HEADER
+    from megatron_pec.memory.slots import SlotFiles, SlotSpaceError
+    from megatron_pec.format.stformat import MAX_HEADER
 
     entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 4)]), 0)
     with pytest.raises(SlotSpaceError, match="spread the experts over more ranks"):
@@ -111,7 +111,7 @@ def test_the_fast_checksum_is_zlibs_crc32():
     import random
     import zlib
 
-    from megatron_pec import checksum
+    from megatron_pec.integrity import checksum
 
     assert checksum.IMPLEMENTATION == "zlib-ng", "zlib-ng is a dependency (pyproject.toml): reinstall the package"
     data = random.Random(7).randbytes(3 << 20)
@@ -126,7 +126,7 @@ def test_the_fast_checksum_is_zlibs_crc32():
 def test_metadata_alone_and_a_known_table_decode_as_the_full_header():
     """A restore chooses slots by their metadata only and skips parsing the table its own process
     wrote; both must agree with the full strict decode, and a different table is parsed in full."""
-    from megatron_pec.stformat import decode_metadata, tensor_table
+    from megatron_pec.format.stformat import decode_metadata, tensor_table
 
     entries = layout([("dense/a.param", torch.float32, 4), ("L1.E0/b.param", torch.float32, 2)])
     metadata = {"iteration": "7", "small": json.dumps({"quote": '"__metadata__":{}', "x": [1, 2]})}
@@ -149,7 +149,7 @@ def test_the_agents_slot_cache_keeps_a_mapping_and_its_table_until_the_file_chan
     """The agent reads every snapshot's slot through its cache: the same header as a full parse, the
     mapping and parsed table reused while the file stays, both anew for a slot of another
     configuration (resized in place: a stale mapping of it would fault past its end)."""
-    from megatron_pec.slots import SlotCache, SlotFiles, open_slot, slot_path
+    from megatron_pec.memory.slots import SlotCache, SlotFiles, open_slot, slot_path
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
     files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
@@ -177,7 +177,7 @@ def test_quoted_text_encodes_as_json_dumps_does():
     escaped): the metadata object it lands in reads back exactly as one written by ``json.dumps``."""
     import json
 
-    from megatron_pec.jsontext import Quoted, dumps_object
+    from megatron_pec.format.json_text import Quoted, dumps_object
 
     quoted = Quoted.join([('{"experts":"', False), ("L1.E0,L1.E1", True), ('","values":"', False),
                           ("AAEC+/==", True), ('"} tab\t, quote", backslash\\ and é', False)])

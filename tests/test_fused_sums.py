@@ -1,5 +1,5 @@
-"""Issue 33: a snapshot's item checksums in one kernel launch. The Triton kernel (``sum64_kernel.py``)
-over the chunk table (``chunks.py``) gives ``Sum64``'s values bit for bit, run here on CPU tensors by
+"""Issue 33: a snapshot's item checksums in one kernel launch. The Triton kernel (``integrity/sum64_kernel.py``)
+over the chunk table (``integrity/chunk_table.py``) gives ``Sum64``'s values bit for bit, run here on CPU tensors by
 Triton's interpreter (a fresh process with TRITON_INTERPRET=1: the interpreter must be chosen before
 Triton is first imported); ``tests/gpu/`` runs the compiled kernel on CUDA. And what a snapshot
 enqueues on the device does not grow with its runs.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import REPO, WORKERS
-from megatron_pec.chunks import CHUNK_BYTES, run_rows, table_rows, unit_log2
+from megatron_pec.integrity.chunk_table import CHUNK_BYTES, run_rows, table_rows, unit_log2
 
 pytest.importorskip("triton")
 
@@ -73,7 +73,7 @@ def test_a_run_is_cut_into_a_head_chunks_and_a_tail_that_cover_it_once():
 
 
 def test_rows_group_by_item_and_partials_add_up_per_item():
-    from megatron_pec.chunks import ChunkTable
+    from megatron_pec.integrity.chunk_table import ChunkTable
 
     a, b = torch.zeros(4), torch.zeros(5, dtype=torch.float64)  # (whole words: a row each)
     table = ChunkTable({"x": [(a, 0)], "none": [], "y": [(b, 0), (a, 40)]})
@@ -89,7 +89,7 @@ def test_the_kernel_compiles_for_the_gpus_users_train_on():
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from megatron_pec import sum64_kernel
+    from megatron_pec.integrity import sum64_kernel
 
     source = triton.compiler.ASTSource(
         fn=sum64_kernel.chunk_sums, signature={"table": "*i64", "partials": "*i64", "selected": "*u8",
@@ -133,7 +133,7 @@ def test_runs_are_summed_where_each_tensor_is_and_add_up_to_the_reference():
     binding with runs in device and host memory sums each part on its side (the device part here by the stock
     operations: no kernel loaded), and every item's sums equal numpy's over all its bytes; a binding with no
     device memory at all never touches a device path."""
-    from megatron_pec.run_sums import HostRunSums, RunSums, SplitRunSums, StockRunSums, split_runs
+    from megatron_pec.integrity.run_sums import HostRunSums, RunSums, SplitRunSums, StockRunSums, split_runs
 
     items = _items()
     marked = _Marked(*[t for runs in items.values() for k, (t, _) in enumerate(runs) if k % 3 == 0])
@@ -149,7 +149,7 @@ def test_runs_are_summed_where_each_tensor_is_and_add_up_to_the_reference():
 
 
 def test_the_stock_fallback_gives_items_without_runs_the_references_sums():
-    from megatron_pec.run_sums import HostRunSums, StockRunSums
+    from megatron_pec.integrity.run_sums import HostRunSums, StockRunSums
 
     items = _items()
     chosen = ["empty", "L1.E1"]
@@ -157,7 +157,7 @@ def test_the_stock_fallback_gives_items_without_runs_the_references_sums():
 
 
 def test_a_kernel_that_cannot_be_compiled_leaves_the_stock_sums_and_never_raises():
-    from megatron_pec.run_sums import KernelLoad, RunSums, StockRunSums
+    from megatron_pec.integrity.run_sums import KernelLoad, RunSums, StockRunSums
 
     def no_compiler(device):
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
@@ -171,7 +171,7 @@ def test_a_kernel_that_cannot_be_compiled_leaves_the_stock_sums_and_never_raises
 def test_the_kernel_is_loaded_by_a_thread_at_start_up():
     import threading
 
-    from megatron_pec.run_sums import KernelLoad
+    from megatron_pec.integrity.run_sums import KernelLoad
 
     seen, release = [], threading.Event()
 
@@ -274,11 +274,11 @@ def test_close_waits_for_a_skipped_saves_copy_on_a_blocking_event_before_unpinni
     (the hand-over's wait for a snapshot's copies included)."""
     import contextlib
 
-    from megatron_pec.memlayout import POOL, MemoryLayout
-    from megatron_pec.run_sums import HostRunSums
-    from megatron_pec.slots import SlotFiles
-    from megatron_pec.stager import Stager
-    from megatron_pec.stformat import layout
+    from megatron_pec.memory.layout import POOL, MemoryLayout
+    from megatron_pec.integrity.run_sums import HostRunSums
+    from megatron_pec.memory.slots import SlotFiles
+    from megatron_pec.save.stager import Stager
+    from megatron_pec.format.stformat import layout
 
     recorder = _Recorder()
     monkeypatch.setattr(torch.cuda, "Event", recorder.Event)

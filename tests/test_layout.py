@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_pec.items import ExpertId
+from megatron_pec.format.item_names import ExpertId
 from megatron_pec.megatron.layout import ParamPiece, param_pieces, parse_expert_param_name
 
 # ---------------------------------------------------------------- names

@@ -12,13 +12,13 @@ SCRIPT = r"""
 import argparse, os, sys
 from types import SimpleNamespace
 import torch.distributed as dist
-from megatron_pec.checkpoint_dir import CheckpointDir
-from megatron_pec.collectives import Collectives
+from megatron_pec.store.checkpoint_dir import CheckpointDir
+from megatron_pec.common.collectives import Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.engine import Engine
-from megatron_pec.loader import LoadContext, Loader
-from megatron_pec.protocol import NodeMarker
-from megatron_pec.storage import PosixStorage
+from megatron_pec.restore.loader import LoadContext, Loader
+from megatron_pec.format.protocol import NodeMarker
+from megatron_pec.store.storage import PosixStorage
 
 root, port = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -66,8 +66,8 @@ def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_pl
     from types import SimpleNamespace
 
     from megatron_pec.config import PecConfig
-    from megatron_pec.items import NON_EXPERT, ExpertId, item_name
-    from megatron_pec.loader import Candidates, LoadContext, Loader
+    from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
+    from megatron_pec.restore.loader import Candidates, LoadContext, Loader
 
     class Recording:
         def __init__(self):
@@ -94,8 +94,8 @@ def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_pl
 def test_the_fault_harness_reads_the_restore_line_the_loader_logs(capsys):
     """The campaign and the fault tests judge every restore from this line: a suffix the harness does not
     know (the peer-memory lag) made it read no restore at all."""
-    from megatron_pec.items import NON_EXPERT
-    from megatron_pec.loader import RestorePlan
+    from megatron_pec.format.item_names import NON_EXPERT
+    from megatron_pec.restore.loader import RestorePlan
     from megatron_pec.testing.cluster import parse_restores
 
     def logged(source, newest):

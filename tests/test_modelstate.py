@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_pec import smallstate
-from megatron_pec.errors import CheckpointError
+from megatron_pec.format import small_state
+from megatron_pec.common.errors import CheckpointError
 from megatron_pec.megatron import modelstate, restore
 
 
@@ -22,7 +22,7 @@ def megatron_args(**changes):
 
 
 def test_the_argument_check_compares_what_megatron_compares_with_its_message():
-    saved = smallstate.loads(smallstate.dumps(modelstate.checkpoint_args(megatron_args())))
+    saved = small_state.loads(small_state.dumps(modelstate.checkpoint_args(megatron_args())))
     modelstate.check_args(megatron_args(), saved)
     with pytest.raises(CheckpointError, match=r"num_attention_heads value from checkpoint \(4\) is not equal to "
                                               r"the input argument value \(8\)\."):
@@ -51,7 +51,7 @@ def test_the_rerun_state_goes_through_json_with_its_types_rebuilt():
                          "initial_result": torch.tensor(2.5), "max_values": {"loss": 1.0},
                          "data_iterator_checkpoints": [{"saved_microbatches": [{"tokens": torch.arange(4)}],
                                                         "replaying": False, "replay_pos": 0}]}}
-    back = modelstate._enums_in(smallstate.loads(smallstate.dumps(modelstate._enums_out(state))), rsm)
+    back = modelstate._enums_in(small_state.loads(small_state.dumps(modelstate._enums_out(state))), rsm)
     assert back["mode"] is rsm.RerunMode.VALIDATE_RESULTS
     assert back["state"] is rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT
     call = back["sharded"]["failed_validation_call"]

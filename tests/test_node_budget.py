@@ -15,7 +15,7 @@ import re
 import pytest
 
 from conftest import REPO, torchrun
-from megatron_pec import node_report
+from megatron_pec.tools import inspect_node_memory
 from megatron_pec.testing.cluster import parse_plt, parse_restores
 
 pytestmark = pytest.mark.multiprocess
@@ -35,7 +35,7 @@ def launch(tmp_path, shm_dir, job, *extra, fault=None, iters=12, check=True):
 
 
 def node(shm_dir, job) -> dict:
-    return node_report.report(f"{shm_dir}/{job}/node0")["node"]
+    return inspect_node_memory.report(f"{shm_dir}/{job}/node0")["node"]
 
 
 @pytest.mark.parametrize("extra,bound", [([], 2.0), (["--pec-snapshot-k", "2", "--pec-persist-k", "1"], 1.5)],
@@ -88,7 +88,7 @@ def test_inspect_reports_a_nodes_memory(tmp_path, shm_dir):
     launch(tmp_path, shm_dir, "seen", "--save-interval", "100", iters=3)
     from megatron_pec.__main__ import main
 
-    found = node_report.report(f"{shm_dir}/seen/node0")
+    found = inspect_node_memory.report(f"{shm_dir}/seen/node0")
     assert set(found["ranks"]) == {"0", "1"} and found["ranks"]["0"]["plan"]["snapshot_k"] == 16
     assert round(found["node"]["ratio"], 2) <= 2.0 and found["ranks"]["0"]["newest_snapshot"] == 3
     assert json.loads(json.dumps(found)) == found

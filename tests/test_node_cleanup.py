@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, torchrun
-from megatron_pec.node_files import AGENT_LOG, PIDFILE, agent_lock, remove_job_files
+from megatron_pec.memory.node_files import AGENT_LOG, PIDFILE, agent_lock, remove_job_files
 
 PRETRAIN = str(REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py")
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",

@@ -1,16 +1,16 @@
-"""Node memory's history (``agent/memory.py``): which region of which slot holds which version, and
+"""Node memory's history (``memory/history.py``): which region of which slot holds which version, and
 what may be restored - timelines included. Real slot files in a temporary directory; no agent, no
 Megatron."""
 
 import pytest
 import torch
 
-from megatron_pec.agent.memory import NO_HOME, JobKey, NodeMemory
-from megatron_pec.memlayout import POOL as P
-from megatron_pec.memlayout import MemoryLayout
-from megatron_pec.protocol import SlotHeader
-from megatron_pec.slots import SlotFiles
-from megatron_pec.stformat import layout
+from megatron_pec.memory.history import NO_HOME, JobKey, NodeMemory
+from megatron_pec.memory.layout import POOL as P
+from megatron_pec.memory.layout import MemoryLayout
+from megatron_pec.format.protocol import SlotHeader
+from megatron_pec.memory.slots import SlotFiles
+from megatron_pec.format.stformat import layout
 
 ENTRIES = layout([("dense/w.param", torch.float32, 16), ("L1.E0/w.param", torch.float32, 8),
                   ("L1.E1/w.param", torch.float32, 8)])

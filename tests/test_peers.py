@@ -2,8 +2,8 @@
 
 from megatron_pec.agent import peers
 from megatron_pec.config import Launch
-from megatron_pec.protocol import JobInfo, PeerAddress
-from megatron_pec.storage import PosixStorage
+from megatron_pec.format.protocol import JobInfo, PeerAddress
+from megatron_pec.store.storage import PosixStorage
 
 
 def test_holders_are_other_nodes_in_ring_order():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_pec.phases import Phases
+from megatron_pec.common.phases import Phases
 
 
 class Clock:

@@ -5,10 +5,10 @@ against the container's memory limit. The CUDA runtime is a seam: a recording st
 import pytest
 import torch
 
-from megatron_pec import pinning
-from megatron_pec.memlayout import MemoryLayout
-from megatron_pec.slots import SlotFiles, SlotSpaceError, cgroup_memory
-from megatron_pec.stformat import layout
+from megatron_pec.memory import pinning
+from megatron_pec.memory.layout import MemoryLayout
+from megatron_pec.memory.slots import SlotFiles, SlotSpaceError, cgroup_memory
+from megatron_pec.format.stformat import layout
 
 
 class Runtime:

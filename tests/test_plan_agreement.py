@@ -12,12 +12,12 @@ import threading
 from types import SimpleNamespace
 
 from conftest import checkpoints
-from megatron_pec import loader
+from megatron_pec.restore import loader
 from megatron_pec.config import PecConfig
-from megatron_pec.items import NON_EXPERT, ExpertId, item_name
-from megatron_pec.loader import Candidates, LoadContext, Loader, Refused
-from megatron_pec.pec_state import Level, PecState
-from megatron_pec.sources import Source, SourceError
+from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
+from megatron_pec.restore.loader import Candidates, LoadContext, Loader, Refused
+from megatron_pec.pec.state import Level, PecState
+from megatron_pec.restore.sources import Source, SourceError
 
 EXPERTS = (ExpertId(1, 0), ExpertId(1, 1))
 TARGET = 10

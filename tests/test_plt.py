@@ -1,11 +1,11 @@
-"""Unit tests for megatron_pec.plt (pure)."""
+"""Unit tests for megatron_pec.pec.lost_tokens (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_pec.items import ExpertId
-from megatron_pec.plt import PltReport, accumulate, lost_tokens, next_k
+from megatron_pec.format.item_names import ExpertId
+from megatron_pec.pec.lost_tokens import PltReport, accumulate, lost_tokens, next_k
 
 A, B, C, D = ExpertId(1, 0), ExpertId(1, 1), ExpertId(3, 0), ExpertId(3, 1)
 
@@ -47,7 +47,7 @@ def test_format_lines():
 def test_format_lines_name_the_costliest_experts_of_a_crowded_layer():
     """A layer of 256 experts restored stale would log all of them: past LISTED_PER_LAYER, the line
     gives their count and names the ones that lost most."""
-    from megatron_pec.plt import LISTED_PER_LAYER
+    from megatron_pec.pec.lost_tokens import LISTED_PER_LAYER
 
     experts = [ExpertId(2, e) for e in range(40)]
     at_version = {x: 100 for x in experts}
@@ -133,9 +133,9 @@ def test_pec_state_text_packs_the_held_experts_values():
     import json
     import random
 
-    from megatron_pec.expert_values import HeldExperts
-    from megatron_pec.items import ExpertId, ExpertOrder
-    from megatron_pec.pec_state import Level, PecState
+    from megatron_pec.pec.expert_values import HeldExperts
+    from megatron_pec.format.item_names import ExpertId, ExpertOrder
+    from megatron_pec.pec.state import Level, PecState
 
     rng = random.Random(3)
     experts = [ExpertId(layer, e) for layer in (2, 5) for e in range(6)]
@@ -169,9 +169,9 @@ def test_pec_state_text_packs_the_held_experts_values():
 def test_planning_every_expert_is_what_each_policy_picks():
     """K = all experts (no byte budget) plans every expert without asking the policy: exactly what each
     policy picks then, at one level and at two."""
-    from megatron_pec import policy
-    from megatron_pec.items import ExpertId
-    from megatron_pec.pec_state import Level, PecState
+    from megatron_pec.pec import policy
+    from megatron_pec.format.item_names import ExpertId
+    from megatron_pec.pec.state import Level, PecState
 
     lay = policy.ExpertLayout((1, 3), 4, 2, 100)
     cumulative = {x: 10 * x.expert + x.layer for x in lay.all_experts()}

@@ -1,4 +1,4 @@
-"""Unit tests for megatron_pec.policy (pure; no torch)."""
+"""Unit tests for megatron_pec.pec.policy (pure; no torch)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from megatron_pec.items import ExpertId
-from megatron_pec.policy import (
+from megatron_pec.format.item_names import ExpertId
+from megatron_pec.pec.policy import (
     POLICIES,
     ExpertLayout,
     SelectionInput,
@@ -410,7 +410,7 @@ def test_vectorised_selection_is_the_reference_selection(monkeypatch):
     """Sequential and load-aware run vectorised whenever the greedy choice fits every EP rank's
     capacity; on random layouts, K, token counts, never-saved experts and candidate sets they
     choose exactly what the per-expert reference chooses (which decides whenever they decline)."""
-    from megatron_pec import policy
+    from megatron_pec.pec import policy
 
     rng = random.Random(5)
     decided = 0
@@ -444,8 +444,8 @@ def test_per_expert_arrays_choose_what_dicts_choose(monkeypatch):
     """A save passes its per-expert state as arrays laid out in the layout's order (``ExpertValues``),
     which ``_vectorised`` and ``select_two_level`` read without a Python call per expert; on random
     states every policy picks, at one and at two levels, exactly what it picks from plain dicts."""
-    from megatron_pec import policy
-    from megatron_pec.expert_values import ExpertValues
+    from megatron_pec.pec import policy
+    from megatron_pec.pec.expert_values import ExpertValues
 
     rng = random.Random(11)
     decided = []

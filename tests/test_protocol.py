@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_pec import protocol as p
+from megatron_pec.format import protocol as p
 
 FILE = p.RankFile(file="iter_0000010/pec/rank_00000.safetensors", size=4096, crc32=0xDEADBEEF,
                   items=["L1.E0", "dense"], header_crc32=7, item_sums={"L1.E0": "s64:" + "1" * 32,
@@ -155,7 +155,7 @@ def test_slot_header_round_trips_as_safetensors_metadata():
 def test_slot_header_packs_per_expert_token_counts():
     """A save writes the token counts of a rank's experts packed (the names once, the values as base64);
     they read back as the same mapping, and a malformed column is a ProtocolError naming the field."""
-    from megatron_pec.packed import PackedColumn
+    from megatron_pec.format.packed_column import PackedColumn
 
     raw = b"".join(v.to_bytes(8, "little", signed=True) for v in (77, -1, 2**40))
     header = p.SlotHeader(job_id="j", fingerprint="f", save="/ckpt", rank=3, world_size=4, iteration=12,

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from megatron_pec import smallstate
+from megatron_pec.format import small_state
 
 
 def test_generator_tracker_states_round_trip_through_small_state():
@@ -18,7 +18,7 @@ def test_generator_tracker_states_round_trip_through_small_state():
     try:
         generator = torch.Generator().manual_seed(7)
         tracker.set_states({"graph-safe": generator, "plain": torch.Generator().manual_seed(3).get_state()})
-        saved = smallstate.loads(smallstate.dumps(collect.rng_state()))  # no TypeError, no pickle
+        saved = small_state.loads(small_state.dumps(collect.rng_state()))  # no TypeError, no pickle
         expected = torch.rand(4, generator=generator)  # what the next draw gives after the save
         torch.rand(4, generator=generator)  # the run moves on
         restore.restore_rng(saved)

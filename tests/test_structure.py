@@ -1,5 +1,7 @@
 """The package's boundaries, checked on its source: one owner per concern.
 
+* the package is cut in folders by concern, each a layer that imports only the layers below it
+  (``LAYERS``); the package root holds the entry points, the composition and the configuration;
 * Megatron is imported only by the adapter (``megatron_pec/megatron/``) and the CPU test stand-ins
   (``megatron_pec/testing/``);
 * production code never imports ``megatron_pec.testing``;
@@ -21,10 +23,32 @@ from conftest import REPO
 PACKAGE = REPO / "megatron_pec"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
+# Folder -> the folders its modules may import (besides their own), bottom to top. The package root is
+# two layers: the configuration (``config``, ``job_facts``), and the entry points with the composition
+# (``api``, ``__main__``, ``engine``, ``__init__``), which may import every layer. ``testing/`` (shipped test
+# tooling) may import anything; no layer imports it.
+LAYERS = {
+    "common": set(),                                                   # errors, log, faults, phases, collectives
+    "format": {"common"},                                              # records, file and wire encodings
+    "integrity": {"common", "format"},                                 # checksums, their kernels and fallbacks
+    "pec": {"common", "format"},                                       # selection policies, lost tokens, PEC state
+    "store": {"common", "format", "integrity"},                        # the storage seam, the checkpoint directory
+    "memory": {"common", "format", "integrity", "pec"},                # node-memory files, layout, regions, budget
+    "configuration": {"common", "format", "integrity", "pec", "memory"},
+    "megatron": {"common", "format", "integrity", "pec"},              # the only code that knows Megatron
+    "agent": {"common", "format", "integrity", "store", "memory"},     # the node agent process
+    "save": {"common", "format", "integrity", "pec", "store", "memory", "configuration", "agent"},
+    "restore": {"common", "format", "integrity", "pec", "store", "memory", "configuration", "agent"},
+    "tools": {"common", "format", "integrity", "pec", "store", "memory", "restore"},  # export, inspect, verify
+}
+CONFIGURATION = {"config.py", "job_facts.py"}
+ENTRY = {"__init__.py", "__main__.py", "api.py", "engine.py"}
+
+
 # file -> attribute targets it may assign on objects that are not its own (``self``/``cls``), and why.
 ALLOWED_FOREIGN_WRITES = {
     "api.py": {"sys.excepthook", "excepthook.megatron_pec"},      # records crashes so exit keeps node memory
-    "log.py": {"LOGGER.propagate"},                                # the package's lines go to its own handler only
+    "common/log.py": {"LOGGER.propagate"},                         # the package's lines go to its own handler only
     "megatron/restore.py": {"scheduler.num_steps", "args.consumed_train_samples", "args.skipped_train_samples",
                             "args.consumed_valid_samples", "args.finetune"},  # Megatron's load_checkpoint side effects
     "megatron/optstate.py": {"inner.param_groups", "inner.state"},  # shown one param per group, then put back
@@ -37,8 +61,8 @@ ALLOWED_FOREIGN_WRITES = {
 # file -> why it reads the process environment (``config.PecConfig.from_args`` reads everything else)
 ALLOWED_ENVIRONMENT_READERS = {
     "config.py": "the one configuration: the launcher's facts, the failure domain, two test hooks",
-    "faults.py": "fault injection, a test hook by design (MEGATRON_PEC_FAULT and its companions)",
-    "slots.py": "a test hook: MEGATRON_PEC_CGROUP_DIR points the tmpfs budget check at other files",
+    "common/faults.py": "fault injection, a test hook by design (MEGATRON_PEC_FAULT and its companions)",
+    "memory/slots.py": "a test hook: MEGATRON_PEC_CGROUP_DIR points the tmpfs budget check at other files",
     "agent/client.py": "hands the trainer's environment on to the agent process it starts",
 }
 
@@ -65,8 +89,9 @@ def module_name(path: Path, root: Path = REPO) -> str:
 
 def package_imports(path: Path, modules: set[str], root: Path = REPO) -> set[str]:
     """The package's modules that ``path`` imports, wherever the import statement stands (module level,
-    inside a function or a class): ``from megatron_pec import log`` imports the module ``megatron_pec.log``,
-    ``from megatron_pec.log import info`` the module ``megatron_pec.log``; relative imports resolved."""
+    inside a function or a class): ``from megatron_pec.common import log`` imports the module
+    ``megatron_pec.common.log``, ``from megatron_pec.common.log import info`` the module ``megatron_pec.common.log``;
+    relative imports resolved."""
     here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found = set()
@@ -133,6 +158,59 @@ def foreign_attribute_writes(path: Path) -> set[str]:
                     if not (isinstance(base, ast.Name) and base.id in ("self", "cls")):
                         found.add(ast.unparse(sub))
     return found
+
+
+def layer_of(rel: str) -> str:
+    """The layer of a module, by its path relative to the package."""
+    if "/" in rel:
+        return rel.split("/")[0]
+    return "configuration" if rel in CONFIGURATION else "entry" if rel in ENTRY else f"unplaced {rel}"
+
+
+def layer_violations(sources: list[Path], package: Path) -> dict[str, list[str]]:
+    """Module -> the modules it imports against ``LAYERS``."""
+    root = package.parent
+    modules = {module_name(p, root) for p in sources}
+    by_name = {module_name(p, root): p.relative_to(package).as_posix() for p in sources}
+    found = {}
+    for path in sources:
+        rel = path.relative_to(package).as_posix()
+        here = layer_of(rel)
+        if here in ("entry", "testing"):
+            continue
+        allowed = LAYERS.get(here, set()) | {here}
+        bad = sorted(by_name[m] for m in package_imports(path, modules, root) if layer_of(by_name[m]) not in allowed)
+        if bad or here not in LAYERS:
+            found[rel] = bad or [f"{here}: no layer of LAYERS holds it"]
+    return found
+
+
+def test_the_package_root_holds_only_entry_points_composition_and_configuration():
+    at_root = {p.name for p in PACKAGE.glob("*.py")}
+    assert at_root <= ENTRY | CONFIGURATION, at_root - ENTRY - CONFIGURATION
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS) - {"configuration"} | {"testing"}, folders
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    assert not layer_violations(SOURCES, PACKAGE), layer_violations(SOURCES, PACKAGE)
+
+
+def test_the_layer_check_sees_an_import_against_the_layers(tmp_path):
+    """The check above can fail: a made-up module of the checksum layer that imports the agent is found,
+    and so is a module in a folder no layer names."""
+    package = tmp_path / "megatron_pec"
+    for folder in ("integrity", "agent", "format", "scratch"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "format" / "records.py").write_text("X = 1\n")
+    (package / "agent" / "server.py").write_text("from megatron_pec.format.records import X\n")
+    (package / "integrity" / "sums.py").write_text("from megatron_pec.format import records\n\n"
+                                                  "def f():\n    from megatron_pec.agent.server import X\n")
+    sources = sorted(package.rglob("*.py"))
+    assert layer_violations(sources, package) == {"integrity/sums.py": ["agent/server.py"],
+                                                  "scratch/__init__.py": ["scratch: no layer of LAYERS holds it"]}
 
 
 def test_megatron_is_imported_only_by_the_adapter_and_the_test_stand_ins():

@@ -1,5 +1,5 @@
 """Issue 28: the checksum computed where the bytes are. One definition (two 64-bit sums over an item's
-words, ``megatron_pec/sum64.py``), two implementations - numpy on the CPU, torch on the device - that
+words, ``megatron_pec/integrity/sum64.py``), two implementations - numpy on the CPU, torch on the device - that
 must agree bit for bit with each other and with the definition, however the bytes are cut into
 pieces and wherever they lie in memory."""
 
@@ -9,8 +9,8 @@ import numpy
 import pytest
 import torch
 
-from megatron_pec.stformat import Header, layout
-from megatron_pec.sum64 import DeviceSums, Sum64, digest, is_sum64, item_sums
+from megatron_pec.format.stformat import Header, layout
+from megatron_pec.integrity.sum64 import DeviceSums, Sum64, digest, is_sum64, item_sums
 
 
 def reference(data: bytes) -> str:

@@ -19,10 +19,10 @@ import re
 import pytest
 
 from conftest import REPO, checkpoints, torchrun
-from megatron_pec import inspection
-from megatron_pec.items import item_name
-from megatron_pec.pec_state import Level, PecState
-from megatron_pec.policy import ExpertLayout
+from megatron_pec.tools import inspect_checkpoint
+from megatron_pec.format.item_names import item_name
+from megatron_pec.pec.state import Level, PecState
+from megatron_pec.pec.policy import ExpertLayout
 from megatron_pec.testing.cluster import parse_plt, parse_restores
 
 pytestmark = pytest.mark.multiprocess
@@ -62,7 +62,7 @@ def longest_blocking(tmp_path, job) -> float:
 
 def assert_whole(tmp_path, job, iteration):
     """The committed persistent save of ``iteration`` holds every expert at that iteration."""
-    report = inspection.inspect(checkpoints(tmp_path / job))
+    report = inspect_checkpoint.inspect(checkpoints(tmp_path / job))
     found = next(it for it in report["iterations"] if it["iteration"] == iteration)
     assert found["committed"] and len(found["expert_versions"]) == 16, found
     assert set(found["expert_versions"].values()) == {iteration}, found["expert_versions"]

@@ -219,7 +219,7 @@ def setup_model_and_optimizer(args):
     optimizer, scheduler = optimizer_provider(args, ddp_model)
     if os.environ.get("MEGATRON_PEC_FAULT"):
         # Fault point "optimizer_step": after the dense optimizer stepped, before the expert one.
-        from megatron_pec import faults
+        from megatron_pec.common import faults
 
         inner = getattr(optimizer, "chained_optimizers", [optimizer])[-1].optimizer
         inner.register_step_pre_hook(lambda *_: faults.point("optimizer_step"))

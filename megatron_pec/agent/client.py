@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 
-from megatron_pec import log
-from megatron_pec.node_files import AGENT_LOG, PIDFILE, SOCKET, agent_lock
-from megatron_pec.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
+from megatron_pec.common import log
+from megatron_pec.memory.node_files import AGENT_LOG, PIDFILE, SOCKET, agent_lock
+from megatron_pec.format.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
 
 
 class AgentUnavailable(RuntimeError):

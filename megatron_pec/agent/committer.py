@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pec import log
-from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.common import log
+from megatron_pec.memory.history import NodeMemory
 from megatron_pec.agent.persist import check_snapshot, write_rank_file
-from megatron_pec.checkpoint_dir import CheckpointDir, ManifestError
-from megatron_pec.protocol import JobInfo, NodeMarker, RankFile, SlotRecord
-from megatron_pec.slots import SlotCache, slot_path
+from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
+from megatron_pec.format.protocol import JobInfo, NodeMarker, RankFile, SlotRecord
+from megatron_pec.memory.slots import SlotCache, slot_path
 
 
 class Committer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pec.protocol import Begin, SnapshotReady
+from megatron_pec.format.protocol import Begin, SnapshotReady
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import socket
 
-from megatron_pec.protocol import JobInfo, PeerAddress, ProtocolError
-from megatron_pec.storage import Storage
+from megatron_pec.format.protocol import JobInfo, PeerAddress, ProtocolError
+from megatron_pec.store.storage import Storage
 
 RENDEZVOUS = "pec_agents"  # under --save; Megatron ignores anything not named iter_* or the tracker
 

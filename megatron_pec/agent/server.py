@@ -20,7 +20,7 @@ The worker runs typed jobs (``jobs.py``) through one table (``Agent.HANDLERS``);
 messages go through another (``Agent.MESSAGES``). Who is connected, and what each rank waits for, is
 ``trainers.Trainers``'.
 
-Protocol (``protocol.py`` records, newline-delimited JSON over ``<node dir>/agent.sock``):
+Protocol (``format/protocol.py`` records, newline-delimited JSON over ``<node dir>/agent.sock``):
 a trainer sends ``Hello`` (answered ``Ready``), ``Begin`` (answered ``Begun`` with its pins), then
 ``SnapshotReady`` per snapshot (answered ``Released``: recorded or not, an error if persisting
 failed, the pins; a persistent snapshot once written, so answers may come out of order), ``Flush``
@@ -39,18 +39,18 @@ import socket
 import threading
 import time
 
-from megatron_pec import faults, log
+from megatron_pec.common import faults, log
 from megatron_pec.agent import jobs, writer
 from megatron_pec.agent.committer import MemoryCopy
-from megatron_pec.agent.cpu import CpuLedger
-from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.agent.cpu_ledger import CpuLedger
+from megatron_pec.memory.history import NodeMemory
 from megatron_pec.agent.persist import check_snapshot
 from megatron_pec.agent.pins import pins, reading
 from megatron_pec.agent.replication import Replication
 from megatron_pec.agent.trainers import Link, Trainers
-from megatron_pec.checkpoint_dir import CheckpointDir
-from megatron_pec.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files
-from megatron_pec.protocol import (
+from megatron_pec.store.checkpoint_dir import CheckpointDir
+from megatron_pec.memory.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files
+from megatron_pec.format.protocol import (
     Begin,
     Begun,
     Detach,
@@ -68,8 +68,8 @@ from megatron_pec.protocol import (
     Stop,
     decode_message,
 )
-from megatron_pec.slots import SlotCache, slot_path
-from megatron_pec.storage import Storage
+from megatron_pec.memory.slots import SlotCache, slot_path
+from megatron_pec.store.storage import Storage
 
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
 

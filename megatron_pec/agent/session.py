@@ -12,7 +12,7 @@ The engine calls a session, never raw messages. Call order:
 4. ``settle``/``flush`` wait until the agent has recorded / finished everything announced;
 5. ``close``          detach (a clean exit) or just leave (a crash: the agent keeps node memory).
 
-Which regions may be overwritten is the ``RegionBook``'s (``regions.py``): it follows the agent's
+Which regions may be overwritten is the ``RegionBook``'s (``memory/regions.py``): it follows the agent's
 ``Begun``, ``Released`` and ``Granted`` (pins); what it heard before the answer to the last ``Begin``
 is void. Thread-safe: a snapshot may be announced from a background thread.
 """
@@ -23,11 +23,11 @@ import threading
 import time
 import uuid
 
-from megatron_pec import log
+from megatron_pec.common import log
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, ensure_agent
-from megatron_pec.agent.memory import NodeMemory
-from megatron_pec.protocol import Begin, Begun, Flush, Flushed, Granted, Hello, Record, Released, Settle, SnapshotReady
-from megatron_pec.regions import RegionBook
+from megatron_pec.memory.history import NodeMemory
+from megatron_pec.format.protocol import Begin, Begun, Flush, Flushed, Granted, Hello, Record, Released, Settle, SnapshotReady
+from megatron_pec.memory.regions import RegionBook
 
 PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions before it is skipped
 REPLICA_WAIT_S = 120.0  # how long a snapshot waits for a replica push that holds the regions it needs

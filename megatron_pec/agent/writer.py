@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_pec import log
+from megatron_pec.common import log
 from megatron_pec.agent import jobs
 from megatron_pec.agent.committer import Committer, MemoryCopy
 from megatron_pec.agent.persist import CheckedSnapshot, write_rank_file
-from megatron_pec.items import NON_EXPERT
-from megatron_pec.protocol import RankFile, SnapshotReady
+from megatron_pec.format.item_names import NON_EXPERT
+from megatron_pec.format.protocol import RankFile, SnapshotReady
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,15 @@ import sys
 
 import torch
 
-from megatron_pec import log, smallstate
-from megatron_pec.collectives import Collectives
-from megatron_pec.items import ExpertId
+from megatron_pec.common import log
+from megatron_pec.format import small_state
+from megatron_pec.common.collectives import Collectives
+from megatron_pec.format.item_names import ExpertId
 from megatron_pec.megatron import collect, contiguous, layout, modelstate, restore
 from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.tokens import TokenCounter
-from megatron_pec.phases import Phases
-from megatron_pec.protocol import GlobalParam, RankLayout
+from megatron_pec.common.phases import Phases
+from megatron_pec.format.protocol import GlobalParam, RankLayout
 
 
 def training_args():
@@ -230,7 +231,7 @@ class MegatronAdapter:
         sizes must not differ between a trainer and its restart), plus room for what appears only
         later: the optimizer's param_groups and grad scaler once it has stepped, the scheduler's
         state (neither holds per-parameter data: Megatron strips the params lists)."""
-        widest = len(smallstate.dumps(_widest(self.small_state(None, 0, 0.0))))
+        widest = len(small_state.dumps(_widest(self.small_state(None, 0, 0.0))))
         groups = sum(len(opt.optimizer.param_groups) for opt in self.optimizers)
         # extra states may grow a little (base64: 4/3), a pending rerun saves its micro-batches
         later = 2 * self.model_state.extra_state_margin() + self._rerun_room
@@ -238,7 +239,7 @@ class MegatronAdapter:
 
     def layout_record(self, fingerprint: str) -> RankLayout:
         """Where each slice lies in the model's global parameters (``RankLayout``)."""
-        from megatron_pec.stformat import dtype_code
+        from megatron_pec.format.stformat import dtype_code
 
         names, module_names = {}, {}
         for chunk in self.model:
@@ -277,7 +278,7 @@ class MegatronAdapter:
             given = torch.distributed.get_process_group_ranks(group)
             expected = torch.distributed.get_process_group_ranks(_parallel_state_group(name))
             if sorted(given) != sorted(expected):
-                from megatron_pec.errors import CheckpointError
+                from megatron_pec.common.errors import CheckpointError
 
                 raise CheckpointError(
                     f"the {name}_group passed to save/load_checkpoint holds ranks {sorted(given)}, "

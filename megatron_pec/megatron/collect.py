@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from megatron_pec.errors import CheckpointError
-from megatron_pec.items import NON_EXPERT, ExpertId, item_name
+from megatron_pec.common.errors import CheckpointError
+from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 from megatron_pec.megatron.layout import param_pieces
 
 # Per-element optimizer state by optimizer class name: what each slice kind besides "param" is.

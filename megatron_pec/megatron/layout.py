@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_pec.items import ExpertId
+from megatron_pec.format.item_names import ExpertId
 
 __all__ = ["ParamPiece", "parse_expert_param_name", "param_pieces", "global_names"]
 

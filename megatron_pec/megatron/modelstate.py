@@ -19,7 +19,7 @@ import enum
 
 import torch
 
-from megatron_pec.errors import CheckpointError
+from megatron_pec.common.errors import CheckpointError
 from megatron_pec.megatron import layout
 from megatron_pec.megatron.collect import _detached
 
@@ -306,9 +306,9 @@ def check_rerun_room(state: dict | None, room: int) -> None:
     """A pending rerun's state (with its saved micro-batches) must fit the room sized at start-up."""
     if not state or not (state.get("sharded") or {}).get("data_iterator_checkpoints"):
         return
-    from megatron_pec import smallstate
+    from megatron_pec.format import small_state
 
-    size = len(smallstate.dumps(state))
+    size = len(small_state.dumps(state))
     if size > room:
         raise CheckpointError(
             f"the rerun state machine's pending rerun saves {size} bytes (its saved micro-batches), more than the "

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 
-from megatron_pec import log, smallstate
+from megatron_pec.common import log
+from megatron_pec.format import small_state
 from megatron_pec.megatron.collect import distributed_optimizers
 
 
@@ -66,6 +67,6 @@ def _first_stepped(params: list, state) -> list:
 def _same(a, b) -> bool:
     """Equal as a checkpoint stores them (tensors in the grad scaler's state compare by bytes)."""
     try:
-        return smallstate.dumps(a) == smallstate.dumps(b)
+        return small_state.dumps(a) == small_state.dumps(b)
     except TypeError:
         return False

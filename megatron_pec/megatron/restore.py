@@ -12,8 +12,8 @@ import random
 import numpy
 import torch
 
-from megatron_pec.coalesce import coalesced
-from megatron_pec.errors import CheckpointError
+from megatron_pec.common.coalesce import coalesced
+from megatron_pec.common.errors import CheckpointError
 from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 

@@ -35,8 +35,8 @@ import time
 import traceback
 from pathlib import Path
 
-from megatron_pec.checkpoint_dir import TRACKER, CheckpointDir
-from megatron_pec.storage import default_storage
+from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir
+from megatron_pec.store.storage import default_storage
 from megatron_pec.testing.cluster import Cluster, ClusterTimeout, parse_plt, persist_only_plt, run_megatron_pec
 
 # Every expert saved: a memory snapshot every iteration, a persisted checkpoint every 2.
@@ -371,9 +371,9 @@ class Campaign:
 
     def _replica_corrupt(self, c: Cluster, spec: dict, result: dict) -> None:
         """The node is lost and the one replica of it has a flipped byte: it must not be restored."""
-        from megatron_pec.agent.replicas import INDEX
-        from megatron_pec.node_files import REPLICAS
-        from megatron_pec.protocol import ReplicaIndex
+        from megatron_pec.agent.replica_transport import INDEX
+        from megatron_pec.memory.node_files import REPLICAS
+        from megatron_pec.format.protocol import ReplicaIndex
 
         node, holder = spec["node"], 1 - spec["node"]
         directory = c.node_dir(holder) / REPLICAS

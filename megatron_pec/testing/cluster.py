@@ -438,12 +438,12 @@ class Cluster:
 def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     """The PLT a restore of committed ``iteration`` from storage alone costs: every expert at the
     version its manifest records. Computed from the files' recorded cumulative token counts."""
-    from megatron_pec import plt
-    from megatron_pec.checkpoint_dir import CheckpointDir
-    from megatron_pec.items import parse_item
-    from megatron_pec.protocol import SlotHeader
-    from megatron_pec.stformat import read_header
-    from megatron_pec.storage import default_storage
+    from megatron_pec.pec import lost_tokens
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+    from megatron_pec.format.item_names import parse_item
+    from megatron_pec.format.protocol import SlotHeader
+    from megatron_pec.format.stformat import read_header
+    from megatron_pec.store.storage import default_storage
 
     root, storage = str(root), default_storage()
     m = CheckpointDir(root, storage).read_manifest(iteration)
@@ -464,7 +464,7 @@ def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     for item, version in m.experts.items():
         expert = parse_item(item)
         at_version[expert], version_of[expert] = tokens(version)[expert], version
-    return plt.lost_tokens(at_target, at_version, version_of, iteration).fraction
+    return lost_tokens.lost_tokens(at_target, at_version, version_of, iteration).fraction
 
 
 def run_megatron_pec(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_pec.node_files import PIDFILE
+from megatron_pec.memory.node_files import PIDFILE
 
 PORTS = range(29500, 30000)  # the master ports every launch of this repository draws from
 PORT_HOLD_S = 60.0  # how long a port handed out stays reserved for the launch that asked (it binds it by then)

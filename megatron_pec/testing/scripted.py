@@ -11,13 +11,13 @@ import time
 from dataclasses import replace
 
 from megatron_pec.agent.client import AgentClient, ensure_agent
-from megatron_pec.agent.memory import NodeMemory
+from megatron_pec.memory.history import NodeMemory
 from megatron_pec.agent.session import WRITE_WAIT_S
-from megatron_pec.memlayout import MemoryLayout
-from megatron_pec.protocol import Begin, Begun, Granted, Hello, JobInfo, Released, SlotHeader, SnapshotReady, Stop
-from megatron_pec.regions import RegionBook
-from megatron_pec.slots import SlotFiles
-from megatron_pec.sum64 import item_sums
+from megatron_pec.memory.layout import MemoryLayout
+from megatron_pec.format.protocol import Begin, Begun, Granted, Hello, JobInfo, Released, SlotHeader, SnapshotReady, Stop
+from megatron_pec.memory.regions import RegionBook
+from megatron_pec.memory.slots import SlotFiles
+from megatron_pec.integrity.sum64 import item_sums
 
 
 class ScriptedTrainer:

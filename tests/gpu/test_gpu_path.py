@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_device_sums_equal_the_cpu_sums_bit_for_bit():
-    from megatron_pec.sum64 import DeviceSums, Sum64
+    from megatron_pec.integrity.sum64 import DeviceSums, Sum64
 
     rng = numpy.random.default_rng(0)
     host = torch.from_numpy(rng.standard_normal(3 << 20).astype(numpy.float32))
@@ -41,8 +41,8 @@ def test_the_one_launch_kernel_equals_the_cpu_sums_bit_for_bit():
     without runs included: zeros, as the reference); a binding with runs on both sides sums each where it is."""
     from fused_sums import mixed_items
 
-    from megatron_pec import sum64_kernel
-    from megatron_pec.run_sums import (FusedRunSums, HostRunSums, KernelLoad, RunSums, SplitRunSums,
+    from megatron_pec.integrity import sum64_kernel
+    from megatron_pec.integrity.run_sums import (FusedRunSums, HostRunSums, KernelLoad, RunSums, SplitRunSums,
                                        StockRunSums)
 
     host = mixed_items(11)
@@ -63,16 +63,16 @@ def test_the_one_launch_kernel_equals_the_cpu_sums_bit_for_bit():
 
 
 def _slot_files(tmp_path, specs, regions=2):
-    from megatron_pec.memlayout import MemoryLayout
-    from megatron_pec.slots import SlotFiles
-    from megatron_pec.stformat import layout
+    from megatron_pec.memory.layout import MemoryLayout
+    from megatron_pec.memory.slots import SlotFiles
+    from megatron_pec.format.stformat import layout
 
     entries = layout(specs)
     return SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, regions), 1), entries
 
 
 def _landed_sums(files, placed):
-    from megatron_pec.sum64 import item_sums
+    from megatron_pec.integrity.sum64 import item_sums
 
     out = {}
     for item, slot in placed.items():
@@ -86,8 +86,8 @@ def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(tmp_path,
     node memory with the device's sums; with the moments in host memory (before the first optimizer step:
     ``collect.stateless_views``), those are copied and summed by the host and the kernel reads device memory
     only. Nothing on the path synchronizes with the device (a new binding's table included)."""
-    from megatron_pec.memlayout import POOL
-    from megatron_pec.stager import Stager
+    from megatron_pec.memory.layout import POOL
+    from megatron_pec.save.stager import Stager
 
     specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in (("dense", 1 << 20), ("L1.E0", 12345))
              for kind in ("param", "exp_avg", "exp_avg_sq")]

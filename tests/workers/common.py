@@ -48,8 +48,8 @@ def setup(extra: list[str]):
 
 def checkpoints(save: str):
     """The checkpoint directory ``save`` (a ``CheckpointDir`` on POSIX storage)."""
-    from megatron_pec.checkpoint_dir import CheckpointDir
-    from megatron_pec.storage import PosixStorage
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+    from megatron_pec.store.storage import PosixStorage
 
     return CheckpointDir(save, PosixStorage())
 

@@ -24,10 +24,10 @@ import threading
 import numpy
 import torch
 
-from megatron_pec import sum64_kernel  # (Triton imported here: interpreted under TRITON_INTERPRET=1)
-from megatron_pec.chunks import CHUNK_BYTES
-from megatron_pec.memlayout import POOL
-from megatron_pec.run_sums import FusedRunSums, HostRunSums, StockRunSums
+from megatron_pec.integrity import sum64_kernel  # (Triton imported here: interpreted under TRITON_INTERPRET=1)
+from megatron_pec.integrity.chunk_table import CHUNK_BYTES
+from megatron_pec.memory.layout import POOL
+from megatron_pec.integrity.run_sums import FusedRunSums, HostRunSums, StockRunSums
 
 
 def mixed_items(seed: int) -> dict:
@@ -72,10 +72,10 @@ def exact(out: str) -> None:
 def launches(out: str, slot_dir: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_pec.memlayout import MemoryLayout
-    from megatron_pec.slots import SlotFiles
-    from megatron_pec.stager import Stager
-    from megatron_pec.stformat import layout
+    from megatron_pec.memory.layout import MemoryLayout
+    from megatron_pec.memory.slots import SlotFiles
+    from megatron_pec.save.stager import Stager
+    from megatron_pec.format.stformat import layout
     from megatron_pec.testing import cpu
 
     cpu.activate()  # (torch.cuda.Stream / Event / stream(): the stager's device path on CPU tensors)
@@ -131,8 +131,8 @@ class Marked:
 
 
 def mixed(out: str, slot_dir: str) -> None:
-    from megatron_pec.run_sums import KernelLoad, RunSums, SplitRunSums, split_runs
-    from megatron_pec.sum64 import item_sums
+    from megatron_pec.integrity.run_sums import KernelLoad, RunSums, SplitRunSums, split_runs
+    from megatron_pec.integrity.sum64 import item_sums
     from megatron_pec.testing import cpu
 
     cpu.activate()
@@ -203,9 +203,9 @@ def _reads_any(launched, tensors) -> bool:
 def _mixed_state(slot_dir: str):
     """A rank's slot files and live views: dense and two experts, each a param (in one "device" tensor) and
     two moments (host zeros of their own, as ``collect.stateless_views`` gives before the first step)."""
-    from megatron_pec.memlayout import MemoryLayout
-    from megatron_pec.slots import SlotFiles
-    from megatron_pec.stformat import layout
+    from megatron_pec.memory.layout import MemoryLayout
+    from megatron_pec.memory.slots import SlotFiles
+    from megatron_pec.format.stformat import layout
 
     sizes = {"dense": 3001, "L1.E0": 777, "L1.E1": 1024}
     specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in sizes.items()
@@ -225,7 +225,7 @@ def _mixed_state(slot_dir: str):
 
 def Stager_(files, slices, marked, **kwargs):
     """The stager the engine builds on a GPU (copy stream, the kernel loaded at start-up), on CPU."""
-    from megatron_pec.stager import Stager
+    from megatron_pec.save.stager import Stager
 
     return Stager(files, slices, 0, asynchronous=True, is_device=marked, **kwargs)
 
@@ -234,7 +234,7 @@ def startup(out: str, slot_dir: str) -> None:
     """What a relaunched trainer does: the engine starts (the stager, the kernel's load in a thread), then a
     restore checks what it copied (``Engine._checked_after_copy``), then saves. Every load of the kernel
     (its compile, on a GPU) is recorded with the phase it started in and its thread."""
-    from megatron_pec.sum64 import item_sums
+    from megatron_pec.integrity.sum64 import item_sums
     from megatron_pec.testing import cpu
 
     cpu.activate()
@@ -276,7 +276,7 @@ def startup(out: str, slot_dir: str) -> None:
 
 def nocompile(out: str, slot_dir: str, error: str) -> None:
     """Triton imports but cannot compile (``error``: what the kernel's load raises)."""
-    from megatron_pec.sum64 import item_sums
+    from megatron_pec.integrity.sum64 import item_sums
     from megatron_pec.testing import cpu
 
     cpu.activate()

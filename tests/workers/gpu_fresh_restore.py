@@ -25,11 +25,11 @@ import triton.runtime.jit  # noqa: E402
 if hasattr(triton.runtime.jit, "compile"):  # (Triton versions that bind it when the module is imported)
     triton.runtime.jit.compile = counting_compile
 
-from megatron_pec.memlayout import POOL, MemoryLayout  # noqa: E402
-from megatron_pec.slots import SlotFiles  # noqa: E402
-from megatron_pec.stager import Stager  # noqa: E402
-from megatron_pec.stformat import layout  # noqa: E402
-from megatron_pec.sum64 import item_sums  # noqa: E402
+from megatron_pec.memory.layout import POOL, MemoryLayout  # noqa: E402
+from megatron_pec.memory.slots import SlotFiles  # noqa: E402
+from megatron_pec.save.stager import Stager  # noqa: E402
+from megatron_pec.format.stformat import layout  # noqa: E402
+from megatron_pec.integrity.sum64 import item_sums  # noqa: E402
 
 
 def main():

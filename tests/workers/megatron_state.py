@@ -12,13 +12,14 @@ import torch
 
 import megatron_pec
 from common import report, setup, train
-from megatron_pec import api, smallstate
+from megatron_pec import api
+from megatron_pec.format import small_state
 from megatron_pec.megatron import collect
 from megatron_pec.testing import launch
 
 
 def scaler_state(optimizer) -> list:
-    return [smallstate.dumps(o.grad_scaler.state_dict()) for o in collect.distributed_optimizers(optimizer)]
+    return [small_state.dumps(o.grad_scaler.state_dict()) for o in collect.distributed_optimizers(optimizer)]
 
 
 def rerun_view(machine) -> dict:
@@ -27,7 +28,7 @@ def rerun_view(machine) -> dict:
             "call_type": type(machine.failed_validation_call).__name__,
             "initial_result": repr(machine.initial_result), "max_values": machine.max_values,
             "large_value_counts": machine.large_value_counts,
-            "iterators": smallstate.dumps(getattr(machine, "data_iterator_checkpoints", None))}
+            "iterators": small_state.dumps(getattr(machine, "data_iterator_checkpoints", None))}
 
 
 def fresh_machine(rsm, mode) -> None:
@@ -72,7 +73,7 @@ def main():
     data = data_from(0)
     train(args, model, optimizer, scheduler, data, 2)
     megatron_pec.save_checkpoint(2, model, optimizer, scheduler, 0, non_persistent_ckpt=True)
-    idle = smallstate.loads(api.current_engine().history.small.text)["rerun_state_machine"]
+    idle = small_state.loads(api.current_engine().history.small.text)["rerun_state_machine"]
     result["saved_while_idle"] = idle is not None
     # a rerun pending (as a checkpoint-and-exit for fault attribution leaves it), its micro-batches saved
     iterator = rsm.RerunDataIterator(iter([]))
@@ -88,7 +89,7 @@ def main():
     megatron_pec.save_checkpoint(3, model, optimizer, scheduler, 0, train_data_iterator=iterator)
     before = rerun_view(machine)
     # (what Megatron's load restores: the saved iterators' checkpoints, kept for the data loader's rebuild)
-    before["iterators"] = smallstate.dumps([iterator.state_dict()])
+    before["iterators"] = small_state.dumps([iterator.state_dict()])
     for leg in ("memory", "storage"):
         if leg == "storage":
             engine = api.current_engine()

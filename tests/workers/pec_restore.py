@@ -12,7 +12,7 @@ import torch
 import megatron_pec
 from common import checkpoints, example, report, setup
 from megatron_pec import api
-from megatron_pec.items import item_name
+from megatron_pec.format.item_names import item_name
 from megatron_pec.megatron import collect
 from megatron_pec.testing import launch
 

@@ -22,7 +22,7 @@ import torch
 import megatron_pec
 from common import report, setup, train
 from megatron_pec import api
-from megatron_pec.items import item_name
+from megatron_pec.format.item_names import item_name
 from megatron_pec.megatron import collect
 
 ARGS = ["--train-iters", "12", "--pec-snapshot-k", "1", "--pec-persist-k", "1", "--pec-keep", "0",

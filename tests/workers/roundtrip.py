@@ -12,7 +12,8 @@ import torch
 
 import megatron_pec
 from common import report, setup, train
-from megatron_pec import api, smallstate
+from megatron_pec import api
+from megatron_pec.format import small_state
 from megatron_pec.megatron import collect, optstate, restore
 from megatron_pec.testing import launch
 
@@ -96,8 +97,8 @@ def main():
     # against the full one: check it again here, after training, on this megatron-core.
     trimmed_state = api.current_engine().adapter.optimizer_state
     with optstate._one_param_per_group(collect.distributed_optimizers(optimizer)):
-        trimmed = smallstate.dumps(optimizer.state_dict())
-    state_dict = {"trimmed_used": trimmed_state.trimmed_ok, "same": trimmed == smallstate.dumps(optimizer.state_dict()),
+        trimmed = small_state.dumps(optimizer.state_dict())
+    state_dict = {"trimmed_used": trimmed_state.trimmed_ok, "same": trimmed == small_state.dumps(optimizer.state_dict()),
                   "largest_group": max(len(g["params"]) for o in optimizer.chained_optimizers
                                        for g in o.optimizer.param_groups)}
     reference = train(args, model, optimizer, scheduler, data, MORE)

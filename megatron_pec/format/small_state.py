@@ -1,0 +1,95 @@
+"""JSON encoding of small state (optimizer param_groups, scheduler, RNG states) without pickle.
+
+Tensors, tuples and numpy arrays are tagged so a round trip restores their
+types exactly; anything else unexpected is an error at save time rather than
+a surprise at load time.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import numpy
+import torch
+
+from megatron_pec.format.stformat import dtype_code, torch_dtype
+
+
+def _encode(obj):
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return {"__float__": repr(obj)}  # repr keeps inf/nan and every bit
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        # (flattened first: a 0-dim tensor, a loss or a grad scale, has no dimension to view as bytes)
+        return {"__tensor__": dtype_code(t.dtype), "shape": list(t.shape),
+                "b64": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                .decode()}
+    if isinstance(obj, numpy.ndarray):
+        return {"__ndarray__": obj.dtype.str, "shape": list(obj.shape),
+                "b64": base64.b64encode(numpy.ascontiguousarray(obj).tobytes()).decode()}
+    if isinstance(obj, numpy.generic):
+        return _encode(obj.item())
+    if isinstance(obj, (tuple, list)):
+        # Fast path for the 625 ints of Python's RNG state, encoded at every save.
+        values = list(obj) if all(type(v) is int for v in obj) else [_encode(v) for v in obj]
+        return {"__tuple__": values} if isinstance(obj, tuple) else values
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {"__dict__": {k: _encode(v) for k, v in obj.items()}}
+        return {"__items__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    raise TypeError(f"megatron-pec cannot store a {type(obj).__name__} in checkpoint metadata")
+
+
+def _decode(obj):
+    if isinstance(obj, list):
+        # Fast path for the 625 ints of Python's RNG state, decoded at every restore.
+        return obj if all(type(v) is int for v in obj) else [_decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__tensor__" in obj:
+        dtype = torch_dtype(obj["__tensor__"])
+        raw = bytearray(base64.b64decode(obj["b64"]))
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(obj["shape"]).clone()
+    if "__ndarray__" in obj:
+        return numpy.frombuffer(base64.b64decode(obj["b64"]), dtype=numpy.dtype(obj["__ndarray__"])) \
+            .reshape(obj["shape"]).copy()
+    if "__tuple__" in obj:
+        return tuple(_decode(v) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {k: _decode(v) for k, v in obj["__dict__"].items()}
+    if "__items__" in obj:
+        return {_decode(k): _decode(v) for k, v in obj["__items__"]}
+    raise ValueError(f"unknown tagged value in checkpoint metadata: {sorted(obj)}")
+
+
+def dumps(obj) -> str:
+    return json.dumps(_encode(obj), separators=(",", ":"))
+
+
+class Captured:
+    """A save's small state, taken on the training thread and encoded once, when first asked (by the
+    hand-over thread, off the training thread). Its parts must not change afterwards: they are the
+    copies ``collect.small_state`` makes, not live state."""
+
+    def __init__(self, state):
+        self._state, self._text = state, None
+        self._lock = threading.Lock()
+
+    @property
+    def text(self) -> str:
+        """The JSON (``dumps``)."""
+        with self._lock:
+            if self._text is None:
+                self._text, self._state = dumps(self._state), None
+            return self._text
+
+
+def loads(text: str):
+    return _decode(json.loads(text))

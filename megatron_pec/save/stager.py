@@ -1,0 +1,272 @@
+"""Save step 3, snapshot: copying a rank's live optimizer state into a node-memory slot, and its checksums.
+
+One ``Stager`` per trainer owns everything a copy needs and nothing else touches: the copy stream
+and its events (GPU), the page-locked node-memory mappings, and the copy plan - per item, the runs of
+slices that are contiguous on both sides (``coalesce``), built once per binding of the live views and
+viewed in whichever region the item goes to. A snapshot is staged in steps (``begin``, ``copy`` of some
+items into the regions chosen for them, ``copy`` of more, ``finish``), and ``finish`` returns a ``StagedCopy``, a future (PyTorch DCP's
+``AsyncStager``: "copy started" is the return, "copy safe" is ``done()`` / ``wait()``) that also
+yields the items' checksums (``sums()``).
+
+Checksums are computed where the bytes come from: on the GPU, by the copy stream, over the live
+tensors it copies, all items of a snapshot in one kernel launch (``run_sums``; the kernel compiled and
+loaded at start-up by ``run_sums.KernelLoad``); two int64 partial sums per chunk travel to the host with
+the snapshot. Only device memory goes to the device: runs whose live tensors are in host memory (the
+stateless views before the first optimizer step, CPU-offloaded optimizer state) are copied synchronously
+and summed over their copies in node memory. On CPU ranks every copy is a synchronous memcpy and the sums
+are computed over node memory once the copies are done (``sum64.item_sums``), by whoever asks (the
+hand-over thread, off the training thread).
+
+A snapshot enqueues a fixed number of operations whatever the number of items and runs: one
+``_foreach_copy_`` per ``copy`` call (two per save: the dense state, then the experts) and, at
+``finish``, the sums' launch and their copy to the host. Nothing on that path waits for the device: the
+sums' tables are uploaded once, from page-locked memory, when a binding is made; every wait for a copy
+(the hand-over, ``synchronize``, ``close``) blocks on an event without spinning a core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_pec.common.coalesce import coalesced_with_starts, run_view
+from megatron_pec.format.item_names import NON_EXPERT
+from megatron_pec.memory.layout import POOL
+from megatron_pec.integrity.run_sums import KernelLoad, PendingSums, RunSums, on_device
+from megatron_pec.memory.slots import SlotFiles
+from megatron_pec.integrity.sum64 import item_sums
+
+
+class StagedCopy:
+    """The copies of one snapshot; ``done()`` once they have landed in node memory."""
+
+    def __init__(self, event=None, sums: PendingSums | None = None, over_regions=None):
+        self._event = event
+        self._sums = sums                # (GPU) the device's sums, on their way to the host
+        self._over_regions = over_regions  # (CPU) [(mapping, header, item)]: sums computed over node memory
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        """Block the calling thread until the copies have landed (a blocking event: it sleeps, no spinning)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def before(self, stream) -> None:
+        """Make ``stream``'s later work wait for the copies (on the device, the host does not block)."""
+        if self._event is not None:
+            stream.wait_event(self._event)
+
+    def sums(self) -> dict[str, str]:
+        """item -> its sum64 (waits for the copies)."""
+        self.wait()
+        if self._sums is not None:
+            return self._sums.digests()
+        out = {}
+        for mapping, header, item in self._over_regions or ():
+            out.update(item_sums(mapping, header, {item}))
+        return out
+
+
+class Staging:
+    """One snapshot being copied: ``copy`` items (several times), then ``finish``."""
+
+    def __init__(self, stager: "Stager", live: dict):
+        self.stager, self.live = stager, live
+        self.placed: dict[str, int] = {}  # item -> the slot it was copied into
+
+    def copy(self, placement: dict[str, int]) -> None:
+        """Start copying the slices of each item of ``placement`` into the slot it names."""
+        stager = self.stager
+        dst, src, host_dst, host_src = [], [], [], []
+        for item, slot in placement.items():
+            runs = stager.runs(slot, item, self.live)
+            if runs is not None:
+                host = stager.host_runs(item) if stager.stream is not None else ()
+                if host:  # (in host memory: copied here, by the host, never by a device kernel)
+                    host_dst += [runs[0][i] for i in host]
+                    host_src += [runs[1][i] for i in host]
+                    skip = set(host)
+                    kept = [i for i in range(len(runs[0])) if i not in skip]
+                    dst += [runs[0][i] for i in kept]
+                    src += [runs[1][i] for i in kept]
+                else:
+                    dst += runs[0]
+                    src += runs[1]
+                self.placed[item] = slot
+        if host_dst:
+            with torch.no_grad():
+                torch._foreach_copy_(host_dst, host_src)
+        if not dst:
+            return
+        stream = stager.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the optimizer step that produced the state
+        # (no_grad: main params require grad, and autograd would record every copy)
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
+        stager.enqueued()  # (a save skipped after this copy still has it in flight: ``Stager.close`` waits)
+
+    def drop(self, placement: dict[str, int]) -> None:
+        """These items were copied for nothing (the save's agreement left them out): not part of it."""
+        for item in placement:
+            self.placed.pop(item, None)
+
+    def finish(self) -> StagedCopy:
+        """The copies started; on the GPU also the sums of every item copied, in one launch behind them."""
+        stager = self.stager
+        if stager.stream is None:
+            files = stager.files
+            return StagedCopy(over_regions=[(files.mapping(slot), files.item_header(slot, item), item)
+                                            for item, slot in self.placed.items()])
+        landed = stager.landed(self.placed, self.live)  # (host runs: summed over their copies in node memory)
+        with torch.no_grad(), torch.cuda.stream(stager.stream):  # (a new binding's table uploads on it too)
+            sums = stager.sums(self.live)
+            pending = sums.start(self.placed, landed) if landed else sums.start(self.placed)
+        return StagedCopy(stager.enqueued(), pending)
+
+
+class Stager:
+    """``asynchronous``: copies on a side stream with the sums on the device (default: on a GPU);
+    ``kernel``: the checksum kernel's load, started by the engine at start-up (default: started here, with
+    the copy stream); ``sums_for``: the item sums over the live runs (default ``RunSums.for_runs``; the
+    tests count launches through their own); ``is_device``: whether a live tensor is device memory
+    (default ``run_sums.on_device``; the CPU tests mark some CPU tensors as device memory)."""
+
+    def __init__(self, files: SlotFiles, slot_slices, rank: int, asynchronous: bool | None = None,
+                 sums_for=None, kernel: KernelLoad | None = None, is_device=None):
+        self.files, self.slot_slices, self.rank = files, slot_slices, rank
+        if asynchronous is None:
+            asynchronous = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if asynchronous else None
+        self.is_device = is_device or on_device
+        if kernel is None and asynchronous and sums_for is None:
+            kernel = KernelLoad(torch.cuda.current_device())
+        self.kernel = kernel
+        self._sums_for = sums_for or (lambda runs: RunSums.for_runs(runs, self.kernel, self.is_device))
+        self._last = None  # a blocking event after the last work enqueued on the copy stream
+        self.pinning = None
+        self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
+        self._runs: dict[tuple[int, str], list] = {}  # (slot, item) -> views of its runs there (kept: a few per item)
+        self._runs_of = None     # the live views the runs read
+        self._run_starts = None  # item -> (first slice name and size of each run, live views of the runs)
+        self._host_runs: dict[str, tuple[int, ...]] = {}  # item -> its runs whose live views are host memory
+        self._sums = None        # the item sums over those live views (``RunSums``)
+
+    def pin(self) -> None:
+        """Page-lock the node-memory mappings so device-to-host copies run asynchronously at full speed (a
+        failure is one warning; copies are then synchronous). GPU only; done at start-up."""
+        if self.stream is None or not torch.cuda.is_available():
+            return
+        from megatron_pec.memory.pinning import SlotPinning, TorchCudart, slot_ranges
+
+        self.pinning = SlotPinning(TorchCudart(), self.rank)
+        self.pinning.pin(slot_ranges(self.files.maps))
+
+    def begin(self, live: dict) -> Staging:
+        """A snapshot from the live views ``live``."""
+        return Staging(self, live)
+
+    def enqueued(self):
+        """A blocking event (the waiting thread sleeps, no core spins) after what the copy stream has been given
+        so far; the one ``synchronize`` and ``close`` wait for. None on CPU ranks (their copies are done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.stream)
+        self._last = event
+        return event
+
+    def synchronize(self) -> None:
+        """Wait for every copy started so far (blocking, not spinning)."""
+        if self._last is not None:
+            self._last.synchronize()
+
+    def prepare(self, live: dict) -> None:
+        """Bind ``live``: each item's runs (coalesced once) and their sums, before the first save."""
+        self._bind(live)
+        self.sums(live)
+
+    def host_runs(self, item: str) -> tuple[int, ...]:
+        """Indices of ``item``'s runs whose live tensors are in host memory (once bound; mostly none)."""
+        return self._host_runs.get(item, ())
+
+    def landed(self, placed: dict[str, int], live: dict) -> dict[str, list]:
+        """item -> [(its copy in node memory, byte offset within the item)] of each host run of the ``placed``
+        items (what the host sums, rather than the live tensors a later optimizer step may change)."""
+        out = {}
+        for item, slot in placed.items():
+            host = self.host_runs(item)
+            if host:
+                dst = self.runs(slot, item, live)[0]
+                out[item] = [(dst[i], self.run_offsets[item][i]) for i in host]
+        return out
+
+    def runs(self, slot: int, item: str, live: dict) -> tuple[list, list] | None:
+        """(views in ``slot``, live views) of ``item``'s runs; None for an item the rank does not hold."""
+        self._bind(live)
+        starts = self._run_starts.get(item)
+        if starts is None:
+            return None
+        key = (slot, item)
+        dst = self._runs.get(key)
+        if dst is None:
+            if len(self._runs) > 4 * len(self._run_starts):
+                self._runs.clear()  # (regions move between items: keep the recent pairs only)
+            views = self.files.item_views(slot, item)
+            names, numels, _ = starts
+            dst = self._runs[key] = [run_view(views[name], numel) for name, numel in zip(names, numels)]
+        return dst, starts[2]
+
+    def _bind(self, live: dict) -> None:
+        """Coalesce every item's slices once per binding of the live views (none is kept of an old
+        binding: it would keep the replaced tensors alive). Runs are the same in every region an item may
+        be in (its bytes are laid out alike everywhere): coalesced in one, viewed in any."""
+        if self._runs_of is live:
+            return
+        self._runs, self._runs_of, self._sums = {}, live, None
+        first_region = {}
+        pairs: dict[str, tuple[list, list, list]] = {}
+        for s in self.slot_slices:
+            if s.item not in first_region:
+                first_region[s.item] = self.files.item_views(0 if s.item == NON_EXPERT else POOL, s.item)
+            dst, src, names = pairs.setdefault(s.item, ([], [], []))
+            dst.append(first_region[s.item][s.name])
+            src.append(live[s.name])
+            names.append(s.name)
+        self._run_starts, self.run_offsets, self._host_runs = {}, {}, {}
+        for item, (dst, src, names) in pairs.items():
+            run_dst, run_src, starts = coalesced_with_starts(dst, src)
+            self._run_starts[item] = ([names[i] for i in starts], [t.numel() for t in run_dst], run_src)
+            host = tuple(i for i, t in enumerate(run_src) if not self.is_device(t))
+            if host:
+                self._host_runs[item] = host
+            offsets, at = [], 0
+            for t in run_dst:
+                offsets.append(at)
+                at += t.numel() * t.element_size()
+            self.run_offsets[item] = offsets
+
+    def sums(self, live: dict) -> RunSums:
+        """The item sums over the runs of ``live`` (built once per binding, as the runs)."""
+        self._bind(live)
+        if self._sums is None:
+            self._sums = self._sums_for({item: list(zip(src, self.run_offsets[item]))
+                                         for item, (_, _, src) in self._run_starts.items()})
+        return self._sums
+
+    def runs_of(self, item: str) -> list | None:
+        """The runs ``item`` coalesced into (their first slices' names), once bound (tests look)."""
+        return None if self._run_starts is None or item not in self._run_starts else self._run_starts[item][0]
+
+    def close(self) -> None:
+        """Wait for every copy enqueued (a skipped save's too: no snapshot waits for it), forget the copy plan
+        (it holds views of the slots) and unpin: before the slots are unmapped."""
+        self.synchronize()
+        self._last = None
+        self._runs, self._runs_of, self._run_starts, self._sums = {}, None, None, None
+        if self.pinning is not None:
+            self.pinning.unpin_all()
+            self.pinning = None
