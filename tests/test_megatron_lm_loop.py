@@ -33,15 +33,7 @@ from conftest import assert_committed_files_unchanged, checkpoints, committed_fi
 pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 64 "
-         "--max-position-embeddings 64 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
-         "--moe-token-dispatcher-type allgather --moe-router-enable-expert-bias --moe-router-score-function sigmoid "
-         "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-         "--lr-warmup-iters 1 --use-distributed-optimizer --distributed-backend gloo --mock-data "
-         "--tokenizer-type NullTokenizer --vocab-size 256 --transformer-impl local --no-gradient-accumulation-fusion "
-         "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
-         "--no-rope-fusion --hidden-dropout 0 --attention-dropout 0 --eval-interval 1000 --eval-iters 1 "
-         "--log-interval 1 --seed 1234 --train-iters 10").split()
+MODEL = [*megatron_lm.SMALL_MOE_ON_CPU, "--log-interval", "1", "--seed", "1234", "--train-iters", "10"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 RESTORED = re.compile(r"megatron-pec: rank (\d): restored iteration (\d+) from (memory|storage)")
 

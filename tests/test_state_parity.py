@@ -37,20 +37,13 @@ pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 ITERATION = 3
-MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 64 "
-         "--max-position-embeddings 64 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
-         "--moe-token-dispatcher-type allgather --moe-router-enable-expert-bias --moe-router-score-function sigmoid "
-         "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-         "--lr-warmup-iters 1 --use-distributed-optimizer --distributed-backend gloo --mock-data "
-         "--tokenizer-type NullTokenizer --vocab-size 256 --transformer-impl local --no-gradient-accumulation-fusion "
-         "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
-         "--no-rope-fusion --hidden-dropout 0 --attention-dropout 0 --eval-interval 1000 --eval-iters 1 "
-         f"--log-interval 1 --seed 1234 --train-iters {ITERATION} "
-         # fp16 keeps a grad scaler; Megatron's own torch_dist load of fp32 main params fails on CPU. The scale
-         # starts low enough that no step is skipped and doubles after 2 (its state moves).
-         "--fp16 --initial-loss-scale 4096 --loss-scale-window 2 "
-         # the rerun state machine records the loss (state a release that restores it must get back)
-         "--check-for-spiky-loss").split()
+MODEL = megatron_lm.SMALL_MOE_ON_CPU + (
+    f"--log-interval 1 --seed 1234 --train-iters {ITERATION} "
+    # fp16 keeps a grad scaler; Megatron's own torch_dist load of fp32 main params fails on CPU. The scale
+    # starts low enough that no step is skipped and doubles after 2 (its state moves).
+    "--fp16 --initial-loss-scale 4096 --loss-scale-window 2 "
+    # the rerun state machine records the loss (state a release that restores it must get back)
+    "--check-for-spiky-loss").split()
 SAVE_SEED, LOAD_SEED = "1", "2"  # the probe's frozen parameter: a restore that drops it keeps the load seed's
 
 # Keys where Megatron-LM's own restore, on these CPU runs, does not give back what it saved; megatron-pec's

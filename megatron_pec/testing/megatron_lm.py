@@ -15,6 +15,16 @@ from pathlib import Path
 
 RELEASES = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
 OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
+# A small GPT-MoE that pretrain_gpt.py trains on 2 CPU ranks (gloo, mock data, no fused kernels), dropout off.
+SMALL_MOE_ON_CPU = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 64 "
+    "--max-position-embeddings 64 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
+    "--moe-token-dispatcher-type allgather --moe-router-enable-expert-bias --moe-router-score-function sigmoid "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 1 --use-distributed-optimizer --distributed-backend gloo --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 256 --transformer-impl local --no-gradient-accumulation-fusion "
+    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+    "--no-rope-fusion --hidden-dropout 0 --attention-dropout 0 --eval-interval 1000 --eval-iters 1").split()
 _REPO = Path(__file__).resolve().parents[2]
 
 

@@ -134,10 +134,14 @@ def main(after_prepare=None) -> None:
     prepare(script.parent)
     if after_prepare is not None:
         after_prepare()
+    run_as_main(script)
+
+
+def run_as_main(script: Path) -> None:
+    """Run ``script`` as ``__main__`` with ``sys.argv[2:]`` as its arguments. It keeps the launched module's
+    spec: processes Megatron spawns (the torch_dist writer's multiprocessing Manager) then import that module,
+    not re-run the script without the stand-ins and hooks it installed."""
     sys.argv = [str(script), *sys.argv[2:]]
-    # The script runs as __main__ but keeps this module's spec: processes Megatron spawns (the
-    # torch_dist writer's multiprocessing Manager) then import this module, not re-run the script
-    # without the stand-ins above.
     main_module = types.ModuleType("__main__")
     main_module.__file__ = str(script)
     main_module.__spec__ = sys.modules["__main__"].__spec__

@@ -481,12 +481,7 @@ def _run_megatron_lm_on_gpu(script: Path) -> None:
 
     megatron_lm_cpu._install_helpers()  # the wheel's compiled dataset helpers (no compiler needed): no stand-in
     _install_megatron_lm()
-    sys.argv = [str(script), *sys.argv[2:]]
-    main_module = types.ModuleType("__main__")
-    main_module.__file__ = str(script)
-    main_module.__spec__ = sys.modules["__main__"].__spec__
-    sys.modules["__main__"] = main_module
-    exec(compile(script.read_text(), str(script), "exec"), main_module.__dict__)
+    megatron_lm_cpu.run_as_main(script)
 
 
 def main() -> None:
