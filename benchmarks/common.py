@@ -65,7 +65,7 @@ def machine() -> dict:
     try:
         import importlib.metadata as md
 
-        info["packages"] = {p: md.version(p) for p in ("torch", "megatron-core", "dlrover")
+        info["packages"] = {p: md.version(p) for p in ("torch", "megatron-core", "dlrover", "nvidia-resiliency-ext")
                             if _has_dist(md, p)}
     except Exception:  # noqa: BLE001 - informational only
         pass

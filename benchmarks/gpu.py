@@ -15,15 +15,22 @@ Rows, each from a torchrun of one rank:
   ``pec2`` (snapshot-K 2 / persist-K 1) on the schedule, ``killed`` (as ``all``, SIGKILLed in optimizer step
   ``KILL_AT``) and its restart from node memory, timed against the host-to-device floor;
 * the benchmark worker (``benchmarks.worker --mode schedule``, the same model): megatron-pec (every
-  expert), DLRover's flash checkpoint and Megatron's ``torch_dist`` async (``async_strategy`` "mcore"
-  without nvidia-resiliency-ext, "nvrx" with it; the row says which), each driven the way its framework
-  drives it, with restores from node memory and from storage, beside the storage's write and read floors.
+  expert), DLRover's flash checkpoint, Megatron's ``torch_dist`` async (``async_strategy`` "mcore"
+  without nvidia-resiliency-ext, "nvrx" with it; the row says which) and Megatron's own local
+  non-persistent checkpoints (nvidia-resiliency-ext's ``LocalCheckpointManager``, synchronous, persisting
+  with ``torch_dist``; CUDA only: on CPU ranks its row says it needs CUDA), each driven the way its
+  framework drives it, with restores from node memory and from storage, beside the storage's write and read
+  floors; and before them the host time of enqueueing a snapshot's copies against their number
+  (``copy_enqueue.py``: the example's runs and a DeepSeek-V3 EP 64 rank's).
 
-Per row: step overhead over training without checkpoints, save blocking (median, p90), skipped checkpoints,
-restore from memory and from storage, node memory used (megatron-pec: its home slots and expert pool;
-DLRover: its shared-memory buffer; ``torch_dist`` async: its host staging, the trainer's resident-memory growth over a
-save). ``--peers ""`` leaves the worker out; DLRover must be installed (``pip install -e .[bench]``, on a
-GPU machine without an index the wheels of ``scripts/gpu_wheels.sh``) or its row is an error.
+Per row: step overhead over training without checkpoints (the median iteration, its checkpoint included,
+over the median iteration without; the worker's rows also give the run's mean, persists included), save
+blocking (median, p90), skipped checkpoints, restore from memory and from storage, node memory used
+(megatron-pec: its home slots and expert pool; DLRover: its shared-memory buffer; ``torch_dist`` async: its
+host staging, the trainer's resident-memory growth over a save; Megatron local: its file in /dev/shm).
+``--peers ""`` leaves the worker out; DLRover must be installed (``pip install -e .[bench]``, on a GPU
+machine without an index the wheels of ``scripts/gpu_wheels.sh``) or its row is an error; so must
+nvidia-resiliency-ext for the Megatron local row (the same wheels).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import REPO, RESULTS, SHM_ROOT, allocated_bytes, files_under, machine, p90
+from benchmarks.common import REPO, RESULTS, SHM_ROOT, allocated_bytes, files_under, loadavg, machine, p90
 from benchmarks.schedule import schedules
 from megatron_pec.testing import launch
 
@@ -57,7 +64,7 @@ COMMON = ["--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iter
 EXAMPLE = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
 SCHEDULE = schedules(has_memory=True)[0]  # the example trainer's runs have the memory tier
 EXAMPLE_RUNS = {"all": [], "pec2": ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]}  # beside "base"
-PEERS = "pec_all,dlrover,torch_dist_async"
+PEERS = "pec_all,dlrover,torch_dist_async,megatron_local"
 KILL_AT = 25  # the killed run dies in this optimizer step (after a persist at 20); its restart restores 24
 WARMUP = 5  # iterations left out of the example's step times
 RESTORE = re.compile(r"rank 0: restore took ([0-9.]+) s")
@@ -238,7 +245,7 @@ def main(argv=None) -> int:
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4"), "PYTHONUNBUFFERED": "1"}
     out = {"machine": machine(), "device": torch.cuda.get_device_name() if cuda else "cpu (stand-in)",
            "model": model, "schedule": {"label": SCHEDULE.label, "persist_every": SCHEDULE.persist_every},
-           "sizes": vars(sizes), "rows": {}, "errors": {}}
+           "sizes": vars(sizes), "rows": {}, "errors": {}, "load_1min": [loadavg()]}  # (at the start, the end)
     clock.say(f"{out['device']}: {sizes.iters} iterations per run, a checkpoint {SCHEDULE.label}; logs in {workdir}")
     try:
         base = example("base", workdir, model, sizes.iters, [], env)
@@ -274,12 +281,14 @@ def main(argv=None) -> int:
             out["rows"].update(measured["rows"])
             out["errors"].update(measured.get("errors", {}))
             out["storage_floors"] = measured.get("floors")
+            out["copy_enqueue"] = measured.get("copy_enqueue")
             clock.done("worker", f"{len(measured['rows'])} rows, errors: {measured.get('errors') or 'none'}")
     finally:
         for root in (shm, Path(SHM_ROOT) / run_id):
             launch.stop_agents(root)
             shutil.rmtree(root, ignore_errors=True)
     out["seconds_by_part"] = clock.parts
+    out["load_1min"].append(loadavg())  # (other work on the machine inflates every timing)
     out["wall_s"] = round(time.monotonic() - clock.start, 1)
     path = Path(args.json or RESULTS / ("gpu.json" if cuda else "gpu_cpu_standin.json"))
     path.write_text(json.dumps(out, indent=1))
@@ -295,10 +304,11 @@ def markdown(out: dict, command: str) -> str:
     lines = [f"# Every method on {out['device']}, one schedule", "",
              f"`{command}` ({out['wall_s']:.0f} s); model `{' '.join(out['model'])}`. Methods with a node-memory "
              f"tier checkpoint {out['schedule']['label']}; `torch_dist` async (storage only) every iteration and "
-             f"every {out['schedule']['persist_every']}. Nothing waits for a free slot: skipped checkpoints are "
-             "counted.", "",
-             "| row | schedule | step overhead | blocking median (ms) | blocking p90 (ms) | skipped | restore from "
-             "memory (ms) | restore from storage (ms) | node memory used (MB) |",
+             f"every {out['schedule']['persist_every']} (Megatron's local checkpoints persist with `torch_dist`). "
+             "Nothing waits for a free slot: skipped checkpoints are counted. Step overhead: the median iteration, "
+             "its checkpoint included, over the median iteration without checkpoints.", "",
+             "| row | schedule | step overhead (median iteration) | blocking median (ms) | blocking p90 (ms) | skipped "
+             "| restore from memory (ms) | restore from storage (ms) | node memory used (MB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in out["rows"].items():
         overhead = f"{r['step_overhead'] * 100:+.1f}%" if r.get("step_overhead") is not None else "-"
@@ -306,6 +316,10 @@ def markdown(out: dict, command: str) -> str:
                      f"{ms(r['blocking_s_p90'])} | {r['skipped']} of {r['checkpoints']} | "
                      f"{ms(r.get('restore_memory_s'))} | {ms(r.get('restore_storage_s'))} | "
                      f"{mb(r.get('node_memory_bytes'))} |")
+    for name, error in out.get("errors", {}).items():
+        if name in METHOD_ERRORS_ELSEWHERE:
+            continue
+        lines.append(f"| {name} | - | not run: {error.removeprefix('RuntimeError: ')} | - | - | - | - | - | - |")
     lines += ["", "Node memory used: " + "; ".join(
         f"{name}: {r['node_memory_what']}" + ("" if r.get("node_memory_bytes") is not None else " (not measured)")
         for name, r in out["rows"].items()) + "."]
@@ -315,6 +329,9 @@ def markdown(out: dict, command: str) -> str:
             extra.append(f"first save {ms(r['first_save_s'])} ms = {r['first_over_later']:.1f}x the later ones")
         if r.get("agent_cpu_s_per_snapshot") is not None:
             extra.append(f"node agent's CPU per snapshot {ms(r['agent_cpu_s_per_snapshot'])} ms")
+        if r.get("step_overhead_mean") is not None:
+            extra.append(f"step overhead {r['step_overhead_mean'] * 100:+.1f}% as the run's mean (persists "
+                         "included)")
         if r.get("persist_blocking_s_median") is not None:
             extra.append(f"a persist blocks {ms(r['persist_blocking_s_median'])} ms (median)")
         if r.get("async_strategy") is not None or (r.get("family") == "torch_dist"):
@@ -334,8 +351,35 @@ def markdown(out: dict, command: str) -> str:
         lines.append(f"* Restart after a kill in optimizer step {KILL_AT}: restored {out['restore']['restored']} in "
                      f"{ms(out['restore']['restore_memory_s'])} ms.")
     lines.append(f"* Seconds by part: {out['seconds_by_part']}.")
-    lines += [f"* {name}: {error}" for name, error in out.get("errors", {}).items()]
+    if out.get("load_1min"):
+        lines.append(f"* The machine's 1-minute load at the start and at the end: "
+                     f"{', '.join(f'{v:.2f}' for v in out['load_1min'])}.")
+    lines += [f"* {name}: {error}" for name, error in out.get("errors", {}).items() if name in METHOD_ERRORS_ELSEWHERE]
+    lines += enqueue_markdown(out.get("copy_enqueue"))
     return "\n".join(lines) + "\n"
+
+
+METHOD_ERRORS_ELSEWHERE = {"worker", "copy enqueue"}  # (errors that are no method's: listed below the table)
+
+
+def enqueue_markdown(measured: dict | None) -> list[str]:
+    """The copy enqueue's table (``copy_enqueue.py``), or nothing where it was not measured."""
+    if not measured:
+        return []
+    us = lambda v: f"{v * 1e6:.0f}" if v is not None else "-"  # noqa: E731
+    budget = measured["budget_s"] * 1e3
+    lines = ["", f"## Enqueueing a snapshot's copies against their number ({measured['device']})", "",
+             f"Timed: {measured['timed']}; `torch._foreach_copy_(dst, src, non_blocking=True)`, one pair per run, "
+             f"median of {measured['reps']}. Budget {budget:.1f} ms (beyond it: coalesce or batch the copies).", "",
+             "| runs | of what | bytes (MB) | per run (KB, median) | enqueue median (µs) | enqueue p90 (µs) | landed "
+             f"(µs) | over {budget:.1f} ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in measured["rows"]:
+        lines.append(f"| {r['runs']} | {r['what']} | {r['bytes'] / 1e6:.1f} | {r['bytes_per_run_median'] / 1e3:.1f} | "
+                     f"{us(r['enqueue_s_median'])} | {us(r['enqueue_s_p90'])} | {us(r['landed_s_median'])} | "
+                     f"{'yes' if r['over_budget'] else 'no'} |")
+    if measured.get("enqueue_us_per_run") is not None:
+        lines += ["", f"The same bytes in more runs: {measured['enqueue_us_per_run']:.2f} µs of enqueue per run."]
+    return lines
 
 
 if __name__ == "__main__":

@@ -419,6 +419,106 @@ class TorchDist(Method):
             self.queue = None
 
 
+# ---- Megatron's own local checkpoints (nvidia-resiliency-ext) ----------------------------------
+
+NEEDS_CUDA = "needs CUDA: nvidia-resiliency-ext's local checkpoints assert CUDA tensors"
+
+
+class MegatronLocal(TorchDist):
+    """Megatron-LM's own non-persistent checkpoints (``--non-persistent-ckpt-type local``), driven as
+    ``megatron/training/checkpointing.py`` (core_v0.19.0) drives them without ``--async-save``:
+
+    * a snapshot (``--non-persistent-save-interval``): ``MCoreTensorAwareStateDict.from_state_dict`` of the
+      sharded state dict (algo ``fully_parallel``, ``--non-persistent-local-ckpt-algo``'s default; no cached
+      metadata: ``--ckpt-assume-constant-structure`` is off by default) handed to NVRx's
+      ``LocalCheckpointManager.save``: the tensors copied to the host, one ``torch.save`` file per rank in the
+      local directory (``.dirty`` then rename), a barrier, a collective ``find_latest``, the older files removed;
+    * a persist (``--save-interval``): Megatron's global checkpoint instead, ``torch_dist``, synchronous as the
+      local ones are (``TorchDist``);
+    * a restore from memory: ``find_latest``, ``load`` and ``to_state_dict``, then the model's and the
+      optimizer's ``load_state_dict`` (``_load_non_persistent_base_checkpoint``, ``load_checkpoint``); from
+      storage the ``torch_dist`` checkpoint (``TorchDist.restore_storage``).
+
+    The local directory is in ``/dev/shm`` (node memory, as the other methods' memory tiers); no replication
+    (one node). CUDA only: the host copies go through ``.to("cpu")`` and back by the device they came from."""
+
+    family = "megatron_local"
+    name = "Megatron local ckpt (NVRx)"
+    has_memory = True
+    persists_async = False
+    ALGO = "fully_parallel"
+
+    def __init__(self, ctx, root, local_root):
+        super().__init__(ctx, root, async_save=False)
+        self.name = MegatronLocal.name
+        self.local_root = local_root
+        self.manager = None
+        self._phases = None  # the latest restore from memory's
+
+    def setup(self):
+        problems = [] if torch.cuda.is_available() else [NEEDS_CUDA]
+        try:
+            from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+                LocalCheckpointManager,
+            )
+        except ImportError as exc:
+            problems.append(f"nvidia-resiliency-ext is not importable here ({exc}; scripts/gpu_wheels.sh brings it)")
+        if problems:
+            raise RuntimeError("; ".join(problems))
+        self.manager = LocalCheckpointManager(self.local_root)
+        super().setup()  # (the global strategy and a warm-up persist)
+        self.snapshot(self.ctx.next_iteration())  # (a warm-up snapshot: the local directory made)
+
+    def _group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def snapshot(self, it):
+        from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(self._state_dict(it), algo=self.ALGO,
+                                                               parallelization_group=self._group())
+        self.manager.save(state, it, is_async=False)  # (returns once saved, checked on every rank, cleaned up)
+        return True
+
+    node_memory_why = "its local checkpoint file (one torch.save per rank, in /dev/shm)"
+
+    def node_memory_bytes(self):
+        return allocated_bytes(files_under(str(self.manager.local_ckpt_dir))) if self.manager else None
+
+    def phases(self, kind: str):
+        return self._phases if kind == "restore" else None
+
+    def restore_memory(self):
+        c = self.ctx
+        barrier()
+        t = time.perf_counter()
+        latest = self.manager.find_latest()
+        if latest < 0:
+            raise RuntimeError("no local checkpoint is complete on every rank")
+        found = time.perf_counter()
+        saved, _ = self.manager.load()
+        loaded = time.perf_counter()
+        state = saved.to_state_dict(self._state_dict(latest, loading=True), algo=self.ALGO,
+                                    parallelization_group=self._group())
+        converted = time.perf_counter()
+        with torch.no_grad():
+            c.model[0].module.load_state_dict(state["model"])
+            c.optimizer.load_state_dict(state["optimizer"])
+            c.scheduler.load_state_dict(state["opt_param_scheduler"])
+        unshare_adam_steps(c.optimizer)
+        now = time.perf_counter()
+        self._phases = {"find_latest": found - t, "load (torch.load, to the device)": loaded - found,
+                        "to_state_dict": converted - loaded, "load_state_dict": now - converted}
+        return reduce_max(now - t)
+
+    def cleanup(self):
+        super().cleanup()
+        if self.ctx.rank == 0:
+            shutil.rmtree(self.local_root, ignore_errors=True)
+
+
 def async_strategy() -> str | None:
     """The ``async_strategy`` megatron-core's ``dist_checkpointing.save`` gets: "nvrx" where
     nvidia-resiliency-ext is importable, else "mcore" (0.19's default "nvrx" fails without it); None where

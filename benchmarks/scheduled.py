@@ -2,10 +2,13 @@
 ``python -m benchmarks.gpu``. Runs in the worker (``--mode schedule``) on every rank; every function is
 collective.
 
-Per method and schedule: the step overhead against training without checkpoints (the faster of a run
-right before and one right after, same iterations), the blocking time of every checkpoint taken (median,
-p90; persists apart), the checkpoints the method skipped, the node memory it holds afterwards. Per method:
-restores from node memory (where it has that tier) and from storage (``restores.py``).
+Per method and schedule: the step overhead against training without checkpoints, as the example trainer's
+rows count it: the median iteration (training and the checkpoint it takes) over the median iteration without
+checkpoints (the faster of a run right before and one right after, same iterations); beside it the mean over
+the run, persists included. The blocking time of every checkpoint taken (median, p90; persists
+apart), the checkpoints the method skipped, the node memory it holds afterwards. Per method: restores from node
+memory (where it has that tier) and from storage (``restores.py``). Before the methods, how long enqueueing the
+device-to-host copies of a snapshot takes against their number (``copy_enqueue.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import traceback
 
 import torch
 
-from benchmarks import floors
+from benchmarks import copy_enqueue, floors
 from benchmarks.collective import gather_objects, reduce_max
 from benchmarks.common import median, p90
 from benchmarks.restores import measure_restores
@@ -31,6 +34,13 @@ def run_schedule(ctx, b, build_methods, log) -> dict:
     log(f"optimizer state {state / 1e6:.0f} MB/rank; storage: write+fsync {fl['write_MBps']:.0f} MB/s, "
         f"cold read {fl['read_MBps']:.0f} MB/s (one writer/reader)")
     rows, errors = {}, {}
+    try:
+        enqueue = copy_enqueue.measure(ctx)
+        for row in enqueue["rows"]:
+            log(f"copy enqueue: {row['runs']} runs ({row['what']}): {_ms(row['enqueue_s_median'])} ms")
+    except Exception as exc:  # (the methods' rows still come)
+        traceback.print_exc()
+        enqueue, errors["copy enqueue"] = None, f"{type(exc).__name__}: {exc}"
     for _, make in build_methods(ctx, b.methods, wait_for_slot=False):
         method = make()
         log(f"method {method.name}")
@@ -45,7 +55,7 @@ def run_schedule(ctx, b, build_methods, log) -> dict:
             except Exception:  # noqa: BLE001
                 pass
     return {"floors": fl, "optimizer_state_bytes_per_rank": state, "persist_every": PERSIST_EVERY,
-            "rows": rows, "errors": errors}
+            "copy_enqueue": enqueue, "rows": rows, "errors": errors}
 
 
 def storage_floors(ctx, nbytes: int, reps: int) -> dict:
@@ -83,7 +93,8 @@ def measure_method(ctx, method, b, log) -> dict[str, dict]:
         row = run_on_schedule(ctx, method, schedule, run_length(schedule, b))
         row["setup_s"] = setup_s
         rows[row_name(method, schedule)] = row
-        log(f"  {row_name(method, schedule)}: step overhead {row['step_overhead'] * 100:+.1f}%, blocking "
+        log(f"  {row_name(method, schedule)}: step overhead {row['step_overhead'] * 100:+.1f}% (median; mean "
+            f"{row['step_overhead_mean'] * 100:+.1f}%), blocking "
             f"{_ms(row['blocking_s_median'])} ms (p90 {_ms(row['blocking_s_p90'])}), skipped {row['skipped']} of "
             f"{row['checkpoints']}, node memory {_mb(row['node_memory_bytes'])} MB")
     restores = measure_restores(ctx, method, b.memory_restores, b.storage_restores)
@@ -97,40 +108,62 @@ def measure_method(ctx, method, b, log) -> dict[str, dict]:
 
 def run_on_schedule(ctx, method, schedule: Schedule, iters: int) -> dict:
     skipped_before = method.skipped
-    before = ctx.timed_train(iters)
+    before = timed_steps(ctx, iters)
     saves, persisted = [], None  # saves: (action, seconds blocked, taken) of every checkpoint, this rank's
+    steps = []  # this rank's seconds of each iteration: training and the checkpoint it takes
     torch.distributed.barrier()
     t0 = time.perf_counter()
     for k in range(1, iters + 1):
+        started = time.perf_counter()
         ctx.train(1)
         it = ctx.next_iteration()  # (the job's iteration number, what a checkpoint is saved as)
         if hasattr(method, "poll"):
             method.poll()
         action = schedule.action(k)
-        if action is None:
-            continue
-        started = time.perf_counter()
-        taken = method.save(it) if action == PERSIST else method.snapshot(it)
-        saves.append((action, time.perf_counter() - started, taken))
-        persisted = it if taken and action == PERSIST else persisted
+        if action is not None:
+            saving = time.perf_counter()
+            taken = method.save(it) if action == PERSIST else method.snapshot(it)
+            saves.append((action, time.perf_counter() - saving, taken))
+            persisted = it if taken and action == PERSIST else persisted
+        steps.append(time.perf_counter() - started)
     elapsed = reduce_max(time.perf_counter() - t0)
     if persisted is not None:
         method.wait_persisted(persisted)
-    after = ctx.timed_train(iters)
+    after = timed_steps(ctx, iters)
+    steps = slowest_steps(gather_objects(steps))
     blocked, persists = slowest_saves(gather_objects(saves))
     node_memory = gather_objects(method.node_memory_bytes())
+    without = min(median(before), median(after))
     return {
         "family": method.family, "schedule": schedule.label, "checkpoint_every": schedule.checkpoint_every,
         "persist_every": schedule.persist_every, "iterations": iters, "checkpoints": len(saves),
         "skipped": max(gather_objects(method.skipped - skipped_before)),
-        "step_s_without_checkpoints": [before / iters, after / iters], "step_s": elapsed / iters,
-        "step_overhead": elapsed / min(before, after) - 1,
+        "step_s_without_checkpoints": [median(before), median(after)], "step_s": median(steps),
+        "step_overhead": median(steps) / without - 1,
+        # (the run's mean, persists included, against the faster run without checkpoints)
+        "step_s_mean": elapsed / iters, "step_overhead_mean": elapsed / min(sum(before), sum(after)) - 1,
         "blocking_s_median": median(blocked), "blocking_s_p90": p90(blocked), "blocking_s_all": blocked,
         "persist_blocking_s_median": median(persists),
         "node_memory_bytes": None if None in node_memory else sum(node_memory),
         "node_memory_what": method.node_memory_why,
         "async_strategy": getattr(method, "async_strategy", None) if getattr(method, "async_save", False) else None,
     }
+
+
+def timed_steps(ctx, n: int) -> list[float]:
+    """Seconds of each of ``n`` iterations without checkpoints (per iteration, the slowest rank's)."""
+    torch.distributed.barrier()
+    mine = []
+    for _ in range(n):
+        started = time.perf_counter()
+        ctx.train(1)
+        mine.append(time.perf_counter() - started)
+    return slowest_steps(gather_objects(mine))
+
+
+def slowest_steps(every_rank: list[list[float]]) -> list[float]:
+    """Per iteration, the slowest rank's seconds (the one the others wait for in the next collective)."""
+    return [max(per_rank) for per_rank in zip(*every_rank)]
 
 
 def slowest_saves(every_rank: list[list[tuple]]) -> tuple[list[float], list[float]]:

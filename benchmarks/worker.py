@@ -240,6 +240,8 @@ def build_methods(ctx: Ctx, names: list[str], wait_for_slot: bool = True):
         "torch_dist_async": lambda: M.TorchDist(ctx, root("td_async"), async_save=True),
         "legacy": lambda: M.Legacy(ctx, root("legacy")),
         "dlrover": lambda: M.DLRover(ctx, root("dlrover")),
+        "megatron_local": lambda: M.MegatronLocal(ctx, root("megatron_local"),
+                                                  os.path.join(ctx.shm_dir, "megatron_local")),
     }
     for n in names:
         if n not in table:

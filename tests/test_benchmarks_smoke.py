@@ -153,8 +153,46 @@ def test_storage_alone_checkpoints_every_iteration_and_every_20_each_a_persist()
 
 def test_every_method_of_the_gpu_benchmark_gets_its_tiers_schedules():
     assert methods.Pec.has_memory and methods.DLRover.has_memory and not methods.TorchDist.has_memory
+    assert methods.MegatronLocal.has_memory  # (its snapshots are local, its persists torch_dist)
     assert gpu.SCHEDULE == schedules(has_memory=True)[0]
-    assert set(gpu.PEERS.split(",")) == {"pec_all", "dlrover", "torch_dist_async"}
+    assert set(gpu.PEERS.split(",")) == {"pec_all", "dlrover", "torch_dist_async", "megatron_local"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the method runs")
+def test_megatron_local_checkpoints_say_they_need_cuda_on_cpu(one_rank_group, tmp_path):
+    class Ctx:
+        rank, world = 0, 1
+
+    method = methods.MegatronLocal(Ctx(), str(tmp_path / "global"), str(tmp_path / "local"))
+    with pytest.raises(RuntimeError, match="^needs CUDA: nvidia-resiliency-ext's local checkpoints assert CUDA"):
+        method.setup()
+    out = {"device": "cpu", "wall_s": 1.0, "model": [], "schedule": {"label": "x", "persist_every": 20},
+           "rows": {}, "errors": {method.name: "RuntimeError: " + methods.NEEDS_CUDA}, "seconds_by_part": {}}
+    assert f"| {method.name} | - | not run: {methods.NEEDS_CUDA} |" in gpu.markdown(out, "test")
+
+
+def test_copy_enqueue_counts_runs_as_the_stager_and_times_them():
+    from benchmarks import copy_enqueue
+    from megatron_pec.megatron.collect import Slice
+
+    buffer, moments = torch.zeros(40), torch.zeros(40)
+    live, slices = {}, []
+    for item, start in (("dense", 0), ("L1.E0", 10), ("L1.E1", 20)):  # two params per item, adjacent
+        for kind, tensor in (("param", buffer), ("exp_avg", moments)):
+            for half in (0, 5):
+                name = f"{item}/p{half}.{kind}"
+                live[name] = tensor[start + half:start + half + 5]
+                slices.append(Slice(name, item, None, "w", 0, 5, torch.float32, (0, 0, None, 0, half, kind, 0)))
+    runs = copy_enqueue.item_runs(slices, live)
+    assert {item: len(r) for item, r in runs.items()} == {"dense": 2, "L1.E0": 2, "L1.E1": 2}
+    assert copy_enqueue.deepseek_v3_runs(runs, "dense") == {"runs": 58 * 256 // 64 * 2 + 2, "experts_per_rank": 232,
+                                                            "runs_per_expert": 2, "dense_runs": 2}
+    srcs = copy_enqueue.equal_runs(4000, 7, "cpu")
+    row = copy_enqueue.time_enqueue(srcs, cuda=False, reps=2)
+    assert row["runs"] == 7 and row["bytes"] == 7 * 142 * 4 and len(row["enqueue_s_all"]) == 2
+    text = "\n".join(gpu.enqueue_markdown({"device": "cpu", "timed": "memcpys", "reps": 2, "budget_s": 5e-4,
+                                           "rows": [{**row, "what": "x"}], "enqueue_us_per_run": None}))
+    assert "| 7 | x | 0.0 | 0.6 |" in text and "over 0.5 ms |" in text
 
 
 def test_the_example_trainer_saves_on_the_schedule(monkeypatch):
@@ -222,6 +260,8 @@ def test_the_worker_follows_the_schedule_and_counts_skipped_checkpoints(one_rank
     assert method.calls == Schedule(1, PERSIST_EVERY).plan(40) and method.waited == [40]
     assert row["skipped"] == 2 and row["checkpoints"] == 40 and len(row["blocking_s_all"]) == 38
     assert row["node_memory_bytes"] == 123 and row["schedule"] == "every iteration, persist every 20"
+    assert len(row["step_s_without_checkpoints"]) == 2 and {"step_overhead", "step_overhead_mean"} <= set(row)
+    assert scheduled.slowest_steps([[0.1, 0.3], [0.2, 0.1]]) == [0.2, 0.3]  # (per iteration, the slowest rank)
     storage_only = FakeMethod()
     storage_only.has_memory = False
     scheduled.run_on_schedule(FakeCtx(), storage_only, Schedule(20, 20), 40)
