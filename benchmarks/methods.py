@@ -440,7 +440,9 @@ class MegatronLocal(TorchDist):
       storage the ``torch_dist`` checkpoint (``TorchDist.restore_storage``).
 
     The local directory is in ``/dev/shm`` (node memory, as the other methods' memory tiers); no replication
-    (one node). CUDA only: the host copies go through ``.to("cpu")`` and back by the device they came from."""
+    (one node). CUDA only: NVRx's own state dict asserts CUDA tensors and its replication goes through
+    ``.cuda()``; Megatron's fully parallel load synchronizes CUDA (``to_state_dict``). megatron-core 0.19 needs
+    nvidia-resiliency-ext 0.6.0 or newer (it asserts that on import wherever NVRx is importable)."""
 
     family = "megatron_local"
     name = "Megatron local ckpt (NVRx)"
