@@ -49,7 +49,7 @@ from megatron_pec.agent.pins import pins, reading
 from megatron_pec.agent.replication import Replication
 from megatron_pec.agent.trainers import Link, Trainers
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.memory.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files
+from megatron_pec.memory.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files, replace_node_file
 from megatron_pec.format.protocol import (
     Begin,
     Begun,
@@ -109,9 +109,7 @@ class Agent:
         server.bind(sock_path)
         server.listen(64)
         server.settimeout(0.5)
-        with open(os.path.join(self.directory, PIDFILE) + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(os.path.join(self.directory, PIDFILE) + ".tmp", os.path.join(self.directory, PIDFILE))
+        replace_node_file(os.path.join(self.directory, PIDFILE), str(os.getpid()))
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         worker = threading.Thread(target=self._work, daemon=True)
         worker.start()
