@@ -69,7 +69,7 @@ from megatron_pec.format.protocol import (
     decode_message,
 )
 from megatron_pec.memory.slots import SlotCache, slot_path
-from megatron_pec.store.storage import Storage
+from megatron_pec.store.storage import Storage, open_storage
 
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
 
@@ -79,16 +79,16 @@ class Agent:
     holds is ``memory``'s, writes and commits ``writer``'s, replication ``replication``'s, who is
     connected ``trainers``'."""
 
-    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage):
+    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool):
         self.directory, self.node_rank = directory, node_rank
         self.idle_timeout, self.keep_shm = idle_timeout, keep_shm
-        self.storage = storage                          # every job's --save is read and written through it
+        self.storages: dict[str, Storage] = {}          # a job's storage description -> the storage rebuilt from it
         self.slots = SlotCache()                        # slot mappings and tables, kept across snapshots
         self.jobs: queue.Queue = queue.Queue()
         self.trainers = Trainers()                      # shared by the connections' threads and the worker
         self.planned_exit = False                       # every trainer detached cleanly
         # started once a job asks for it; a push that ends frees the regions it pinned
-        self.replication = Replication(directory, self.storage, self.slots, lambda: self.jobs.put(jobs.Repin()))
+        self.replication = Replication(directory, self.slots, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
         self.writing: dict[int, dict] = {}              # rank -> its writes in flight -> what they still read
         self.persisted: dict[int, tuple] = {}           # rank -> (run, iteration) of the newest file written
@@ -181,17 +181,31 @@ class Agent:
             conn.close()
 
     def _hello(self, conn: socket.socket, link: Link | None, msg: Hello) -> Link:
-        link = Link(conn, msg.rank, msg.job, CheckpointDir(msg.job.save, self.storage))
+        storage = self._storage(msg.job.storage)
+        link = Link(conn, msg.rank, msg.job, CheckpointDir(msg.job.save, storage))
         self.trainers.hello(link)  # a new trainer: grants of the old one are void
         self.trainers.send(conn, Ready(os.getpid()))
         if msg.job.replicas and msg.job.num_nodes > 1:
             # After Ready, before this trainer's next message is read: the pull is the first job of
             # this trainer, and a failure here cannot break its handshake.
-            self.replication.start(msg.job)
+            self.replication.start(msg.job, storage)
             if not self.memory.slots.get(msg.rank):  # e.g. a replacement node: ask the peers
                 self.trainers.queued(awaited_rank=msg.rank)  # a restore waits for what the pull brings
                 self.jobs.put(jobs.Pull(link))
         return link
+
+    def _storage(self, spec: str) -> Storage:
+        """The job's one storage, rebuilt from the description its trainers sent (``JobInfo.storage``):
+        every rank file, marker, commit, retirement and published address of the job goes through it."""
+        storage = self.storages.get(spec)
+        if storage is None:
+            try:
+                storage = self.storages[spec] = open_storage(spec)
+            except ValueError as exc:
+                log.info(f"cannot build the job's storage: {exc}")
+                raise
+            log.info(f"the job's storage: {storage.spec}")
+        return storage
 
     def _settle(self, conn: socket.socket, link: Link, msg: Settle) -> None:
         """A restore starts: answered at once when every snapshot announced for the rank is recorded
@@ -382,5 +396,5 @@ class Agent:
                 jobs.WrittenFromMemory: _written_from_memory, jobs.Repin: _repin}
 
 
-def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage) -> int:
-    return Agent(directory, node_rank, idle_timeout, keep_shm, storage).serve()
+def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool) -> int:
+    return Agent(directory, node_rank, idle_timeout, keep_shm).serve()
