@@ -131,6 +131,7 @@ class Agent:
             os.unlink(sock_path)  # no longer serving: a trainer must not find a socket to connect to
             if self.planned_exit:
                 self.writer.committer.persist_newest(self.trainers.latest(), self.memory)
+            self.writer.committer.purge.stop(timeout=600)  # the tidying after the last commits runs before exit
             self.replication.close()
             self._cleanup()
         return 0
