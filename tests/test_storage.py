@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +127,35 @@ def test_the_agent_persists_and_commits_through_the_trainers_storage(shm_dir, tm
         (c.manifest_path(20), True), (c.tracker_path, True)}
     assert any(r["op"] == "delete_prefix" and r["path"] == c.pec_dir(10) for r in by_agent)  # retention too
     assert agent != os.getpid()
+
+
+@pytest.mark.multiprocess
+def test_the_trainers_storage_flag_reaches_the_agent(tmp_path):
+    """``--pec-storage`` on a real training job (torchrun, 2 ranks, the example's model): the trainers
+    write their layout records through the storage it names, and the node agent - started by a
+    trainer, a process of its own - every rank file, marker, manifest and the tracker."""
+    import shutil
+    import uuid
+
+    from conftest import torchrun
+    from megatron_pec.testing import launch
+
+    log = tmp_path / "storage.log"
+    save, shm = tmp_path / "ckpt", Path("/dev/shm") / f"pec-test-{uuid.uuid4().hex[:8]}"
+    try:
+        torchrun("export_state.py", str(save), str(shm), "--pec-storage",
+                 f"megatron_pec.testing.recording_storage:RecordingStorage?{log}", env={"PEC_TEST_OUT": str(tmp_path)})
+    finally:
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)
+    records, c = read_log(log), checkpoints(save)
+    assert c.committed_iterations() == [4]
+    trainers = {r["pid"] for r in records if r["op"] == "create"}  # the layout records, one per rank
+    assert len(trainers) == 2
+    by_agent = {r["path"] for r in records if r["pid"] not in trainers and r["op"] in ("write", "commit")}
+    assert {c.rank_file(4, 0), c.rank_file(4, 1), c.node_marker(4, 0), c.manifest_path(4), c.tracker_path} <= by_agent
+    on_disk = {str(p) for p in save.rglob("*") if p.is_file() and p.name != ".pec.lock"}
+    assert on_disk <= {r["path"] for r in records}, "a file written around the storage"
 
 
 # ---- nothing writes a checkpoint file around the seam --------------------------------------------------

@@ -30,9 +30,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterable, Protocol
 
 from megatron_pec.common import faults
-from megatron_pec.integrity.checksum import crc32
-
-CHUNK = 8 << 20
+from megatron_pec.integrity.checksum import CHUNK, crc32
 
 
 class Storage(Protocol):
@@ -133,54 +131,14 @@ class PosixStorage:
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
         """Raises OSError (the temporary file is removed)."""
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        size, crc = 0, RunningCrc()
-        try:
-            with open(tmp, "wb", buffering=0) as f:
-                for chunk in chunks:
-                    faults.point("persist_write", path=path)
-                    for start in range(0, len(chunk), CHUNK):  # bounded syscalls, steady progress
-                        piece = chunk[start:start + CHUNK]
-                        crc.add(piece)
-                        f.write(piece)
-                        size += len(piece)
-                    # A chunk's bytes may change once the next one is asked for (a persist hands
-                    # each item's node-memory region back as soon as it is written).
-                    crc.caught_up()
-                os.fsync(f.fileno())
-            faults.point("before_rename", path=path)
-            os.replace(tmp, path)
-        except BaseException:
-            crc.result()
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        self._fsync_dir(directory)
-        return size, crc.result()
+        return self._put(path, chunks, faults.point)
 
     def create(self, path: str, data: bytes) -> bool:
-        # (not through write: the trainer writes these records, outside the agents' fault points)
         with self._lock(os.path.dirname(path)):
             if os.path.exists(path):
                 return False
-            tmp = f"{path}.tmp{os.getpid()}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-            self._fsync_dir(os.path.dirname(path))
+            # (no fault points: the trainer writes these records, outside the agents' fault points)
+            self._put(path, [data], lambda *_, **__: None)
         return True
 
     def commit(self, path: str, data: bytes, expected: bytes | None) -> bool:
@@ -193,6 +151,37 @@ class PosixStorage:
                 return False
             self.write(path, [data])
         return True
+
+    def _put(self, path: str, chunks: Iterable[bytes | memoryview], point) -> tuple[int, int]:
+        """tmp, fsync, rename, directory fsync; ``point``: the fault points on the way."""
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        size, crc = 0, RunningCrc()
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                for chunk in chunks:
+                    point("persist_write", path=path)
+                    for start in range(0, len(chunk), CHUNK):  # bounded syscalls, steady progress
+                        piece = chunk[start:start + CHUNK]
+                        crc.add(piece)
+                        f.write(piece)
+                        size += len(piece)
+                    # A chunk's bytes may change once the next one is asked for (a persist hands
+                    # each item's node-memory region back as soon as it is written).
+                    crc.caught_up()
+                os.fsync(f.fileno())
+            point("before_rename", path=path)
+            os.replace(tmp, path)
+        except BaseException:
+            crc.result()
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self._fsync_dir(directory)
+        return size, crc.result()
 
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:
