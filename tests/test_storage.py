@@ -3,8 +3,8 @@ protocol (commit as a compare-and-swap, create once, partial writes its own busi
 built from its description, that the job's storage reaches the node agent, and that nothing in the
 package writes a checkpoint file around the seam."""
 
+import ast
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,25 +159,47 @@ def test_the_trainers_storage_flag_reaches_the_agent(tmp_path):
 
 
 # ---- nothing writes a checkpoint file around the seam --------------------------------------------------
-WRITES = re.compile(r"""open\([^)]*,\s*["'](w|wb|w\+|wb\+)["']|os\.replace\(|os\.rename\(|os\.fsync\(""")
 # file -> why it may write files itself
 AROUND_THE_SEAM = {
     "store/storage.py": "the POSIX storage: tmp, fsync, rename, directory fsync",
     "memory/node_files.py": "node memory (tmpfs): its small files, replaced whole (``replace_node_file``)",
     "testing/campaign.py": "test tooling: the campaign's results",
+    "testing/cluster.py": "test tooling: the simulated nodes' logs",
     "testing/megatron_lm.py": "test tooling: installs a Megatron-LM checkout",
     "testing/state_dump.py": "test tooling: dumps of restored state to compare",
 }
+FILE_OPS = {"replace", "rename", "renames", "fsync"}  # os.<op>
 
 
-def writers() -> dict[str, list[str]]:
+def _writes(tree: ast.AST) -> list[int]:
+    """Lines of ``open(..., "w...")`` (a mode that writes a new file: w, x) and of os.replace / rename / fsync."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            if isinstance(mode, ast.Constant) and isinstance(mode.value, str) and set(mode.value) & set("wx"):
+                lines.append(node.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr in FILE_OPS and isinstance(f.value, ast.Name) and f.value.id == "os":
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def writers(package=PACKAGE) -> dict[str, list[int]]:
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        hits = [f"{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-                if WRITES.search(line)]
-        if hits:
-            found[path.relative_to(PACKAGE).as_posix()] = hits
+    for path in sorted(Path(package).rglob("*.py")):
+        lines = _writes(ast.parse(path.read_text()))
+        if lines:
+            found[path.relative_to(package).as_posix()] = lines
     return found
+
+
+def test_the_scanner_sees_writes_around_the_seam(tmp_path):
+    (tmp_path / "m.py").write_text('import os\nwith open(os.path.join("a", "b"), "w") as f:\n    pass\n'
+                                   'open(p, mode="xb")\nos.replace(a, b)\nos.fsync(3)\nopen(p)\nopen(p, "rb")\n')
+    assert writers(tmp_path) == {"m.py": [2, 4, 5, 6]}
 
 
 def test_no_module_writes_files_around_the_storage_seam():
