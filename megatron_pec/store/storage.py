@@ -240,7 +240,8 @@ class PosixStorage:
         try:
             os.unlink(path)
         except FileNotFoundError:
-            pass
+            return
+        self._fsync_dir(os.path.dirname(path))  # durable, in order: a manifest goes before its files
 
     def delete_prefix(self, prefix: str) -> None:
         try:
@@ -259,8 +260,6 @@ class PosixStorage:
             if m and (live_too or not _writer_alive(int(m.group(1)))):
                 self.delete(os.path.join(prefix, name))
                 found.append(name[:m.start()])
-        if found:
-            self._fsync_dir(prefix)
         return found
 
     @staticmethod
