@@ -101,6 +101,7 @@ def test_the_agent_persists_and_commits_through_the_trainers_storage(shm_dir, tm
     import torch
 
     from megatron_pec.agent.client import agent_pid
+    from megatron_pec.format.protocol import Flush, Flushed
     from megatron_pec.format.stformat import layout
     from megatron_pec.memory.slots import node_dir
     from megatron_pec.testing.scripted import ScriptedTrainer
@@ -115,6 +116,7 @@ def test_the_agent_persists_and_commits_through_the_trainers_storage(shm_dir, tm
     try:
         for iteration in (10, 20):
             assert t.snapshot(iteration)[1].error is None
+        t.client.request(Flush(), Flushed, timeout=30)  # (retention runs in the agent's purge thread)
         agent = agent_pid(t.directory)
     finally:
         t.close()
