@@ -137,9 +137,9 @@ def _slot_facts() -> dict:
 
 def _rank_file_facts(root: Path) -> dict:
     from megatron_pec.store.checkpoint_dir import CheckpointDir
-    from megatron_pec.store.storage import default_storage
+    from megatron_pec.store.storage import open_storage
 
-    checkpoints = CheckpointDir(str(root), default_storage())
+    checkpoints = CheckpointDir(str(root), open_storage("posix"))
     newest = checkpoints.committed_iterations()[0]
     path = Path(checkpoints.rank_file(newest, 0))
     with open(path, "rb") as f:

@@ -161,10 +161,10 @@ class Pec(Method):
     def setup(self):
         from megatron_pec.store.checkpoint_dir import CheckpointDir
         from megatron_pec.engine import Engine
-        from megatron_pec.store.storage import default_storage
+        from megatron_pec.store.storage import open_storage
 
         c = self.ctx
-        self.storage = default_storage()
+        self.storage = open_storage("posix")
         self.engine = Engine(self._args(), c.model, c.optimizer, self.storage)
         self.checkpoints = CheckpointDir(self.root, self.storage)
         # The first checkpoint of a run holds every expert (PEC needs a full base); take it here so

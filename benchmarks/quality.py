@@ -267,10 +267,10 @@ class Runner:
         memory, else the newest committed iteration on storage (what megatron-pec's agree step picks)."""
         from megatron_pec.memory.history import NodeMemory
         from megatron_pec.store.checkpoint_dir import CheckpointDir
-        from megatron_pec.store.storage import default_storage
+        from megatron_pec.store.storage import open_storage
 
         time.sleep(1.0)  # the agent finishes what the killed trainers announced
-        best = max(CheckpointDir(ckpt, default_storage()).committed_iterations(), default=0)
+        best = max(CheckpointDir(ckpt, open_storage("posix")).committed_iterations(), default=0)
         memory = NodeMemory.read(node)
         newest = [memory.newest(rank) for rank in (0, 1)]
         if all(newest):

@@ -8,22 +8,28 @@ import os
 import sys
 
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.store.storage import default_storage
+from megatron_pec.store.storage import open_storage
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_pec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    storage_flag = dict(default="", metavar="SPEC", help="the storage DIR is on, as the job's --pec-storage "
+                        "(default: POSIX files)")
     p = sub.add_parser("inspect", help="summarise a checkpoint directory (--save/--load), or a node's memory "
                        "(<shm dir>/<job id>/node<k>: what its files take against the state)")
     p.add_argument("dir")
+    p.add_argument("--storage", **storage_flag)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = sub.add_parser("verify", help="re-check the size and checksums of every committed file; exit 0 only if sound")
     p.add_argument("dir")
     p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--storage", **storage_flag)
     p = sub.add_parser("export", help="write a committed iteration's model weights as consolidated safetensors")
     p.add_argument("dir", help="the checkpoint directory (--save)")
-    p.add_argument("out", help="an empty or new directory for model.safetensors and pec_export.json")
+    p.add_argument("out", help="an empty or new directory for model.safetensors and pec_export.json (on the "
+                   "same storage)")
+    p.add_argument("--storage", **storage_flag)
     p.add_argument("--iteration", type=int, default=None, help="default: the newest committed iteration")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into files of at most this size "
                    "(with model.safetensors.index.json); default %(default)s")
@@ -33,21 +39,25 @@ def main(argv=None) -> int:
     p.add_argument("--idle-timeout", type=float, default=600.0)
     p.add_argument("--keep-shm", action="store_true")
     args = parser.parse_args(argv)
-    storage = default_storage()  # every command reads and writes checkpoint directories through it
-
     if args.command == "agent":
+        # (no storage here: the agent rebuilds each job's from the job description its trainers send)
         from megatron_pec.agent.server import main as agent_main
 
-        return agent_main(args.dir, args.node_rank, args.idle_timeout, args.keep_shm, storage)
-    if not os.path.isdir(args.dir):
-        print(f"error: {args.dir} is not a directory", file=sys.stderr)
+        return agent_main(args.dir, args.node_rank, args.idle_timeout, args.keep_shm)
+    try:
+        storage = open_storage(args.storage)  # every command reads and writes checkpoint directories through it
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     from megatron_pec.tools import inspect_checkpoint, inspect_node_memory
 
-    if args.command == "inspect" and inspect_node_memory.is_node_dir(args.dir):
-        found = inspect_node_memory.report(args.dir)
+    if args.command == "inspect" and os.path.isdir(args.dir) and inspect_node_memory.is_node_dir(args.dir):
+        found = inspect_node_memory.report(args.dir)  # (node memory: local files, never on the storage)
         print(json.dumps(found, indent=1) if args.json else inspect_node_memory.format_report(found))
         return 0
+    if not storage.exists(args.dir):
+        print(f"error: {args.dir} is not a directory", file=sys.stderr)
+        return 2
     directory = CheckpointDir(args.dir, storage)
 
     if args.command == "export":

@@ -77,9 +77,15 @@ def _get_engine(model, optimizer):
 
         if _engine is not None:
             _engine.close()
-        from megatron_pec.store.storage import default_storage
+        from megatron_pec.config import PecConfig
+        from megatron_pec.store.storage import open_storage
 
-        _engine = Engine(_args(), _chunks(model), optimizer, default_storage())
+        args = _args()
+        try:  # the job's one storage; its description travels to the node agent in the job description
+            storage = open_storage(PecConfig.storage_spec(args))
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        _engine = Engine(args, _chunks(model), optimizer, storage)
         if not getattr(sys.excepthook, "megatron_pec", False):
             sys.excepthook = _recording_crash(sys.excepthook)
         atexit.register(_close_at_exit, _engine)

@@ -80,6 +80,10 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="snapshots a node's newest replica on its peers may lag behind its newest snapshot; "
                         "the next snapshot waits for the replica beyond it, so a node loss never loses more "
                         "(default 2)")
+    g.add_argument("--pec-storage", default="", metavar="SPEC",
+                   help="where --save and --load live: 'posix' (the default: a local or shared file system), "
+                        "'<scheme>://...' for a registered storage, or 'package.module:Class' for a class built "
+                        "as Class(SPEC); the node agent persists, commits and retires through the same storage")
     g.add_argument("--pec-agent-idle-timeout", type=float, default=600.0,
                    help="seconds the node agent waits for trainers to come back after they vanished "
                         "(default 600)")
@@ -223,6 +227,11 @@ class PecConfig:
         if not self.job_id or "/" in self.job_id or self.job_id.startswith("."):
             raise PecConfigError(f"--pec-job-id must be a plain name without '/' (got {self.job_id!r})")
 
+    @staticmethod
+    def storage_spec(args) -> str:
+        """--pec-storage from Megatron's args ("" when absent: POSIX)."""
+        return getattr(args, "pec_storage", None) or ""
+
     @classmethod
     def from_args(cls, args, env: Mapping[str, str] | None = None) -> "PecConfig":
         """Build from Megatron's args (or the example's); flags absent from ``args`` take their defaults.
@@ -246,7 +255,7 @@ class PecConfig:
             no_load_optim=bool(getattr(args, "no_load_optim", False)),
             no_load_rng=bool(getattr(args, "no_load_rng", False)),
             finetune=bool(getattr(args, "finetune", False)),
-            launch=launch, node_memory=_budget(get("pec_node_memory")),
+            launch=launch, node_memory=_budget(get("pec_node_memory")), 
             check_on_device=env.get("MEGATRON_PEC_CHECK_ON_DEVICE") == "1",
         )
 

@@ -68,7 +68,8 @@ class Engine:
         self.rank = self.job.rank
         self.book = PecBook(self.config, self.job)
         items = list(dict.fromkeys(s.item for s in self.adapter.slot_slices))  # (slot order)
-        self.session = AgentSession(self.job.node_dir, self.rank, self.job.node_rank, self.job.hello(self.config),
+        hello = self.job.hello(self.config, storage.spec)  # the agent rebuilds the job's storage from it
+        self.session = AgentSession(self.job.node_dir, self.rank, self.job.node_rank, hello,
                                     items, idle_timeout=self.config.agent_idle_timeout,
                                     keep_shm=self.config.keep_shm, wait_for_slot=self.config.wait_for_slot)
         self.files: SlotFiles | None = None

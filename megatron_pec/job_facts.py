@@ -52,14 +52,15 @@ class JobFacts:
         """The item names of the ``experts`` this rank holds."""
         return {self.held_names[e] for e in experts if e in self.held_names}
 
-    def hello(self, config: PecConfig) -> Hello:
-        """What this trainer tells its node agent once per connection."""
+    def hello(self, config: PecConfig, storage: str) -> Hello:
+        """What this trainer tells its node agent once per connection. ``storage``: the description of the
+        job's storage (``Storage.spec``), which the agent rebuilds to persist, commit and retire through."""
         return Hello(self.rank, JobInfo(
             job_id=config.job_id, fingerprint=self.fingerprint, save=self.save_root,
             local_world_size=self.local_world_size, node_rank=self.node_rank, num_nodes=self.num_nodes,
             topology=self.topology, keep=config.keep, replicas=self.replicas, domain=config.failure_domain or "",
             replica_mbps=config.replica_mbps, session=self.session, replica_lag=config.replica_lag,
-            host=config.launch.agent_host))
+            host=config.launch.agent_host, storage=storage))
 
     @classmethod
     def build(cls, config: PecConfig, adapter) -> "JobFacts":

@@ -16,7 +16,7 @@ from conftest import REPO, checkpoints
 from megatron_pec.agent.client import AgentUnavailable, agent_pid, check_socket_path
 from megatron_pec.memory.history import JobKey
 from megatron_pec.memory.layout import POOL
-from megatron_pec.format.protocol import Flushed, Pin, Released, Settle, SlotHeader, SnapshotReady
+from megatron_pec.format.protocol import Flush, Flushed, Pin, Released, Settle, SlotHeader, SnapshotReady
 from megatron_pec.memory.regions import RegionBook
 from megatron_pec.memory.slots import SlotCache, node_dir, open_slot, slot_path
 from megatron_pec.restore.sources import SourceError, storage_source
@@ -144,7 +144,6 @@ def test_a_flush_leaves_the_agents_cpu_time_by_phase(trainers):
     """The benchmarks' breakdown of what persisting costs: after a flush the agent's ledger holds its
     CPU time in each phase of the snapshots so far, within its whole CPU time."""
     from megatron_pec.agent.cpu_ledger import read_ledger
-    from megatron_pec.format.protocol import Flush
 
     t0, t1 = trainers(0), trainers(1)
     assert read_ledger(t0.directory) is None  # nothing written before a flush
@@ -165,6 +164,8 @@ def test_retention_keeps_referenced_versions(trainers):
     for iteration in (10, 20, 30):
         for t in (t0, t1):
             t.snapshot(iteration, ["L1.E1"] if iteration > 10 else None)
+    for t in (t0, t1):
+        t.client.request(Flush(), Flushed, timeout=30)  # retention runs off the commit's path: a flush waits for it
     # keep=1 retains 30, and 10's files because experts E0/E2/E3 are still at version 10; 20 goes.
     assert checkpoints(t0.root).iterations_on_disk() == [10, 30]
     assert checkpoints(t0.root).committed_iterations() == [30]  # 10 holds files for 30, it is no restore point
@@ -178,6 +179,8 @@ def test_retention_never_leaves_a_committed_iteration_pointing_at_deleted_files(
     for iteration, persisted in ((10, None), (20, ["L1.E1"]), (30, ["L1.E0", "L1.E2", "L1.E3"])):
         for t in (t0, t1):
             t.snapshot(iteration, persisted)
+    for t in (t0, t1):
+        t.client.request(Flush(), Flushed, timeout=30)  # retention runs off the commit's path: a flush waits for it
     assert checkpoints(t0.root).read_manifest(30).experts == {"L1.E0": 30, "L1.E1": 20, "L1.E2": 30, "L1.E3": 30}
     assert checkpoints(t0.root).iterations_on_disk() == [20, 30] and checkpoints(t0.root).committed_iterations() == [30]
     result = cli("verify", t0.root)

@@ -11,15 +11,15 @@ from megatron_pec.store.storage import PosixStorage
 
 
 class FullStorage(PosixStorage):
-    """POSIX storage on which an atomic write of a file named ``*<failing>`` runs out of space."""
+    """POSIX storage on which a write of an object named ``*<failing>`` runs out of space."""
 
     def __init__(self, failing: str):
         self.failing = failing
 
-    def write_atomic(self, path, chunks, before_rename=None):
+    def write(self, path, chunks):
         if path.endswith(self.failing):
             raise OSError(errno.ENOSPC, "no space left (injected)", path)
-        return super().write_atomic(path, chunks, before_rename)
+        return super().write(path, chunks)
 
 
 def mark(checkpoints: CheckpointDir, iteration: int, node: int, generation: str = "g") -> None:
@@ -80,6 +80,6 @@ def test_an_atomic_write_sums_each_chunk_before_the_next_is_asked_for(tmp_path, 
             yield memoryview(region)
             region[:] = bytes(len(region))  # handed back: the trainer writes over it at once
 
-    size, crc = PosixStorage().write_atomic(str(tmp_path / "rank.safetensors"), chunks())
+    size, crc = PosixStorage().write(str(tmp_path / "rank.safetensors"), chunks())
     written = (tmp_path / "rank.safetensors").read_bytes()
     assert size == len(written) and crc == zlib.crc32(written)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError  # noqa: E402
-from megatron_pec.store.storage import default_storage  # noqa: E402
+from megatron_pec.store.storage import open_storage  # noqa: E402
 from megatron_pec.testing.cluster import Cluster, parse_plt, persist_only_plt  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "8",
@@ -109,7 +109,7 @@ class Echo:
 def lose_node_mid_run(c: Cluster, a) -> dict:
     """Wait for --kill-at, then lose node 1 (trainer, agent, node memory); returns what happened."""
     c.wait_iteration(a.kill_at, timeout=1800)
-    committed = CheckpointDir(str(c.save), default_storage()).committed_iterations()
+    committed = CheckpointDir(str(c.save), open_storage("posix")).committed_iterations()
     agent = c.agent_pid(1)
     c.lose_node(1)
     reached = c.iteration()

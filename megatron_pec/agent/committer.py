@@ -4,12 +4,16 @@ Runs in the node agent's writer thread (``writer.py``; at a planned exit, once t
 the agent's main thread). A node's part of an iteration is done when every local
 rank's file of it is durable: then the node marker is written, and whichever node's agent sees
 every marker writes the manifest and the tracker (``CheckpointDir.try_commit``). An iteration any of
-whose rank files failed is never committed. A snapshot held only in node memory is persisted
-here too: at a planned exit (the newest one), and after a restart restored it from memory.
+whose rank files failed is never committed. What a commit leaves to tidy (the files of a save it
+replaced, retention) runs off its path, in the purge thread (``Purge``, as torchtitan's purge thread).
+A snapshot held only in node memory is persisted here too: at a planned exit (the newest one), and
+after a restart restored it from memory.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 
 from megatron_pec.common import log
@@ -20,9 +24,39 @@ from megatron_pec.format.protocol import JobInfo, NodeMarker, RankFile, SlotReco
 from megatron_pec.memory.slots import SlotCache, slot_path
 
 
+class Purge:
+    """One thread that runs the tidying commits hand it (``put``), in order; a failure is said and the
+    next one runs (retention is retried at the next commit). ``wait()``: until all put so far ran."""
+
+    def __init__(self):
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="pec-purge", daemon=True)
+        self.thread.start()
+
+    def put(self, tidy) -> None:
+        self.queue.put(tidy)
+
+    def wait(self) -> None:
+        self.queue.join()
+
+    def stop(self, timeout: float) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while (tidy := self.queue.get()) is not None:
+            try:
+                tidy()
+            except Exception as exc:  # (storage errors: the checkpoint is committed; training goes on)
+                log.info(f"tidying after a commit failed: {type(exc).__name__}: {exc}")
+            finally:
+                self.queue.task_done()
+
+
 class Committer:
     def __init__(self, directory: str, slots: SlotCache):
         self.directory, self.slots = directory, slots
+        self.purge = Purge()
         # (save root, iteration, generation) -> rank files of one save; saves with a failed rank file
         self.pending: dict[tuple[str, int, str], dict[str, RankFile]] = {}
         self.failed: set[tuple[str, int, str]] = set()
@@ -52,7 +86,7 @@ class Committer:
                             fingerprint=job.fingerprint, topology=job.topology, ranks=done, generation=generation)
         checkpoints.write_node_marker(marker)
         try:
-            committed = checkpoints.try_commit(iteration, job.num_nodes, job.keep, generation)
+            committed = checkpoints.try_commit(iteration, job.num_nodes, job.keep, generation, defer=self.purge.put)
         except OSError as exc:
             if not self._committed_as(checkpoints, iteration, generation):
                 raise

@@ -15,6 +15,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from megatron_pec.memory.node_files import replace_node_file
+
 FILE = "agent_cpu.json"
 
 
@@ -36,12 +38,9 @@ class CpuLedger:
 
     def write(self) -> None:
         """The ledger and the process's CPU seconds so far, replaced atomically (node memory is tmpfs)."""
-        tmp = f"{self.path}.tmp"
         with self._lock:
             phases = dict(self.seconds)
-        with open(tmp, "w") as f:
-            json.dump({"phases": phases, "process_s": time.process_time()}, f)
-        os.replace(tmp, self.path)
+        replace_node_file(self.path, json.dumps({"phases": phases, "process_s": time.process_time()}))
 
 
 def read_ledger(directory: str) -> dict | None:

@@ -23,7 +23,7 @@ def address_path(save: str, job_id: str, node: int) -> str:
 
 
 def publish(save: str, job_id: str, address: PeerAddress, storage: Storage) -> None:
-    storage.write_text_atomic(address_path(save, job_id, address.node), address.dumps())
+    storage.write(address_path(save, job_id, address.node), [address.dumps().encode()])
 
 
 def read_peers(save: str, job_id: str, num_nodes: int, storage: Storage) -> dict[int, PeerAddress]:

@@ -134,7 +134,7 @@ def _write_compact(where: dict, order: list[str], snapshot: SlotHeader, expected
                 done(item)
 
     with ThreadPoolExecutor(1, thread_name_prefix="persist-sums") as summing:
-        size, crc = storage.write_atomic(target, chunks(summing))
+        size, crc = storage.write(target, chunks(summing))
     return {"size": size, "crc32": crc, "items": sorted(expected), "header_crc32": crc32(head)}
 
 

@@ -51,7 +51,7 @@ from megatron_pec.format.protocol import (
 )
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.memory.layout import POOL
-from megatron_pec.memory.node_files import REPLICAS
+from megatron_pec.memory.node_files import REPLICAS, replace_node_file
 from megatron_pec.memory.slots import SlotCache, slot_path
 from megatron_pec.format.stformat import MAX_HEADER, FormatError, decode_header, encode_header
 from megatron_pec.store.storage import Storage
@@ -115,10 +115,7 @@ class ReplicaStore:
 
     def _write_index(self, entries: dict[str, ReplicaEntry]) -> None:
         self.index = ReplicaIndex(entries)
-        tmp = os.path.join(self.directory, INDEX + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(self.index.dumps())
-        os.replace(tmp, os.path.join(self.directory, INDEX))
+        replace_node_file(os.path.join(self.directory, INDEX), self.index.dumps())
 
     def current(self, job: JobInfo, node: int, rank: int) -> ReplicaEntry | None:
         entry = self.index.entries.get(f"{node}.{rank}")

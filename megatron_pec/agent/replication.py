@@ -19,10 +19,11 @@ from megatron_pec.store.storage import Storage
 
 
 class Replication:
-    def __init__(self, directory: str, storage: Storage, slots: SlotCache, on_push_done=None):
+    def __init__(self, directory: str, slots: SlotCache, on_push_done=None):
         """``on_push_done()``: called as a push hands regions back and when it ends (a trainer may be
         waiting for its regions)."""
-        self.directory, self.storage, self.slots, self.on_push_done = directory, storage, slots, on_push_done
+        self.directory, self.slots, self.on_push_done = directory, slots, on_push_done
+        self.storage: Storage | None = None  # the job's (where peers' addresses are published)
         self.replicator: Replicator | None = None
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
@@ -35,11 +36,12 @@ class Replication:
     def started(self) -> bool:
         return self.replicator is not None
 
-    def start(self, job: JobInfo) -> None:
-        """Once per agent: accept peers' replicas, publish where, send ours."""
+    def start(self, job: JobInfo, storage: Storage) -> None:
+        """Once per agent: accept peers' replicas, publish where (through the job's ``storage``), send ours."""
         with self._lock:
             if self.replicator is not None:
                 return
+            self.storage = storage
             self.store = ReplicaStore(self.directory)
             self.server = ReplicaServer(self.store)
             self.address = PeerAddress(job.node_rank, peers.advertised_host(job), self.server.port,

@@ -49,7 +49,7 @@ from megatron_pec.agent.pins import pins, reading
 from megatron_pec.agent.replication import Replication
 from megatron_pec.agent.trainers import Link, Trainers
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.memory.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files
+from megatron_pec.memory.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files, replace_node_file
 from megatron_pec.format.protocol import (
     Begin,
     Begun,
@@ -69,7 +69,7 @@ from megatron_pec.format.protocol import (
     decode_message,
 )
 from megatron_pec.memory.slots import SlotCache, slot_path
-from megatron_pec.store.storage import Storage
+from megatron_pec.store.storage import Storage, open_storage
 
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
 
@@ -79,16 +79,16 @@ class Agent:
     holds is ``memory``'s, writes and commits ``writer``'s, replication ``replication``'s, who is
     connected ``trainers``'."""
 
-    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage):
+    def __init__(self, directory: str, node_rank: int, idle_timeout: float, keep_shm: bool):
         self.directory, self.node_rank = directory, node_rank
         self.idle_timeout, self.keep_shm = idle_timeout, keep_shm
-        self.storage = storage                          # every job's --save is read and written through it
+        self.storages: dict[str, Storage] = {}          # a job's storage description -> the storage rebuilt from it
         self.slots = SlotCache()                        # slot mappings and tables, kept across snapshots
         self.jobs: queue.Queue = queue.Queue()
         self.trainers = Trainers()                      # shared by the connections' threads and the worker
         self.planned_exit = False                       # every trainer detached cleanly
         # started once a job asks for it; a push that ends frees the regions it pinned
-        self.replication = Replication(directory, self.storage, self.slots, lambda: self.jobs.put(jobs.Repin()))
+        self.replication = Replication(directory, self.slots, lambda: self.jobs.put(jobs.Repin()))
         self.memory = NodeMemory.read(directory)        # changed only by the worker thread
         self.writing: dict[int, dict] = {}              # rank -> its writes in flight -> what they still read
         self.persisted: dict[int, tuple] = {}           # rank -> (run, iteration) of the newest file written
@@ -109,9 +109,7 @@ class Agent:
         server.bind(sock_path)
         server.listen(64)
         server.settimeout(0.5)
-        with open(os.path.join(self.directory, PIDFILE) + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(os.path.join(self.directory, PIDFILE) + ".tmp", os.path.join(self.directory, PIDFILE))
+        replace_node_file(os.path.join(self.directory, PIDFILE), str(os.getpid()))
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         worker = threading.Thread(target=self._work, daemon=True)
         worker.start()
@@ -133,6 +131,7 @@ class Agent:
             os.unlink(sock_path)  # no longer serving: a trainer must not find a socket to connect to
             if self.planned_exit:
                 self.writer.committer.persist_newest(self.trainers.latest(), self.memory)
+            self.writer.committer.purge.stop(timeout=600)  # the tidying after the last commits runs before exit
             self.replication.close()
             self._cleanup()
         return 0
@@ -183,17 +182,31 @@ class Agent:
             conn.close()
 
     def _hello(self, conn: socket.socket, link: Link | None, msg: Hello) -> Link:
-        link = Link(conn, msg.rank, msg.job, CheckpointDir(msg.job.save, self.storage))
+        storage = self._storage(msg.job.storage)
+        link = Link(conn, msg.rank, msg.job, CheckpointDir(msg.job.save, storage))
         self.trainers.hello(link)  # a new trainer: grants of the old one are void
         self.trainers.send(conn, Ready(os.getpid()))
         if msg.job.replicas and msg.job.num_nodes > 1:
             # After Ready, before this trainer's next message is read: the pull is the first job of
             # this trainer, and a failure here cannot break its handshake.
-            self.replication.start(msg.job)
+            self.replication.start(msg.job, storage)
             if not self.memory.slots.get(msg.rank):  # e.g. a replacement node: ask the peers
                 self.trainers.queued(awaited_rank=msg.rank)  # a restore waits for what the pull brings
                 self.jobs.put(jobs.Pull(link))
         return link
+
+    def _storage(self, spec: str) -> Storage:
+        """The job's one storage, rebuilt from the description its trainers sent (``JobInfo.storage``):
+        every rank file, marker, commit, retirement and published address of the job goes through it."""
+        storage = self.storages.get(spec)
+        if storage is None:
+            try:
+                storage = self.storages[spec] = open_storage(spec)
+            except ValueError as exc:
+                log.info(f"cannot build the job's storage: {exc}")
+                raise
+            log.info(f"the job's storage: {storage.spec}")
+        return storage
 
     def _settle(self, conn: socket.socket, link: Link, msg: Settle) -> None:
         """A restore starts: answered at once when every snapshot announced for the rank is recorded
@@ -384,5 +397,5 @@ class Agent:
                 jobs.WrittenFromMemory: _written_from_memory, jobs.Repin: _repin}
 
 
-def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool, storage: Storage) -> int:
-    return Agent(directory, node_rank, idle_timeout, keep_shm, storage).serve()
+def main(directory: str, node_rank: int, idle_timeout: float, keep_shm: bool) -> int:
+    return Agent(directory, node_rank, idle_timeout, keep_shm).serve()

@@ -130,6 +130,7 @@ class Writer:
         elif isinstance(job, Failed):
             self.committer.failed_persist(job.root, job.iteration, job.generation)
         elif isinstance(job, Drain):
+            self.committer.purge.wait()  # a flush answers once the tidying after earlier commits ran too
             self.tell_worker(jobs.Drained(job.link))
 
     def _write(self, job: Write) -> tuple[str | None, bool]:

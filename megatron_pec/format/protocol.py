@@ -198,6 +198,7 @@ class JobInfo(Record):
     session: str = ""         # this launch of the job (the same on every rank): names its saves' files
     replica_lag: int = 2      # --pec-replica-lag: snapshots a replica may lag before the next snapshot waits
     host: str = ""            # where peer agents reach this node's agent ("": this host's address)
+    storage: str = ""         # --pec-storage: the job's one storage, which the agent rebuilds ("": POSIX)
 
     @property
     def key(self) -> JobKey:

@@ -19,6 +19,8 @@ except ImportError:  # a source build without it: correct, only slower
     from zlib import crc32
     IMPLEMENTATION = "zlib"
 
+CHUNK = 8 << 20  # bytes summed (and read or written) per call: bounded calls, steady progress
+
 
 class _Crc32:
     def __init__(self):
@@ -71,7 +73,7 @@ def item_checks(buffer, header, expected: dict) -> dict:
     return out
 
 
-def item_crc32(buffer, header, items: set[str], chunk: int = 8 << 20) -> dict[str, int]:
+def item_crc32(buffer, header, items: set[str], chunk: int = CHUNK) -> dict[str, int]:
     """crc32 of each item's data (its tensors in header order) in a whole-file ``buffer`` laid out by
     ``header`` (a ``stformat.Header``): what a trainer of an older release recorded. The same bytes in
     a slot or a compact rank file give the same value."""
@@ -97,4 +99,5 @@ def mismatch(where: str, item: str, actual, expected) -> str:
             f"{shown(expected) if expected is not None else 'none'}): the file is corrupt")
 
 
-__all__ = ["crc32", "IMPLEMENTATION", "accumulator", "item_checks", "item_crc32", "is_sum64", "mismatch", "shown"]
+__all__ = ["CHUNK", "crc32", "IMPLEMENTATION", "accumulator", "item_checks", "item_crc32", "is_sum64", "mismatch",
+           "shown"]

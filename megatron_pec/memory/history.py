@@ -26,6 +26,7 @@ import os
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.memory.layout import is_pool
 from megatron_pec.format.protocol import JobKey, MemoryIndex, ProtocolError, RankMemory, Segment, SlotHeader, SlotRecord
+from megatron_pec.memory.node_files import replace_node_file
 from megatron_pec.memory.slots import read_slot_metadata, slot_path
 from megatron_pec.format.stformat import FormatError
 
@@ -89,10 +90,7 @@ class NodeMemory:
         ranks = {str(r): RankMemory({str(s): rec for s, rec in self.slots.get(r, {}).items()},
                                     self.lineage.get(r, []), list(self.jobs[r]) if r in self.jobs else [])
                  for r in sorted(set(self.slots) | set(self.lineage))}
-        tmp = os.path.join(self.directory, INDEX + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(MemoryIndex(ranks).dumps())
-        os.replace(tmp, os.path.join(self.directory, INDEX))
+        replace_node_file(os.path.join(self.directory, INDEX), MemoryIndex(ranks).dumps())
 
     # ---- the agent's updates ---------------------------------------------------------------------
     def record_snapshot(self, rank: int, home: int, header: SlotHeader, checks: dict, places: dict[str, int],

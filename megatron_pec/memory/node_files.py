@@ -23,6 +23,16 @@ REPLICAS = "replicas"    # the folder of the replicas this node keeps for its pe
 RANK_FILE = re.compile(r"rank(\d+)\.(slot\d+|pool)")  # a rank's node memory: home slots and expert pool
 
 
+def replace_node_file(path: str, text: str) -> None:
+    """``text`` becomes the node-memory file ``path`` at once (``<path>.tmp``, then a rename; tmpfs: no
+    fsync). The one way the agent and the trainers write node memory's small files (indexes, the pid,
+    the CPU ledger); node memory is not checkpoint storage, which goes through ``store.storage``."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def home_slot_name(rank: int, slot: int) -> str:
     return f"rank{rank}.slot{slot}"
 

@@ -18,7 +18,7 @@ from megatron_pec.common import log
 from megatron_pec.memory.history import NodeMemory
 from megatron_pec.integrity.byteruns import byte_runs
 from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
-from megatron_pec.integrity.checksum import accumulator, crc32, item_checks, mismatch
+from megatron_pec.integrity.checksum import CHUNK, accumulator, crc32, item_checks, mismatch
 from megatron_pec.memory.layout import MemoryLayout, is_pool
 from megatron_pec.format.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.memory.slots import open_slot
@@ -210,7 +210,7 @@ def read_checked_header(path: str, entry: RankFile, storage: Storage) -> Header:
 
 
 def verify_items(path: str, header: Header, items: set[str], expected: dict, storage: Storage,
-                 chunk: int = 8 << 20) -> None:
+                 chunk: int = CHUNK) -> None:
     """Stream ``items`` of a file (a bounded buffer at a time, one ranged read per buffer of adjacent
     tensors) and compare each one's checksum with ``expected`` (item -> recorded checksum); raises
     SourceError."""

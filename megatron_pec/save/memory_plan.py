@@ -18,7 +18,7 @@ from megatron_pec.memory import budget
 from megatron_pec.common import log
 from megatron_pec.config import PecConfig
 from megatron_pec.job_facts import JobFacts
-from megatron_pec.memory.node_files import memory_plan_name
+from megatron_pec.memory.node_files import memory_plan_name, replace_node_file
 from megatron_pec.memory.layout import MemoryLayout
 from megatron_pec.memory.slots import HEADER_ALIGN, snapshot_file_bytes, tmpfs_room
 from megatron_pec.format.stformat import encode_header, tensor_table
@@ -75,8 +75,7 @@ def plan(job: JobFacts, config: PecConfig, collectives, layout: MemoryLayout, as
 
 def report(planned: budget.MemoryPlan, job: JobFacts, on_gpu: bool) -> None:
     """The node memory planned: said once per node at start-up, and kept beside the files for ``inspect``."""
-    with open(os.path.join(job.node_dir, memory_plan_name(job.rank)), "w") as f:
-        json.dump(planned.record(), f)
+    replace_node_file(os.path.join(job.node_dir, memory_plan_name(job.rank)), json.dumps(planned.record()))
     if job.rank % job.local_world_size == 0:
         log.info(planned.describe(job.local_world_size, on_gpu, tmpfs_room(job.node_dir)), rank=job.rank)
 

@@ -8,8 +8,10 @@ engine retires what an abandoned run left after a restore (load step 6); restore
 ``verify`` and ``export`` read.
 
 One rule decides validity: an iteration is committed iff its ``manifest.json`` exists. The manifest
-is written (tmp, fsync, rename) only by whichever agent sees every node's marker of one save, and the
-tracker only after it.
+is committed (``Storage.commit``: atomic, a compare-and-swap on what the committer read) only by whichever
+agent sees every node's marker of one save, and the tracker only after it, the same way (it never moves
+backwards). Tidying after a commit - the replaced save's files, retention - is not part of it: the
+committer may run it later, in another thread (``try_commit(..., defer=)``).
 
 Layout::
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 from megatron_pec.common import faults
 from megatron_pec.format.item_names import NON_EXPERT
@@ -43,7 +46,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _NODE_MARKER = re.compile(r"^node_\d{4}(\.[0-9A-Za-z._-]+)?\.json$")
-_PARTIAL = re.compile(r"\.tmp(\d+)$")  # a write_atomic that never finished (its agent was killed)
 
 
 class ManifestError(ValueError):
@@ -52,7 +54,7 @@ class ManifestError(ValueError):
 
 class CheckpointDir:
     def __init__(self, root: str, storage: Storage):
-        self.root = os.path.abspath(root)
+        self.root = root if "://" in root else os.path.abspath(root)  # (a URL is no local path)
         self.storage = storage
 
     def __repr__(self) -> str:
@@ -100,7 +102,7 @@ class CheckpointDir:
 
     # ---- reading ---------------------------------------------------------------------------------
     def iterations_on_disk(self) -> list[int]:
-        return sorted(int(m.group(1)) for name in self.storage.listdir(self.root) if (m := _ITER_DIR.match(name)))
+        return sorted(int(m.group(1)) for name in self.storage.list(self.root) if (m := _ITER_DIR.match(name)))
 
     def committed_iterations(self) -> list[int]:
         """Iterations whose manifest exists, newest first."""
@@ -124,7 +126,7 @@ class CheckpointDir:
     def node_markers(self, iteration: int) -> list[str]:
         """Every node marker of ``iteration``, of every save."""
         directory = self.pec_dir(iteration)
-        return [os.path.join(directory, n) for n in self.storage.listdir(directory) if _NODE_MARKER.match(n)]
+        return [os.path.join(directory, n) for n in self.storage.list(directory) if _NODE_MARKER.match(n)]
 
     def persisted_nodes(self, iteration: int, generation: str) -> set[int]:
         """The nodes whose marker of save ``generation`` of ``iteration`` exists."""
@@ -143,7 +145,7 @@ class CheckpointDir:
         if self.committed_iterations():
             return None
         for i in reversed(self.iterations_on_disk()):
-            names = self.storage.listdir(self.iter_dir(i))
+            names = self.storage.list(self.iter_dir(i))
             if names and "pec" not in names:
                 fmt = ("torch_dist" if "metadata.json" in names or ".metadata" in names
                        else "torch" if any(n.startswith("mp_rank_") for n in names) else "unknown-format")
@@ -180,7 +182,7 @@ class CheckpointDir:
     def write_rank_layout(self, layout: RankLayout) -> None:
         """Record where rank ``layout.rank``'s tensors lie, once per configuration (by the trainer at
         start-up). An existing record of the fingerprint is the same."""
-        self.storage.write_text_once(self.layout_path(layout.fingerprint, layout.rank), layout.dumps())
+        self.storage.create(self.layout_path(layout.fingerprint, layout.rank), layout.dumps().encode())
 
     def write_node_marker(self, marker: NodeMarker) -> None:
         """This node's part of one save of the iteration: under the plain name unless another save's marker
@@ -189,26 +191,33 @@ class CheckpointDir:
         path = self.node_marker(marker.iteration, marker.node)
         if self.storage.exists(path) and self._generation_of(path) != marker.generation:
             path = self.node_marker(marker.iteration, marker.node, marker.generation or "again")
-        self.storage.write_text_atomic(path, marker.dumps())
+        self.storage.write(path, [marker.dumps().encode()])
 
-    def try_commit(self, iteration: int, num_nodes: int, keep: int, generation: str = "") -> bool:
+    def try_commit(self, iteration: int, num_nodes: int, keep: int, generation: str = "",
+                   defer: Callable[[Callable[[], None]], None] | None = None) -> bool:
         """Commit save ``generation`` of ``iteration`` if every node's marker of it exists: the manifest
         (replacing another save's, atomically: the only switch of what the iteration holds), then the
-        tracker; the replaced commit's files go once nothing references them.
+        tracker. Then the tidying: the replaced commit's files go once nothing references them, and
+        retention keeps ``keep`` iterations - run here, or handed to ``defer`` (a purge thread's queue)
+        to run off the commit's path. Raises OSError.
 
-        Several agents may race here; each writes identical bytes with an atomic
-        rename, and the lock keeps the tracker from moving backwards.
+        Several agents may race here: each commit is a compare-and-swap on the manifest it read, so a
+        loser re-reads and finds the winner's (the same save's: done) or commits over another save's.
         """
         found = self._markers_of(iteration, generation)
         if len(found) < num_nodes:
             return False
-        storage = self.storage
-        with self._lock():
+        storage, path = self.storage, self.manifest_path(iteration)
+        for _ in range(16):  # (each lost race means another agent committed: a few at most)
+            try:
+                current = storage.read(path)
+            except FileNotFoundError:
+                current = None
             replaced = None
-            if self.is_committed(iteration):
+            if current is not None:
                 try:
-                    replaced = self.read_manifest(iteration)
-                except ManifestError:
+                    replaced = Manifest.loads(current)
+                except ProtocolError:
                     replaced = None
                 if replaced is not None and replaced.generation == generation:
                     return True
@@ -219,9 +228,9 @@ class CheckpointDir:
             if replaced is not None and _files(replaced.ranks) == _files(ranks):
                 # every rank's part of this save is the committed file (a persist from node memory that found
                 # storage complete): the commit stands as it is; this save's markers go
-                for path in self.node_markers(iteration):
-                    if self._generation_of(path) == generation:
-                        storage.remove(path)
+                for marker in self.node_markers(iteration):
+                    if self._generation_of(marker) == generation:
+                        storage.delete(marker)
                 return True
             first = nodes[0]
             experts, sources = self._expert_versions(iteration, ranks, first.fingerprint)
@@ -229,16 +238,38 @@ class CheckpointDir:
                                 topology=first.topology, num_nodes=num_nodes, world_size=len(ranks), ranks=ranks,
                                 experts=experts, sources=sources, generation=generation)
             faults.point("before_manifest", iteration=iteration)
-            storage.write_text_atomic(self.manifest_path(iteration), manifest.dumps())
-            faults.point("before_tracker", iteration=iteration)
-            current = self.read_tracker()
-            if current is None or not current.isdigit() or int(current) < iteration:
-                storage.write_text_atomic(self.tracker_path, str(iteration))
-            if replaced is not None:
-                self._drop_unreferenced(iteration, replaced)
-            if keep:
-                self.apply_retention(keep)
+            if storage.commit(path, manifest.dumps().encode(), expected=current):
+                break
+        else:
+            raise OSError(f"{path}: other commits kept replacing it")
+        faults.point("before_tracker", iteration=iteration)
+        self._advance_tracker(iteration)
+        tidy = lambda: self._tidy(iteration, replaced, keep)  # noqa: E731
+        if defer is not None:
+            defer(tidy)
+        else:
+            tidy()
         return True
+
+    def _advance_tracker(self, iteration: int) -> None:
+        """The tracker names ``iteration`` unless it names a newer one (a compare-and-swap: never backwards)."""
+        for _ in range(16):
+            try:
+                current = self.storage.read(self.tracker_path)
+            except FileNotFoundError:
+                current = None
+            text = current.decode(errors="replace").strip() if current is not None else ""
+            if text.isdigit() and int(text) >= iteration:
+                return
+            if self.storage.commit(self.tracker_path, str(iteration).encode(), expected=current):
+                return
+        raise OSError(f"{self.tracker_path}: other commits kept replacing it")
+
+    def _tidy(self, iteration: int, replaced: Manifest | None, keep: int) -> None:
+        if replaced is not None:
+            self._drop_unreferenced(iteration, replaced)
+        if keep:
+            self.apply_retention(keep)
 
     def _expert_versions(self, iteration: int, ranks: dict[str, RankFile], fingerprint: str) -> tuple[dict, dict]:
         """Latest persisted version of every expert, merged from the previous committed manifest of the
@@ -273,10 +304,10 @@ class CheckpointDir:
             referenced.update(e.file for files in m.sources.values() for e in files.values())
         for entry in replaced.ranks.values():
             if entry.file not in referenced:
-                self.storage.remove(self.path(entry.file))
+                self.storage.delete(self.path(entry.file))
         for path in self.node_markers(iteration):
             if self._generation_of(path) == replaced.generation:
-                self.storage.remove(path)
+                self.storage.delete(path)
 
     # ---- retention and retirement ----------------------------------------------------------------------
     def apply_retention(self, keep: int) -> list[int]:
@@ -296,13 +327,15 @@ class CheckpointDir:
             if i >= oldest_retained:
                 continue
             directory = self.pec_dir(i)
-            names = self.storage.listdir(directory)
+            names = self.storage.list(directory)
             # The manifest goes first: the iteration stops being valid before its files vanish.
             doomed = [MANIFEST] + [n for n in names if i not in referenced or _NODE_MARKER.match(n)]
             for name in doomed:
-                self.storage.remove(os.path.join(directory, name))
+                self.storage.delete(os.path.join(directory, name))
             if i not in referenced:
-                self.storage.remove_empty_dirs(self.iter_dir(i))
+                self.storage.delete_prefix(directory)  # what is left there: partial writes
+                if not self.storage.list(self.iter_dir(i)):  # (anything else in the iteration stays)
+                    self.storage.delete_prefix(self.iter_dir(i))
                 removed.append(i)
         return removed
 
@@ -314,71 +347,43 @@ class CheckpointDir:
         manifest whose checksums no longer match (and a stale manifest would feed
         the next commit's expert versions). The manifest goes first, then the node
         markers; the tracker moves back to the newest committed iteration <= ``iteration``.
-        Half-written files are removed where their writer no longer runs (a killed agent's), and
-        in the retired iterations whoever writes them; an agent of this host still persisting an
-        earlier iteration while its trainer restarts keeps its file.
+        Partial writes are discarded where their writer is gone (a killed agent's: the storage
+        tells), and in the retired iterations whoever writes them; an agent of this host still
+        persisting an earlier iteration while its trainer restarts keeps its file.
         Returns the iterations that lost a manifest or marker. Raises OSError.
         """
         retired = []
         if not self.storage.exists(self.root):
             return retired  # nothing saved yet (the first save creates the directory)
-        # Looked at without the lock first: usually there is nothing to do, and an agent finishing an
-        # older commit (tracker, retention) holds the lock for tens of ms, which every rank would wait.
-        if not self._retirement(iteration) and not self._tracker_after(iteration):
-            return retired
-        with self._lock():
-            for i, directory, partial, stale in self._retirement(iteration):
-                for name in partial + stale:
-                    self.storage.remove(os.path.join(directory, name))
-                if stale:
-                    self.storage.fsync_dir(directory)
-                    retired.append(i)
-            if self._tracker_after(iteration):
-                previous = [i for i in self.committed_iterations() if i <= iteration]
-                if previous:
-                    self.storage.write_text_atomic(self.tracker_path, str(previous[0]))
-                else:
-                    self.storage.remove(self.tracker_path)
-        return retired
-
-    def _retirement(self, iteration: int) -> list[tuple[int, str, list[str], list[str]]]:
-        """(iteration, its directory, half-written files, manifest and node markers to remove) of every
-        iteration on disk with something for ``retire_after`` to remove."""
-        found = []
         for i in self.iterations_on_disk():
             directory = self.pec_dir(i)
-            names = self.storage.listdir(directory)
-            partial = [n for n in names if _PARTIAL.search(n) and (i > iteration or not _writer_alive(n))]
-            stale = [n for n in names if n == MANIFEST] + [n for n in names if _NODE_MARKER.match(n)] \
-                if i > iteration else []
-            if partial or stale:
-                found.append((i, directory, partial, stale))
-        return found
-
-    def _tracker_after(self, iteration: int) -> bool:
-        current = self.read_tracker()
-        return current is not None and current.isdigit() and int(current) > iteration
-
-    def _lock(self):
-        """An exclusive lock on ``<root>/.pec.lock`` (serialises commits from agents on one host)."""
-        return self.storage.lock(os.path.join(self.root, ".pec.lock"))
+            self.storage.discard_partial(directory, live_too=i > iteration)
+            if i > iteration:
+                names = self.storage.list(directory)
+                stale = [n for n in names if n == MANIFEST] + [n for n in names if _NODE_MARKER.match(n)]
+                for name in stale:
+                    self.storage.delete(os.path.join(directory, name))
+                if stale:
+                    retired.append(i)
+        for _ in range(16):
+            try:
+                current = self.storage.read(self.tracker_path)
+            except FileNotFoundError:
+                return retired
+            text = current.decode(errors="replace").strip()
+            if not text.isdigit() or int(text) <= iteration:
+                return retired
+            previous = [i for i in self.committed_iterations() if i <= iteration]
+            if not previous:
+                self.storage.delete(self.tracker_path)
+                return retired
+            if self.storage.commit(self.tracker_path, str(previous[0]).encode(), expected=current):
+                return retired
+        raise OSError(f"{self.tracker_path}: other commits kept replacing it")
 
 
 def _files(ranks: dict[str, RankFile]) -> dict[str, str]:
     return {rank: entry.file for rank, entry in ranks.items()}
-
-
-def _writer_alive(name: str) -> bool:
-    """Whether the process that is writing the half-written file ``name`` (``write_atomic`` names it
-    after its pid) still runs on this host: an agent persisting while a trainer restarts. (A writer
-    on another node is not seen: its file goes, and its persist fails with an error.)"""
-    try:
-        os.kill(int(_PARTIAL.search(name).group(1)), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 __all__ = ["CheckpointDir", "ManifestError", "TRACKER", "MANIFEST"]

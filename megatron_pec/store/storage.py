@@ -1,83 +1,159 @@
-"""Storage behind one small interface (``Storage``): atomic write, read, list, remove, lock.
+"""Storage behind one seam shaped for objects (``Storage``): write an object whole or streamed in
+parts, create it once, commit it atomically, read it or ranges of it, list a prefix, delete.
 
-Everything megatron-pec reads or writes under a checkpoint directory (--save, --load) goes through a
-``Storage``, injected once where a process starts using it - the engine (``api``), the node agent and
-the command line (``__main__``), which all take ``default_storage()`` - and handed on from there,
-mostly inside a ``checkpoint_dir.CheckpointDir``. Knows nothing of Megatron. ``write_atomic`` is the
-only way bytes become visible: tmp file, fsync, rename, directory fsync - so a reader never sees a
-torn file. Node memory (tmpfs slots) is not storage: ``memory/slots.py`` and ``memory/history.py`` own it.
+Everything megatron-pec reads or writes under a checkpoint directory (--save, --load) goes through
+the job's one ``Storage``: built from its description (``open_storage(spec)``, ``--pec-storage``) where
+a process starts using it - the engine (``api``), the command line (``__main__``) - and rebuilt by the
+node agent from the same description, which travels in the job description (``JobInfo.storage``). It
+is handed on from there, mostly inside a ``checkpoint_dir.CheckpointDir``. Knows nothing of Megatron.
+
+The protocol asks nothing an object store cannot do: no rename, no directory fsync, no lock, no
+temporary names. Those are ``PosixStorage``'s way of keeping the promises (a write becomes visible
+whole or not at all; ``commit`` is a compare-and-swap), and telling a dead writer's leftovers from a
+live writer's is its question too (``discard_partial``). An object store keeps them with whole or
+multipart uploads (invisible until completed), conditional puts (If-None-Match / If-Match) or, where
+the store has none, a read-back of what was written. Node memory (tmpfs slots) is not storage:
+``memory/`` owns it.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import importlib
 import os
 import queue
+import re
+import shutil
 import threading
 from contextlib import contextmanager
-from typing import ContextManager, Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from megatron_pec.common import faults
-from megatron_pec.integrity.checksum import crc32
-
-CHUNK = 8 << 20
+from megatron_pec.integrity.checksum import CHUNK, crc32
 
 
 class Storage(Protocol):
-    """What megatron-pec asks of the storage that holds checkpoint directories (paths are absolute).
+    """What megatron-pec asks of the storage that holds checkpoint directories. Paths are strings
+    (absolute POSIX paths, or an object store's keys: "/"-separated names under a prefix).
 
-    Reads raise OSError (``FileNotFoundError`` for a missing file); writes raise OSError and leave
-    nothing partial visible."""
+    Reads raise OSError (``FileNotFoundError`` for a missing object); writes raise OSError and leave
+    nothing partial visible under the object's name."""
 
-    def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview],
-                     before_rename=None) -> tuple[int, int]:
-        """``chunks`` become ``path`` at once, durable; returns (size, crc32). A chunk is written and
-        summed before the next is asked for (its bytes may change then). ``before_rename()`` runs
-        once the bytes are durable and may raise to keep them from becoming ``path``."""
+    spec: str
+    """The description ``open_storage`` rebuilds this storage from in another process (the node agent)."""
 
-    def write_text_atomic(self, path: str, text: str) -> None: ...
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
+        """``chunks`` become the object ``path`` at once, durable, replacing what it held; returns (size,
+        crc32). Streamed: a chunk is written and summed before the next is asked for (its bytes may
+        change then); the whole object is never staged in memory."""
 
-    def write_text_once(self, path: str, text: str) -> None:
-        """``text`` becomes ``path`` atomically unless ``path`` exists (a record written once)."""
+    def create(self, path: str, data: bytes) -> bool:
+        """``data`` becomes ``path`` unless ``path`` exists (a record written once); True if this call
+        created it."""
+
+    def commit(self, path: str, data: bytes, expected: bytes | None) -> bool:
+        """Atomically and durably replace ``path`` by ``data`` if it holds ``expected`` now (None: if it
+        does not exist); False, writing nothing, if it holds anything else (another writer won). The
+        one switch of what a checkpoint directory holds (manifests, the tracker)."""
 
     def read(self, path: str) -> bytes: ...
 
     def read_range(self, path: str, offset: int, length: int) -> bytearray:
-        """``length`` bytes from ``offset``; EIO when the file ends before."""
+        """``length`` bytes from ``offset``; EIO when the object ends before."""
 
     def read_checked(self, path: str) -> tuple[memoryview, int]:
-        """The whole file and its crc32, computed while it is read."""
+        """The whole object and its crc32, computed while it is read."""
 
     def size(self, path: str) -> int: ...
 
     def exists(self, path: str) -> bool: ...
 
-    def listdir(self, path: str) -> list[str]:
-        """Sorted names in ``path``; empty when it does not exist."""
+    def list(self, prefix: str) -> list[str]:
+        """Sorted names directly under ``prefix`` (objects and deeper prefixes, like a "/"-delimited
+        listing); empty when there are none. Partial writes are not listed."""
 
-    def remove(self, path: str) -> None:
-        """Remove a file; nothing when it does not exist."""
+    def delete(self, path: str) -> None:
+        """Delete an object; nothing when it does not exist."""
 
-    def remove_empty_dirs(self, path: str) -> None: ...
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete everything under ``prefix``, partial writes included."""
 
-    def fsync_dir(self, path: str) -> None: ...
+    def discard_partial(self, prefix: str, live_too: bool) -> list[str]:
+        """Remove the leftovers of writes directly under ``prefix`` that never completed: those whose
+        writer is gone (a killed agent's), and with ``live_too`` those still being written as well.
+        Returns the names of the objects they were to become."""
 
-    def lock(self, path: str) -> ContextManager:
-        """An exclusive lock named ``path``, held for the ``with`` block (serialises commits)."""
+
+def open_storage(spec: str) -> Storage:
+    """The storage ``spec`` describes - the one place that builds one: "" or "posix" for POSIX files
+    (local or shared); "<scheme>://..." for a scheme registered with ``register_scheme``; or
+    "package.module:Class" (optionally followed by "?<anything>"), a class built as ``Class(spec)``
+    - how a test or a site plugs its own storage into the trainer and its node agent. Raises
+    ValueError for a spec it cannot build."""
+    if spec in ("", "posix"):
+        return PosixStorage()
+    scheme, sep, _ = spec.partition("://")
+    if sep:
+        if scheme not in SCHEMES:
+            raise ValueError(f"--pec-storage {spec!r}: no storage for the scheme {scheme!r} "
+                             f"(known: posix, {', '.join(sorted(SCHEMES)) or 'none registered'})")
+        return SCHEMES[scheme](spec)
+    module, colon, name = spec.partition("?")[0].partition(":")
+    if not colon or not module or not name:
+        raise ValueError(f"--pec-storage {spec!r}: give 'posix', '<scheme>://...' or 'package.module:Class'")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--pec-storage {spec!r}: cannot import {module}:{name} ({exc})") from None
+    return factory(spec)
 
 
-def default_storage() -> Storage:
-    """The storage the entry points inject: POSIX files, local or shared. The one place that builds it."""
-    return PosixStorage()
+SCHEMES: dict[str, Callable[[str], Storage]] = {}
+"""URL scheme -> the factory of its storage (called with the whole spec)."""
+
+
+def register_scheme(scheme: str, factory: Callable[[str], Storage]) -> None:
+    SCHEMES[scheme] = factory
+
+
+_PARTIAL = re.compile(r"\.tmp(\d+)$")  # PosixStorage's temporary name: <name>.tmp<writer's pid>
+_LOCK = ".pec.lock"
 
 
 class PosixStorage:
-    """Files under a local or shared POSIX file system (``Storage``)."""
+    """Files under a local or shared POSIX file system (``Storage``). A write goes to
+    ``<path>.tmp<pid>``, is fsynced, renamed over ``path`` and its directory fsynced; ``commit`` does so
+    under an exclusive lock on ``<directory>/.pec.lock`` (flock: every process of this host; a shared
+    file system's own rules beyond), which serialises the compare and the swap."""
 
-    def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview], before_rename=None) -> tuple[int, int]:
-        """Write ``chunks`` to ``path`` atomically; returns (size, crc32). ``before_rename()``, if given, runs
-        once the bytes are durable and may raise to keep them from becoming ``path``. Raises OSError."""
+    spec = "posix"
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
+        """Raises OSError (the temporary file is removed)."""
+        return self._put(path, chunks, faults.point)
+
+    def create(self, path: str, data: bytes) -> bool:
+        with self._lock(os.path.dirname(path)):
+            if os.path.exists(path):
+                return False
+            # (no fault points: the trainer writes these records, outside the agents' fault points)
+            self._put(path, [data], lambda *_, **__: None)
+        return True
+
+    def commit(self, path: str, data: bytes, expected: bytes | None) -> bool:
+        with self._lock(os.path.dirname(path)):
+            try:
+                current = self.read(path)
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                return False
+            self.write(path, [data])
+        return True
+
+    def _put(self, path: str, chunks: Iterable[bytes | memoryview], point) -> tuple[int, int]:
+        """tmp, fsync, rename, directory fsync; ``point``: the fault points on the way."""
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -85,7 +161,7 @@ class PosixStorage:
         try:
             with open(tmp, "wb", buffering=0) as f:
                 for chunk in chunks:
-                    faults.point("persist_write", path=path)
+                    point("persist_write", path=path)
                     for start in range(0, len(chunk), CHUNK):  # bounded syscalls, steady progress
                         piece = chunk[start:start + CHUNK]
                         crc.add(piece)
@@ -95,9 +171,7 @@ class PosixStorage:
                     # each item's node-memory region back as soon as it is written).
                     crc.caught_up()
                 os.fsync(f.fileno())
-            if before_rename is not None:
-                before_rename()
-            faults.point("before_rename", path=path)
+            point("before_rename", path=path)
             os.replace(tmp, path)
         except BaseException:
             crc.result()
@@ -106,23 +180,8 @@ class PosixStorage:
             except OSError:
                 pass
             raise
-        self.fsync_dir(directory)
+        self._fsync_dir(directory)
         return size, crc.result()
-
-    def write_text_atomic(self, path: str, text: str) -> None:
-        self.write_atomic(path, [text.encode()])
-
-    def write_text_once(self, path: str, text: str) -> None:
-        # (not through write_atomic: the trainer writes these records, outside the agents' fault points)
-        if os.path.exists(path):
-            return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:
@@ -170,40 +229,70 @@ class PosixStorage:
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
-    def listdir(self, path: str) -> list[str]:
+    def list(self, prefix: str) -> list[str]:
         try:
-            return sorted(os.listdir(path))
-        except FileNotFoundError:
+            names = os.listdir(prefix)
+        except (FileNotFoundError, NotADirectoryError):
             return []
+        return sorted(n for n in names if n != _LOCK and not _PARTIAL.search(n))
 
-    def remove(self, path: str) -> None:
+    def delete(self, path: str) -> None:
         try:
             os.unlink(path)
         except FileNotFoundError:
+            return
+        self._fsync_dir(os.path.dirname(path))  # durable, in order: a manifest goes before its files
+
+    def delete_prefix(self, prefix: str) -> None:
+        try:
+            shutil.rmtree(prefix)
+        except FileNotFoundError:
             pass
 
-    def remove_empty_dirs(self, path: str) -> None:
-        for root, _, _ in sorted(os.walk(path), key=lambda t: -len(t[0])):
-            try:
-                os.rmdir(root)
-            except OSError:
-                pass
+    def discard_partial(self, prefix: str, live_too: bool) -> list[str]:
+        try:
+            names = os.listdir(prefix)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = []
+        for name in sorted(names):
+            m = _PARTIAL.search(name)
+            if m and (live_too or not _writer_alive(int(m.group(1)))):
+                self.delete(os.path.join(prefix, name))
+                found.append(name[:m.start()])
+        return found
 
-    def fsync_dir(self, path: str) -> None:
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
+    @staticmethod
     @contextmanager
-    def lock(self, path: str):
-        with open(path, "a") as f:  # (flock: every process of this host; a shared file system's own rules beyond)
+    def _lock(directory: str):
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, _LOCK), "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _writer_alive(pid: int) -> bool:
+    """Whether the process writing a temporary file (named after its pid) still runs on this host: an
+    agent persisting while a trainer restarts. (A writer on another node is not seen: its file goes,
+    and its write fails with an error.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
 
 
 class RunningCrc:
@@ -235,4 +324,4 @@ class RunningCrc:
         return self.crc
 
 
-__all__ = ["Storage", "PosixStorage", "RunningCrc", "default_storage", "CHUNK"]
+__all__ = ["Storage", "PosixStorage", "RunningCrc", "open_storage", "register_scheme", "SCHEMES", "CHUNK"]

@@ -36,7 +36,7 @@ import traceback
 from pathlib import Path
 
 from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir
-from megatron_pec.store.storage import default_storage
+from megatron_pec.store.storage import open_storage
 from megatron_pec.testing.cluster import Cluster, ClusterTimeout, parse_plt, persist_only_plt, run_megatron_pec
 
 # Every expert saved: a memory snapshot every iteration, a persisted checkpoint every 2.
@@ -62,7 +62,7 @@ REPLICA_LAG = 2  # --pec-replica-lag's default: how many snapshots a node's newe
 
 
 def _checkpoints(root) -> CheckpointDir:
-    return CheckpointDir(str(root), default_storage())
+    return CheckpointDir(str(root), open_storage("posix"))
 
 
 class Failure(AssertionError):

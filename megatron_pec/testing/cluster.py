@@ -443,9 +443,9 @@ def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     from megatron_pec.format.item_names import parse_item
     from megatron_pec.format.protocol import SlotHeader
     from megatron_pec.format.stformat import read_header
-    from megatron_pec.store.storage import default_storage
+    from megatron_pec.store.storage import open_storage
 
-    root, storage = str(root), default_storage()
+    root, storage = str(root), open_storage("posix")
     m = CheckpointDir(root, storage).read_manifest(iteration)
     tokens_at: dict[int, dict] = {}
 

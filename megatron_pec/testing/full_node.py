@@ -19,7 +19,7 @@ from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.format.protocol import Flush, Flushed
 from megatron_pec.memory.slots import HEADER_RESERVE, node_dir, snapshot_file_bytes
 from megatron_pec.format.stformat import layout
-from megatron_pec.store.storage import default_storage
+from megatron_pec.store.storage import open_storage
 from megatron_pec.testing.scripted import ScriptedTrainer
 
 EXPERTS = 8
@@ -87,7 +87,7 @@ def run_full_node(shm_dir: str, root: str, ranks: int = 8, iterations: int = 25,
         files = trainers[0].files
         state = ranks * snapshot_file_bytes(files.layout, HEADER_RESERVE)
         result = FullNodeRun(sum(t.waits for t in trainers), max(t.waited_s for t in trainers),
-                             CheckpointDir(root, default_storage()).committed_iterations(),
+                             CheckpointDir(root, open_storage("posix")).committed_iterations(),
                              [NodeMeasure(*node_bytes(d), state, a["process_s"] - b["process_s"],
                                           {p: v - b["phases"].get(p, 0.0) for p, v in a["phases"].items()})
                               for d, a, b in zip(dirs, after, before)],

@@ -26,13 +26,15 @@ class ScriptedTrainer:
     ``entries``: the slot layout (``stformat.layout``); ``items``: its items, in slot order."""
 
     def __init__(self, directory, rank, root, entries, items, nodes=2, keep=0, job="t", run="run-1",
-                 resumed_from=None, replicas=0, fingerprint="f", regions=None, node=None, local_ranks=1):
+                 resumed_from=None, replicas=0, fingerprint="f", regions=None, node=None, local_ranks=1, storage=""):
         """``regions``: the expert pool's (default: two per expert, what every-expert snapshots take);
-        ``node``: the node's rank (default: the rank, one rank a node), of ``local_ranks`` ranks."""
+        ``node``: the node's rank (default: the rank, one rank a node), of ``local_ranks`` ranks;
+        ``storage``: the job's storage description (``--pec-storage``; "": POSIX)."""
         self.directory, self.rank, self.root, self.run, self.items = directory, rank, root, run, tuple(items)
         node = rank if node is None else node
         self.job = JobInfo(job_id=job, fingerprint=fingerprint, save=root, local_world_size=local_ranks,
-                           node_rank=node, num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas)
+                           node_rank=node, num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas,
+                           storage=storage)
         ensure_agent(directory, node, idle_timeout=60, keep_shm=False)
         layout = MemoryLayout.of(entries, 0, homes=3 if nodes > 1 and not replicas else 2)
         self.files = SlotFiles(directory, rank, replace(layout, regions=regions if regions is not None

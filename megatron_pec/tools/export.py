@@ -51,7 +51,9 @@ class GlobalTensor:
 def export(directory: CheckpointDir, out_dir: str, iteration: int | None = None, max_shard_bytes: int = 5 << 30,
            progress=None) -> dict:
     """Write iteration ``iteration`` (default: the newest committed) of ``directory`` to ``out_dir``;
-    returns the summary also written to ``out_dir/pec_export.json``. ``progress(done_bytes, total_bytes)``."""
+    returns the summary also written to ``out_dir/pec_export.json``. ``progress(done_bytes, total_bytes)``.
+    Reads and writes through ``directory.storage`` (``out_dir`` is a path or prefix on it)."""
+    storage = directory.storage
     m = _manifest(directory, iteration)
     layouts = _layouts(directory, m)
     files = CommittedFiles(directory, m, ExportError)
@@ -59,12 +61,12 @@ def export(directory: CheckpointDir, out_dir: str, iteration: int | None = None,
     small = _small_states(files, layouts)
     _add_buffers(tensors, layouts, small)
     shards = _shards(sorted(tensors.values(), key=lambda t: t.name), max_shard_bytes)
-    _prepare(out_dir, [name for name, _ in shards])
+    _prepare(out_dir, [name for name, _ in shards], storage)
     total = sum(t.nbytes for t in tensors.values())
     files.verify()  # every item read is verified before any byte is exported
     done = 0
     for file_name, entries in shards:
-        done = _write_shard(os.path.join(out_dir, file_name), entries, directory.storage, done, total, progress)
+        done = _write_shard(os.path.join(out_dir, file_name), entries, storage, done, total, progress)
     pec = json.loads(next(iter(small.values())).pec) if small else {}
     summary = {
         "source": directory.root, "iteration": m.iteration, "fingerprint": m.fingerprint, "topology": m.topology,
@@ -77,8 +79,8 @@ def export(directory: CheckpointDir, out_dir: str, iteration: int | None = None,
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {t.name: name for name, entries in shards for t in entries}}
-        _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
-    _write_json(os.path.join(out_dir, SIDECAR), summary)
+        _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index, storage)
+    _write_json(os.path.join(out_dir, SIDECAR), summary, storage)
     return summary
 
 
@@ -184,9 +186,8 @@ def _shards(tensors: list[GlobalTensor], max_bytes: int) -> list[tuple[str, list
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
-def _prepare(out_dir: str, names: list[str]) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    taken = [n for n in names + ["model.safetensors.index.json", SIDECAR] if os.path.exists(os.path.join(out_dir, n))]
+def _prepare(out_dir: str, names: list[str], storage: Storage) -> None:
+    taken = [n for n in names + ["model.safetensors.index.json", SIDECAR] if storage.exists(os.path.join(out_dir, n))]
     if taken:
         raise ExportError(f"{out_dir} already holds {', '.join(taken)}; export into an empty directory (nothing "
                           "was overwritten)")
@@ -201,17 +202,17 @@ def _write_shard(path: str, tensors: list[GlobalTensor], storage: Storage, done:
     body["__metadata__"] = {"format": "pt"}
     head = json.dumps(body, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as out:
-        out.write(len(head).to_bytes(8, "little") + head)
+
+    def chunks():  # streamed: one tensor assembled at a time
+        nonlocal done
+        yield len(head).to_bytes(8, "little") + head
         for t in tensors:
-            out.write(_assemble(t, storage))
+            yield _assemble(t, storage)
             done += t.nbytes
             if progress is not None:
                 progress(done, total)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+
+    storage.write(path, chunks())
     return done
 
 
@@ -231,11 +232,8 @@ def _assemble(tensor: GlobalTensor, storage: Storage) -> bytes | bytearray:
     return out
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+def _write_json(path: str, data: dict, storage: Storage) -> None:
+    storage.write(path, [json.dumps(data, indent=1, sort_keys=True).encode()])
 
 
 def progress_bar(stream=sys.stderr):

@@ -45,7 +45,7 @@ def inspect(directory: CheckpointDir) -> dict:
             except (OSError, FormatError, ProtocolError, ValueError) as exc:
                 entry["error"] = f"cannot read {first}: {exc}"
         else:
-            entry["files"] = directory.storage.listdir(directory.pec_dir(i))
+            entry["files"] = directory.storage.list(directory.pec_dir(i))
         report["iterations"].append(entry)
     for entry in report["iterations"]:
         if not entry["committed"] and entry["iteration"] in kept_for:
