@@ -30,6 +30,16 @@ from megatron_pec.memory.layout import POOL
 from megatron_pec.integrity.run_sums import FusedRunSums, HostRunSums, StockRunSums
 
 
+
+def landed_sums(files, staging) -> dict[str, str]:
+    """The reference: each item a staging placed, summed where it landed in node memory (numpy)."""
+    from megatron_pec.integrity.sum64 import item_sums
+
+    want = {}
+    for item, slot in staging.placed.items():
+        want.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+    return want
+
 def mixed_items(seed: int) -> dict:
     """item -> [(tensor, byte offset within the item)]: consecutive runs of many shapes."""
     rng = numpy.random.default_rng(seed)
@@ -132,7 +142,6 @@ class Marked:
 
 def mixed(out: str, slot_dir: str) -> None:
     from megatron_pec.integrity.run_sums import KernelLoad, RunSums, SplitRunSums, split_runs
-    from megatron_pec.integrity.sum64 import item_sums
     from megatron_pec.testing import cpu
 
     cpu.activate()
@@ -177,9 +186,7 @@ def mixed(out: str, slot_dir: str) -> None:
     staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
     staged = staging.finish()
     got = staged.sums()
-    want = {}
-    for item, slot in staging.placed.items():
-        want.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+    want = landed_sums(files, staging)
     landed = all(bytes(files.item_views(slot, name.split("/", 1)[0])[name].numpy().tobytes())
                  == live[name].numpy().tobytes() for name in live
                  for slot in [staging.placed[name.split("/", 1)[0]]])
@@ -234,7 +241,6 @@ def startup(out: str, slot_dir: str) -> None:
     """What a relaunched trainer does: the engine starts (the stager, the kernel's load in a thread), then a
     restore checks what it copied (``Engine._checked_after_copy``), then saves. Every load of the kernel
     (its compile, on a GPU) is recorded with the phase it started in and its thread."""
-    from megatron_pec.integrity.sum64 import item_sums
     from megatron_pec.testing import cpu
 
     cpu.activate()
@@ -264,9 +270,7 @@ def startup(out: str, slot_dir: str) -> None:
     staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
     staged = staging.finish()
     saved = staged.sums()
-    want = {}
-    for item, slot in staging.placed.items():
-        want.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+    want = landed_sums(files, staging)
     stager.close()
     files.close()
     with open(out, "w") as f:
@@ -276,7 +280,6 @@ def startup(out: str, slot_dir: str) -> None:
 
 def nocompile(out: str, slot_dir: str, error: str) -> None:
     """Triton imports but cannot compile (``error``: what the kernel's load raises)."""
-    from megatron_pec.integrity.sum64 import item_sums
     from megatron_pec.testing import cpu
 
     cpu.activate()
@@ -302,9 +305,7 @@ def nocompile(out: str, slot_dir: str, error: str) -> None:
             staging.copy({"dense": 1})
             staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
             staged = staging.finish()
-            want = {}
-            for item, slot in staging.placed.items():
-                want.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
+            want = landed_sums(files, staging)
             result["saves"].append({"sums": staged.sums(), "reference": want})
         result.setdefault("kinds", []).append(type(sums).__name__)
         result.setdefault("failures", []).append(stager.kernel.failure)
