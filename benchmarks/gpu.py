@@ -67,7 +67,7 @@ EXAMPLE_RUNS = {"all": [], "pec2": ["--pec-snapshot-k", "2", "--pec-persist-k", 
 PEERS = "pec_all,dlrover,torch_dist_async,megatron_local"
 KILL_AT = 25  # the killed run dies in this optimizer step (after a persist at 20); its restart restores 24
 WARMUP = 5  # iterations left out of the example's step times
-RESTORE = re.compile(r"rank 0: restore took ([0-9.]+) s")
+RESTORE = re.compile(r"rank 0: restore took ([0-9.]+) s(?: \((.*)\))?$", re.MULTILINE)  # (the total, its phases)
 RESTORED = re.compile(r"rank 0: restored iteration (\d+) from (\w+)")
 SKIPPED = re.compile(r"skipped the snapshot of iteration (\d+)")
 
@@ -272,6 +272,7 @@ def main(argv=None) -> int:
         out["floors"] = floors(restored_bytes or 2**26, cuda)
         out["restore"] = {"restored": f"{line.group(1)} from {line.group(2)}" if line else None,
                           "restore_memory_s": float(restore.group(1)) if restore else None, "bytes": restored_bytes,
+                          "phases": restore.group(2) if restore else None,
                           "over_h2d_floor": float(restore.group(1)) / out["floors"]["h2d_s"] if restore else None}
         out["rows"]["example: megatron-pec K=all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
                                                           h2d_floor_s=out["floors"]["h2d_s"])
@@ -348,8 +349,9 @@ def markdown(out: dict, command: str) -> str:
         lines.append(f"* Storage floors (one writer / reader, {sf['write_bytes'] / 1e6:.0f} MB): write+fsync "
                      f"{sf['write_MBps']:.0f} MB/s, cold read {sf['read_MBps']:.0f} MB/s.")
     if out.get("restore"):
+        phases = out["restore"].get("phases")
         lines.append(f"* Restart after a kill in optimizer step {KILL_AT}: restored {out['restore']['restored']} in "
-                     f"{ms(out['restore']['restore_memory_s'])} ms.")
+                     f"{ms(out['restore']['restore_memory_s'])} ms" + (f" ({phases})." if phases else "."))
     lines.append(f"* Seconds by part: {out['seconds_by_part']}.")
     if out.get("load_1min"):
         lines.append(f"* The machine's 1-minute load at the start and at the end: "

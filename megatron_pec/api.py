@@ -15,9 +15,11 @@ import sys
 
 from megatron_pec.common import log
 from megatron_pec.common.errors import CheckpointError
+from megatron_pec.integrity import run_sums
 
 _fallback_args = None
 _engine = None
+run_sums.preload()  # (the trainer imports this module at its start: the checksum kernel loads meanwhile)
 _crashed = False  # an uncaught exception is ending this process (see _close_at_exit)
 
 

@@ -39,7 +39,7 @@ from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePla
 from megatron_pec.save.pec_book import PecBook
 from megatron_pec.common.phases import Phases
 from megatron_pec.format.protocol import SlotHeader
-from megatron_pec.integrity.run_sums import KernelLoad
+from megatron_pec.integrity.run_sums import kernel_load
 from megatron_pec.save.save_history import SaveHistory
 from megatron_pec.memory.slots import SlotFiles, SlotSpaceError
 from megatron_pec.save.stager import Stager
@@ -103,10 +103,10 @@ class Engine:
         self.adapter.collectives.raise_if_any(error)
 
     def _start_memory_tier(self) -> None:
-        # The checksum kernel compiles and loads in a thread now, beside the rest of the start-up (slot files,
-        # page-locking, the agent): neither the first save nor a restore compiles; a Triton that cannot
-        # compile falls back to stock operations here, with one log line, never in a training step.
-        kernel = KernelLoad(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        # The checksum kernel compiles and loads in a thread started when the trainer imported megatron-pec
+        # (``run_sums.preload``; here where it did not): neither the first save nor a restore compiles; a Triton
+        # that cannot compile falls back to stock operations, with one log line, never in a training step.
+        kernel = kernel_load(torch.cuda.current_device()) if torch.cuda.is_available() else None
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slot_slices])
         # (several nodes, no replicas: the agent keeps the newest committed dense state for survivors)
         layout = MemoryLayout.of(entries, 0, homes=3 if self.job.num_nodes > 1 and not self.job.replicas else 2)

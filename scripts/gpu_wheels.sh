@@ -11,10 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${DEST:-.whl}
-# DLRover's flash checkpoint imports grpc, psutil, pynvml, requests and packaging on import (benchmarks.gpu's
-# peer rows).
-PACKAGES=(megatron-core==0.19.2 zlib-ng dlrover==0.6.1 deprecated wrapt grpcio psutil pynvml nvidia-ml-py
-          requests urllib3 idna certifi charset-normalizer packaging
+# pytest for tests/gpu (scripts/gpu_session.sh). DLRover's flash checkpoint imports grpc, psutil, pynvml,
+# requests and packaging on import (benchmarks.gpu's peer rows).
+PACKAGES=(megatron-core==0.19.2 zlib-ng pytest pluggy iniconfig dlrover==0.6.1 deprecated wrapt grpcio psutil
+          pynvml nvidia-ml-py requests urllib3 idna certifi charset-normalizer packaging
           pydantic pydantic-core annotated-types typing-inspection typing-extensions defusedxml pyyaml)
 # nvidia-resiliency-ext (its imports: defusedxml, pyyaml, above) for the row of Megatron's own local checkpoints
 # (LocalCheckpointManager); with it installed, torch_dist async runs async_strategy "nvrx", megatron-core 0.19's

@@ -62,13 +62,16 @@ def test_the_one_launch_kernel_equals_the_cpu_sums_bit_for_bit():
             assert pending.digests() == {item: expected[item] for item in chosen}, type(sums).__name__
 
 
-def _slot_files(tmp_path, specs, regions=2):
+def _slot_files(directory, specs, regions=2):
+    """Slot files as the engine makes them, in ``directory`` (under /dev/shm: CUDA page-locks a file mapping
+    of tmpfs, and refuses one of a disk file system with "invalid argument")."""
     from megatron_pec.memory.layout import MemoryLayout
     from megatron_pec.memory.slots import SlotFiles
     from megatron_pec.format.stformat import layout
 
     entries = layout(specs)
-    return SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, regions), 1), entries
+    os.makedirs(directory, exist_ok=True)
+    return SlotFiles(str(directory), 0, MemoryLayout.of(entries, regions), 1), entries
 
 
 def _landed_sums(files, placed):
@@ -81,7 +84,7 @@ def _landed_sums(files, placed):
 
 
 @pytest.mark.parametrize("moments", ["cuda", "cpu"])
-def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(tmp_path, moments):
+def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(shm_dir, moments):
     """The dense state to home slot 1, an expert to a pool region, copied on the copy stream into page-locked
     node memory with the device's sums; with the moments in host memory (before the first optimizer step:
     ``collect.stateless_views``), those are copied and summed by the host and the kernel reads device memory
@@ -91,7 +94,7 @@ def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(tmp_path,
 
     specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in (("dense", 1 << 20), ("L1.E0", 12345))
              for kind in ("param", "exp_avg", "exp_avg_sq")]
-    files, entries = _slot_files(tmp_path, specs)
+    files, entries = _slot_files(shm_dir, specs)
     try:
         live = {e.name: torch.randn(e.numel, device="cuda" if e.name.endswith("param") else moments)
                 for e in entries}
