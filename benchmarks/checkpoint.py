@@ -165,20 +165,7 @@ def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help="one ~50 MB/rank model + small scaling run (default)")
-    g.add_argument("--full", action="store_true", help="~50, ~200 and ~400 MB/rank models, more saves")
-    p.add_argument("--json", default=None, help="also write the result JSON here")
-    p.add_argument("--methods", default=METHODS)
-    p.add_argument("--no-scaling", action="store_true")
-    p.add_argument("--port", type=int, default=29640,
-                   help="first master port tried (the launcher takes the next free one)")
-    p.add_argument("--max-load-wait", type=float, default=180.0)
-    p.add_argument("--resume", action="store_true",
-                   help="reuse the per-model results (benchmarks/results/logs/<mode>_run<i>.json, each one "
-                        "self-contained torchrun job) that an interrupted invocation already finished")
-    a = p.parse_args(argv)
+    a = _parser().parse_args(argv)
     mode = "full" if a.full else "quick"
     prof = PROFILES[mode]
     os.makedirs(RESULTS, exist_ok=True)
@@ -187,46 +174,16 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.checkpoint " + " ".join(argv if argv is not None else sys.argv[1:])
     start = time.time()
     result = {"mode": mode, "command": command, "machine": machine(), "runs": []}
-    loads = []
-    stamp = f"{os.getpid()}"
-    reused = []
-    for i, model_args in enumerate(prof["runs"]):
-        part = os.path.join(logs, f"{mode}_run{i}.json")
-        if a.resume and os.path.exists(part):
-            with open(part) as f:
-                result["runs"].append(json.load(f))
-            reused.append({"part": os.path.basename(part), "finished": time.ctime(os.path.getmtime(part))})
-            print(f"[bench] reusing {part} (finished {reused[-1]['finished']})", flush=True)
-            continue
-        loads.append(wait_for_quiet(max_wait_s=a.max_load_wait))
-        torchrun(["--mode", "main", "--out", part, "--methods", a.methods, "--saves", str(prof["saves"]),
-                  "--iters", str(prof["iters"]), "--intervals", prof["intervals"]], model_args,
-                 a.port + i, f"bench{stamp}r{i}", os.path.join(logs, f"{mode}_run{i}.log"), timeout=3600)
-        with open(part) as f:
-            result["runs"].append(json.load(f))
-    result["reused_parts"] = reused
+    loads = _run_models(a, mode, prof, logs, result)
     if not a.no_scaling:
         loads.append(wait_for_quiet(max_wait_s=a.max_load_wait))
         part = os.path.join(logs, f"{mode}_scaling.json")
         torchrun(["--mode", "scaling", "--out", part, "--saves", str(prof["scaling_saves"]),
-                  "--experts", "4,8,16,32"], prof["scaling"], a.port + 20, f"bench{stamp}sc",
+                  "--experts", "4,8,16,32"], prof["scaling"], a.port + 20, f"bench{os.getpid()}sc",
                  os.path.join(logs, f"{mode}_scaling.log"), timeout=3600)
         with open(part) as f:
             result["scaling"] = json.load(f)
-    result["machine"]["load_1min_before_runs"] = [x["load_1min_before"] for x in loads]
-    result["machine"]["load_wait_s"] = [x["waited_s"] for x in loads]
-    result["machine"]["load_1min_at_each_method"] = [
-        {name: m["load_1min_at_start"] for name, m in r["methods"].items()} for r in result["runs"]]
-    # The issue's schema at top level: the largest model's run.
-    last = result["runs"][-1]
-    result["model"], result["floors"] = last["model"], {
-        "memcpy_s": last["floors"]["memcpy_s"], "write_MBps": last["floors"]["write_MBps"],
-        **{k: v for k, v in last["floors"].items() if k not in ("memcpy_s", "write_MBps")}}
-    keys = ("blocking_s_median", "blocking_s_p90", "bytes_per_rank", "persist_MBps", "restore_memory_s",
-            "restore_storage_s", "train_throughput_ratio")
-    result["methods"] = {name: {**{k: m.get(k) for k in keys}, **{k: v for k, v in m.items() if k not in keys}}
-                         for name, m in last["methods"].items()}
-    result["targets"] = targets(result)
+    _summarize(result, loads)
     result["wall_s"] = round(time.time() - start, 1)
     out = os.path.join(RESULTS, f"{mode}.json")
     for path in filter(None, (out, a.json)):
@@ -241,6 +198,62 @@ def main(argv=None) -> int:
         print(f"[bench] {t}", flush=True)
     return 0
 
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="one ~50 MB/rank model + small scaling run (default)")
+    g.add_argument("--full", action="store_true", help="~50, ~200 and ~400 MB/rank models, more saves")
+    p.add_argument("--json", default=None, help="also write the result JSON here")
+    p.add_argument("--methods", default=METHODS)
+    p.add_argument("--no-scaling", action="store_true")
+    p.add_argument("--port", type=int, default=29640,
+                   help="first master port tried (the launcher takes the next free one)")
+    p.add_argument("--max-load-wait", type=float, default=180.0)
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the per-model results (benchmarks/results/logs/<mode>_run<i>.json, each one "
+                        "self-contained torchrun job) that an interrupted invocation already finished")
+    return p
+
+
+def _run_models(a, mode: str, prof: dict, logs: str, result: dict) -> list[dict]:
+    """One torchrun per model of the profile (or its finished part, with --resume) into ``result["runs"]``;
+    the machine's load before each run started."""
+    loads, reused = [], []
+    for i, model_args in enumerate(prof["runs"]):
+        part = os.path.join(logs, f"{mode}_run{i}.json")
+        if a.resume and os.path.exists(part):
+            with open(part) as f:
+                result["runs"].append(json.load(f))
+            reused.append({"part": os.path.basename(part), "finished": time.ctime(os.path.getmtime(part))})
+            print(f"[bench] reusing {part} (finished {reused[-1]['finished']})", flush=True)
+            continue
+        loads.append(wait_for_quiet(max_wait_s=a.max_load_wait))
+        torchrun(["--mode", "main", "--out", part, "--methods", a.methods, "--saves", str(prof["saves"]),
+                  "--iters", str(prof["iters"]), "--intervals", prof["intervals"]], model_args,
+                 a.port + i, f"bench{os.getpid()}r{i}", os.path.join(logs, f"{mode}_run{i}.log"), timeout=3600)
+        with open(part) as f:
+            result["runs"].append(json.load(f))
+    result["reused_parts"] = reused
+    return loads
+
+
+def _summarize(result: dict, loads: list[dict]) -> None:
+    """The machine's load per run and method; the issue's schema at top level (the largest model's run);
+    the targets."""
+    result["machine"]["load_1min_before_runs"] = [x["load_1min_before"] for x in loads]
+    result["machine"]["load_wait_s"] = [x["waited_s"] for x in loads]
+    result["machine"]["load_1min_at_each_method"] = [
+        {name: m["load_1min_at_start"] for name, m in r["methods"].items()} for r in result["runs"]]
+    last = result["runs"][-1]
+    result["model"], result["floors"] = last["model"], {
+        "memcpy_s": last["floors"]["memcpy_s"], "write_MBps": last["floors"]["write_MBps"],
+        **{k: v for k, v in last["floors"].items() if k not in ("memcpy_s", "write_MBps")}}
+    keys = ("blocking_s_median", "blocking_s_p90", "bytes_per_rank", "persist_MBps", "restore_memory_s",
+            "restore_storage_s", "train_throughput_ratio")
+    result["methods"] = {name: {**{k: m.get(k) for k in keys}, **{k: v for k, v in m.items() if k not in keys}}
+                         for name, m in last["methods"].items()}
+    result["targets"] = targets(result)
 
 if __name__ == "__main__":
     sys.exit(main())

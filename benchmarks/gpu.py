@@ -225,6 +225,46 @@ def worker_rows(workdir: Path, model: list[str], sizes: Sizes, env: dict, method
     return measured
 
 
+def example_rows(out: dict, workdir: Path, shm: Path, model: list[str], sizes: Sizes, env: dict,
+                 clock: Clock) -> None:
+    """The example trainer without checkpoints, then with each of ``EXAMPLE_RUNS`` on the schedule."""
+    base = example("base", workdir, model, sizes.iters, [], env)
+    base_step = example_row(base, None, None)["step_s"]
+    clock.done("base", f"exit {base['code']}, step {base_step}")
+    for name, extra in EXAMPLE_RUNS.items():
+        ckpt = ["--save", str(workdir / f"ck_{name}"), "--pec-shm-dir", str(shm), "--pec-job-id", name,
+                "--pec-keep-shm", *SCHEDULE.megatron_flags(), *extra]
+        r = example(name, workdir, model, sizes.iters, ckpt, env)
+        row = example_row(r, base_step, shm / name / "node0")
+        snapshots = row["checkpoints"] - row["skipped"]
+        row["agent_cpu_s_per_snapshot"] = agent_cpu_per_snapshot(shm / name / "node0", snapshots)
+        out["rows"][f"example: megatron-pec {'K=all' if name == 'all' else 'snapshot-K 2 / persist-K 1'}"] = row
+        clock.done(name, f"exit {r['code']}, skipped {row['skipped']}, step overhead {row['step_overhead']}")
+
+
+def restart_row(out: dict, workdir: Path, shm: Path, model: list[str], sizes: Sizes, env: dict, cuda: bool,
+                clock: Clock) -> None:
+    """A trainer SIGKILLed in optimizer step ``KILL_AT``, relaunched: its restore from node memory, with its
+    phases, against the host-to-device floor of the bytes restored."""
+    ck = ["--save", str(workdir / "ck_k"), "--load", str(workdir / "ck_k"), "--pec-shm-dir", str(shm),
+          "--pec-job-id", "killed", *SCHEDULE.megatron_flags()]
+    fault = {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{KILL_AT}:0"}
+    example("killed", workdir, model, sizes.iters, ck, dict(env, **fault))
+    plan = shm / "killed" / "node0" / "rank0.memory.json"  # (the rank's state: what a restore reads)
+    restored_bytes = json.loads(plan.read_text())["state_bytes"] if plan.exists() else None
+    clock.done("killed", f"killed in optimizer step {KILL_AT}")
+    resumed = example("resumed", workdir, model, sizes.iters, ck, env)
+    restore, line = RESTORE.search(resumed["log"]), RESTORED.search(resumed["log"])
+    out["floors"] = floors(restored_bytes or 2**26, cuda)
+    out["restore"] = {"restored": f"{line.group(1)} from {line.group(2)}" if line else None,
+                      "restore_memory_s": float(restore.group(1)) if restore else None, "bytes": restored_bytes,
+                      "phases": restore.group(2) if restore else None,
+                      "over_h2d_floor": float(restore.group(1)) / out["floors"]["h2d_s"] if restore else None}
+    out["rows"]["example: megatron-pec K=all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
+                                                      h2d_floor_s=out["floors"]["h2d_s"])
+    clock.done("resumed", f"restored {out['restore']['restored']} in {out['restore']['restore_memory_s']} s")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-standin", action="store_true", help="CPU ranks and a small model (no GPU needed)")
@@ -248,35 +288,8 @@ def main(argv=None) -> int:
            "sizes": vars(sizes), "rows": {}, "errors": {}, "load_1min": [loadavg()]}  # (at the start, the end)
     clock.say(f"{out['device']}: {sizes.iters} iterations per run, a checkpoint {SCHEDULE.label}; logs in {workdir}")
     try:
-        base = example("base", workdir, model, sizes.iters, [], env)
-        base_step = example_row(base, None, None)["step_s"]
-        clock.done("base", f"exit {base['code']}, step {base_step}")
-        for name, extra in EXAMPLE_RUNS.items():
-            ckpt = ["--save", str(workdir / f"ck_{name}"), "--pec-shm-dir", str(shm), "--pec-job-id", name,
-                    "--pec-keep-shm", *SCHEDULE.megatron_flags(), *extra]
-            r = example(name, workdir, model, sizes.iters, ckpt, env)
-            row = example_row(r, base_step, shm / name / "node0")
-            snapshots = row["checkpoints"] - row["skipped"]
-            row["agent_cpu_s_per_snapshot"] = agent_cpu_per_snapshot(shm / name / "node0", snapshots)
-            out["rows"][f"example: megatron-pec {'K=all' if name == 'all' else 'snapshot-K 2 / persist-K 1'}"] = row
-            clock.done(name, f"exit {r['code']}, skipped {row['skipped']}, step overhead {row['step_overhead']}")
-        ck = ["--save", str(workdir / "ck_k"), "--load", str(workdir / "ck_k"), "--pec-shm-dir", str(shm),
-              "--pec-job-id", "killed", *SCHEDULE.megatron_flags()]
-        fault = {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{KILL_AT}:0"}
-        example("killed", workdir, model, sizes.iters, ck, dict(env, **fault))
-        plan = shm / "killed" / "node0" / "rank0.memory.json"  # (the rank's state: what a restore reads)
-        restored_bytes = json.loads(plan.read_text())["state_bytes"] if plan.exists() else None
-        clock.done("killed", f"killed in optimizer step {KILL_AT}")
-        resumed = example("resumed", workdir, model, sizes.iters, ck, env)
-        restore, line = RESTORE.search(resumed["log"]), RESTORED.search(resumed["log"])
-        out["floors"] = floors(restored_bytes or 2**26, cuda)
-        out["restore"] = {"restored": f"{line.group(1)} from {line.group(2)}" if line else None,
-                          "restore_memory_s": float(restore.group(1)) if restore else None, "bytes": restored_bytes,
-                          "phases": restore.group(2) if restore else None,
-                          "over_h2d_floor": float(restore.group(1)) / out["floors"]["h2d_s"] if restore else None}
-        out["rows"]["example: megatron-pec K=all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
-                                                          h2d_floor_s=out["floors"]["h2d_s"])
-        clock.done("resumed", f"restored {out['restore']['restored']} in {out['restore']['restore_memory_s']} s")
+        example_rows(out, workdir, shm, model, sizes, env, clock)
+        restart_row(out, workdir, shm, model, sizes, env, cuda, clock)
         if args.peers:
             measured = worker_rows(workdir, model, sizes, env, args.peers, out["floors"], run_id)
             out["rows"].update(measured["rows"])

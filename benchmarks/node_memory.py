@@ -247,11 +247,19 @@ def main(argv=None) -> int:
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)], check=False)
     Path(args.json).write_text(json.dumps(out, indent=1))
+    lines = node_memory_table(out, args.baseline) + full_node_table(out["full_node"]) + budget_table(out["budget"])
+    markdown.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def node_memory_table(out: dict, baseline: str) -> list[str]:
+    """The rows' table: node memory per rank over its state, skips, K held, the restart after the kill."""
     lines = ["# Node memory per rank against its state", "",
              f"`python -m benchmarks.node_memory` ({out['machine'].get('cpu', 'CPU')}); the example trainer on 2 CPU "
              f"ranks of one node, `{' '.join(MODEL)}`, {ITERS} iterations, a snapshot every iteration and a persist "
              f"every 20 (nothing waits for a slot), rank 0 SIGKILLed in its optimizer step {KILL_AT}, then relaunched. "
-             f"Three regions: commit {args.baseline}. State: one complete snapshot of a rank as a slot file of its "
+             f"Three regions: commit {baseline}. State: one complete snapshot of a rank as a slot file of its "
              "own (its tensors and a header naming every one of them, with the room for a save's metadata: what a "
              "replica of the rank holds, and each slot of the three-region layout; `slots.snapshot_file_bytes`).", "",
              "| row | node memory per rank ÷ state | skipped snapshots | snapshot-K held | restored after the kill "
@@ -265,10 +273,7 @@ def main(argv=None) -> int:
         lost = r.get("lost_iterations")
         lines.append(f"| {name} | {ratio} | {r['skipped']} | {r.get('implied_k') or 'as asked'} | "
                      f"{r.get('restored') or '-'} | {'-' if lost is None else lost} | {plt} |")
-    lines += full_node_table(out["full_node"]) + budget_table(out["budget"])
-    markdown.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return lines
 
 
 BUDGET_HEADING = "## Persistent saves under the tightest budget"

@@ -180,21 +180,34 @@ def markdown(result: dict) -> str:
 
 
 def plots(result: dict, out_dir: str, stem: str) -> list[str]:
+    """The three figures (blocking and bytes, throughput, scaling where measured); their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
     run = result["runs"][-1]  # the largest model
+    figures = [(_blocking_and_bytes(plt, run), "blocking_bytes"), (_throughput(plt, run), "throughput")]
+    if result.get("scaling"):
+        figures.append((_scaling(plt, result["scaling"]), "scaling"))
+    written = []
+    for fig, name in figures:
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{stem}_{name}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _blocking_and_bytes(plt, run: dict):
     names = list(run["methods"])
     ms = run["methods"]
     floor_Bps = run["floors"]["memcpy_bytes_per_rank"] / run["floors"]["memcpy_s"]
+    colors = ["tab:blue" if ms[n]["family"] == "pec" else "tab:gray" for n in names]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     ax = axes[0]
-    vals = [ms[n]["blocking_s_median"] * 1000 for n in names]
-    bars = ax.bar(range(len(names)), vals, color=["tab:blue" if ms[n]["family"] == "pec" else "tab:gray"
-                                                  for n in names])
+    bars = ax.bar(range(len(names)), [ms[n]["blocking_s_median"] * 1000 for n in names], color=colors)
     floors_ms = [(ms[n].get("snapshot_bytes_per_rank") or 0) / floor_Bps * 1000 for n in names]
     ax.scatter(range(len(names)), floors_ms, color="tab:red", marker="_", s=400, zorder=3,
                label="memcpy floor of the bytes it snapshots")
@@ -205,22 +218,19 @@ def plots(result: dict, out_dir: str, stem: str) -> list[str]:
     ax.legend(fontsize=8)
     ax.set_title("Blocking time of one save (median)")
     ax = axes[1]
-    vals = [(ms[n]["bytes_per_rank"] or 0) / 1e6 for n in names]
-    bars = ax.bar(range(len(names)), vals, color=["tab:blue" if ms[n]["family"] == "pec" else "tab:gray"
-                                                  for n in names])
+    bars = ax.bar(range(len(names)), [(ms[n]["bytes_per_rank"] or 0) / 1e6 for n in names], color=colors)
     ax.set_ylabel("bytes written to storage per rank (MB, slowest rank)")
     ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
     ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_title("Checkpoint size per rank")
     fig.suptitle(describe_model(run["model"]), fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{stem}_blocking_bytes.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    return fig
 
+
+def _throughput(plt, run: dict):
+    ms = run["methods"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n in names:
+    for n in ms:
         by = ms[n].get("throughput_ratio_by_interval") or {}
         xs = sorted(int(k) for k in by)
         ax.plot(xs, [by[str(x)] for x in xs], marker="o", label=n,
@@ -231,33 +241,24 @@ def plots(result: dict, out_dir: str, stem: str) -> list[str]:
     ax.set_ylabel("training throughput vs no checkpoints")
     ax.legend(fontsize=7)
     ax.set_title("Training throughput vs checkpoint interval")
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{stem}_throughput.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    return fig
 
-    sc = result.get("scaling")
-    if sc:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        es = [p["num_experts"] for p in sc["points"]]
-        for label, style in (("full", "--"), ("K=1", "-")):
-            axes[0].plot(es, [p[label]["blocking_s_median"] * 1000 for p in sc["points"]], style, marker="o",
-                         label=f"megatron-pec {label}")
-            axes[1].plot(es, [p[label]["bytes_per_rank"] / 1e6 for p in sc["points"]], style, marker="o",
-                         label=f"megatron-pec {label}")
-        for ax, title in ((axes[0], "blocking time per save (ms)"), (axes[1], "persisted MB per rank")):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(es, [str(e) for e in es])
-            ax.set_xlabel("experts per MoE layer (fixed compute: top-k and expert size fixed)")
-            ax.set_title(title)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}_scaling.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+
+def _scaling(plt, sc: dict):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    es = [p["num_experts"] for p in sc["points"]]
+    for label, style in (("full", "--"), ("K=1", "-")):
+        axes[0].plot(es, [p[label]["blocking_s_median"] * 1000 for p in sc["points"]], style, marker="o",
+                     label=f"megatron-pec {label}")
+        axes[1].plot(es, [p[label]["bytes_per_rank"] / 1e6 for p in sc["points"]], style, marker="o",
+                     label=f"megatron-pec {label}")
+    for ax, title in ((axes[0], "blocking time per save (ms)"), (axes[1], "persisted MB per rank")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(es, [str(e) for e in es])
+        ax.set_xlabel("experts per MoE layer (fixed compute: top-k and expert size fixed)")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    return fig
 
 
 def main(argv=None) -> int:

@@ -127,6 +127,17 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     t_setup = time.perf_counter()
     method.setup()
     out["setup_s"] = reduce_max(time.perf_counter() - t_setup)
+    out.update(measure_saves(ctx, method, saves, memcpy_Bps))
+    out.update(measure_throughput(ctx, method, intervals, iters))
+    # restores (last: they change the training state)
+    out.update(measure_restores(ctx, method, MEMORY_RESTORES, STORAGE_RESTORES))
+    method.close()
+    method.cleanup()
+    return out
+
+
+def measure_saves(ctx: Ctx, method, saves: int, memcpy_Bps: float) -> dict:
+    """``saves`` checkpoints, one per iteration, each waited for: blocking, persist, bytes, the agent's CPU."""
     blocking, persist, node_bytes, rank_bytes, save_phases = [], [], [], [], []
     ledger_before = method.background_cpu_phases()
     cpu_before = method.background_cpu_s()
@@ -154,7 +165,7 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     cpu_after = method.background_cpu_s()
     snap = method.snapshot_bytes()
     snap_all = gather_objects(snap)
-    out.update({
+    out = {
         "blocking_s_median": median(blocking), "blocking_s_p90": p90(blocking), "blocking_s_all": blocking,
         "persist_s_median": median(persist), "persist_s_all": persist,
         "bytes_per_rank": max(rank_bytes[-1]) if rank_bytes else None,
@@ -168,13 +179,17 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
         # one node: its agent's CPU time over the bytes every rank persisted in those saves
         "agent_cpu_s_per_GB": (cpu_after - cpu_before) / (sum(node_bytes) / 1e9)
         if cpu_before is not None and cpu_after is not None and sum(node_bytes) else None,
-    })
+    }
     out["save_phases_s"] = median_phases(save_phases)
     out["agent_cpu_by_phase_s_per_save"] = ledger_per_save(ledger_before, ledger_after, len(blocking))
     if out["snapshot_bytes_per_rank"]:
         out["memcpy_floor_s"] = out["snapshot_bytes_per_rank"] / memcpy_Bps
-    # training throughput with a checkpoint every `interval` iterations (same iterations, same data)
-    tput = {}
+    return out
+
+
+def measure_throughput(ctx: Ctx, method, intervals: list[int], iters: int) -> dict:
+    """Training throughput with a checkpoint every ``interval`` iterations (same iterations, same data),
+    against training without, timed right before and right after."""
     skipped_before = method.skipped
     baseline_s = ctx.timed_train(iters)  # right before, so slow drifts of the machine's load cancel out
     elapsed_by_interval = {}
@@ -197,8 +212,8 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     # deleting its files) would flatter the ratios; the faster of the two never does.
     baselines = [baseline_s, ctx.timed_train(iters)]
     baseline_s = min(baselines)
-    out["baseline_s_per_iteration"] = baseline_s / iters
-    out["baselines_s_per_iteration"] = [b / iters for b in baselines]
+    out = {"baseline_s_per_iteration": baseline_s / iters, "baselines_s_per_iteration": [b / iters for b in baselines]}
+    tput = {}
     for interval, elapsed in elapsed_by_interval.items():
         tput[str(interval)] = baseline_s / elapsed
         log(f"  {method.name}: checkpoint every {interval} it: {elapsed / iters * 1000:.0f} ms/it "
@@ -207,10 +222,6 @@ def measure(ctx: Ctx, method, saves: int, intervals: list[int], iters: int, base
     out["throughput_ratio_by_interval"] = tput
     out["train_throughput_ratio"] = tput.get("1")
     out["skipped_saves_in_throughput_runs"] = method.skipped - skipped_before
-    # restores (last: they change the training state)
-    out.update(measure_restores(ctx, method, MEMORY_RESTORES, STORAGE_RESTORES))
-    method.close()
-    method.cleanup()
     return out
 
 

@@ -15,11 +15,12 @@ import sys
 
 from megatron_pec.common import log
 from megatron_pec.common.errors import CheckpointError
+from megatron_pec.config import this_launch
 from megatron_pec.integrity import run_sums
 
 _fallback_args = None
 _engine = None
-run_sums.preload()  # (the trainer imports this module at its start: the checksum kernel loads meanwhile)
+run_sums.preload(this_launch().local_rank)  # (imported at the trainer's start: the checksum kernel loads meanwhile)
 _crashed = False  # an uncaught exception is ending this process (see _close_at_exit)
 
 

@@ -149,6 +149,8 @@ class Launch:
     """TORCHELASTIC_RUN_ID: names the job's node memory unless --pec-job-id does ("none": no name)."""
     local_world_size: int = 1
     """LOCAL_WORLD_SIZE: trainers on this node."""
+    local_rank: int = 0
+    """LOCAL_RANK: this trainer among them (Megatron trains on that device, modulo the devices seen)."""
     node_rank: int | None = None
     """GROUP_RANK: this node's rank; None: the global rank // LOCAL_WORLD_SIZE."""
     agent_host: str = ""
@@ -160,7 +162,12 @@ class Launch:
         host = env.get("MEGATRON_PEC_AGENT_HOST") or (
             "127.0.0.1" if env.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost", "::1") else "")
         return cls(run_id=env.get("TORCHELASTIC_RUN_ID", ""), local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-                   node_rank=int(env["GROUP_RANK"]) if env.get("GROUP_RANK") else None, agent_host=host)
+                   local_rank=int(env.get("LOCAL_RANK", 0)), node_rank=int(env["GROUP_RANK"]) if env.get("GROUP_RANK") else None, agent_host=host)
+
+
+def this_launch() -> Launch:
+    """The launcher's facts about this process, before Megatron's arguments exist."""
+    return Launch.from_environment(os.environ)
 
 
 @dataclass(frozen=True, slots=True)

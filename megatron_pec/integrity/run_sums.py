@@ -22,7 +22,6 @@ its ``digests()`` may be read once that stream's work up to the call is done (th
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
@@ -105,14 +104,14 @@ def kernel_load(device: int) -> KernelLoad:
         return _loads[device]
 
 
-def preload() -> None:
-    """Start the kernel's load on the device this rank will train on (Megatron sets LOCAL_RANK's, modulo the
-    devices seen) when the trainer imports megatron-pec's entry points: Megatron's start-up (distributed
+def preload(local_rank: int) -> None:
+    """Start the kernel's load on the device this rank will train on (Megatron takes the local rank's, modulo
+    the devices seen) when the trainer imports megatron-pec's entry points: Megatron's start-up (distributed
     set-up, model, optimizer) takes seconds, the compile ~0.7 s, so a relaunched trainer's restore, the first
     thing after that start-up, finds the kernel ready instead of waiting for it. Nothing without CUDA."""
     if not torch.cuda.is_available():
         return
-    kernel_load(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    kernel_load(local_rank % torch.cuda.device_count())
 
 
 def _load_triton(device):

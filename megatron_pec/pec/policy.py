@@ -315,65 +315,79 @@ def _greedy_with_capacity(lay: ExpertLayout, ranked: list[ExpertId], quota: Mapp
     find it. Only a layer that truly cannot be served is filled ignoring capacity, so
     every layer ends with exactly its quota.
     """
-    rank_of = lambda e: lay.ep_rank_of(e.expert)  # noqa: E731
-    cell: dict[tuple[int, int], list[ExpertId]] = {}  # (layer, rank) -> experts in priority order
+    choice = _CapacityChoice(lay, ranked, quota, fixed)
     for e in ranked:
-        cell.setdefault((e.layer, rank_of(e)), []).append(e)
-    chosen = set(fixed)
-    per_layer, per_rank = Counter(e.layer for e in chosen), Counter(rank_of(e) for e in chosen)
-    # Never-saved experts beyond a layer's quota still take room, so count them in.
-    capacity = -(-sum(max(q, per_layer[layer]) for layer, q in quota.items()) // lay.ep_size)
+        if choice.per_layer[e.layer] < quota[e.layer] and choice.per_rank[choice.rank_of(e)] < choice.capacity:
+            choice.move(e, +1)
+    for layer in lay.layers:
+        while choice.per_layer[layer] < quota[layer] and choice.augment(layer):
+            pass
+    for e in ranked:
+        if e not in choice.chosen and choice.per_layer[e.layer] < quota[e.layer]:
+            choice.move(e, +1)
+    return choice.chosen
 
-    def move(e: ExpertId | None, sign: int) -> None:
+
+class _CapacityChoice:
+    """The experts chosen so far, counted per layer and per EP rank, and the moves between them."""
+
+    def __init__(self, lay: ExpertLayout, ranked: list[ExpertId], quota: Mapping[int, int], fixed: set[ExpertId]):
+        self.lay = lay
+        self.cell: dict[tuple[int, int], list[ExpertId]] = {}  # (layer, rank) -> experts in priority order
+        for e in ranked:
+            self.cell.setdefault((e.layer, self.rank_of(e)), []).append(e)
+        self.chosen = set(fixed)
+        self.per_layer = Counter(e.layer for e in self.chosen)
+        self.per_rank = Counter(self.rank_of(e) for e in self.chosen)
+        # Never-saved experts beyond a layer's quota still take room, so count them in.
+        self.capacity = -(-sum(max(q, self.per_layer[layer]) for layer, q in quota.items()) // lay.ep_size)
+
+    def rank_of(self, e: ExpertId) -> int:
+        return self.lay.ep_rank_of(e.expert)
+
+    def move(self, e: ExpertId | None, sign: int) -> None:
         assert e is not None  # the search only walks edges that have an expert
-        (chosen.add if sign > 0 else chosen.remove)(e)
-        per_layer[e.layer] += sign
-        per_rank[rank_of(e)] += sign
+        (self.chosen.add if sign > 0 else self.chosen.remove)(e)
+        self.per_layer[e.layer] += sign
+        self.per_rank[self.rank_of(e)] += sign
 
-    def best_free(layer: int, rank: int) -> ExpertId | None:
-        return next((e for e in cell.get((layer, rank), ()) if e not in chosen), None)
+    def best_free(self, layer: int, rank: int) -> ExpertId | None:
+        return next((e for e in self.cell.get((layer, rank), ()) if e not in self.chosen), None)
 
-    def worst_taken(layer: int, rank: int) -> ExpertId | None:  # never a fixed expert
-        return next((e for e in reversed(cell.get((layer, rank), ())) if e in chosen), None)
+    def worst_taken(self, layer: int, rank: int) -> ExpertId | None:  # never a fixed expert
+        return next((e for e in reversed(self.cell.get((layer, rank), ())) if e in self.chosen), None)
 
-    def augment(start: int) -> bool:
-        # BFS: `start` adds on rank r; if r is full, a layer with a movable expert on r
-        # moves it to another rank, and so on until a rank with spare capacity.
+    def augment(self, start: int) -> bool:
+        """BFS: ``start`` adds on rank r; if r is full, a layer with a movable expert on r moves it to another
+        rank, and so on until a rank with spare capacity; then the path is applied. False: no such path."""
         enters: dict[int, int] = {}  # rank -> layer adding an expert there
         leaves: dict[int, int] = {start: -1}  # layer -> rank it gives an expert up on
         frontier = [start]
         while frontier:
             nxt = []
             for layer in frontier:
-                for rank in range(lay.ep_size):
-                    if rank in enters or best_free(layer, rank) is None:
+                for rank in range(self.lay.ep_size):
+                    if rank in enters or self.best_free(layer, rank) is None:
                         continue
                     enters[rank] = layer
-                    if per_rank[rank] < capacity:
-                        while rank != -1:  # apply the path backwards
-                            layer = enters[rank]
-                            move(best_free(layer, rank), +1)
-                            rank = leaves[layer]
-                            if rank != -1:
-                                move(worst_taken(layer, rank), -1)
+                    if self.per_rank[rank] < self.capacity:
+                        self._apply(rank, enters, leaves)
                         return True
-                    for other in lay.layers:
-                        if other not in leaves and worst_taken(other, rank) is not None:
+                    for other in self.lay.layers:
+                        if other not in leaves and self.worst_taken(other, rank) is not None:
                             leaves[other] = rank
                             nxt.append(other)
             frontier = nxt
         return False
 
-    for e in ranked:
-        if per_layer[e.layer] < quota[e.layer] and per_rank[rank_of(e)] < capacity:
-            move(e, +1)
-    for layer in lay.layers:
-        while per_layer[layer] < quota[layer] and augment(layer):
-            pass
-    for e in ranked:
-        if e not in chosen and per_layer[e.layer] < quota[e.layer]:
-            move(e, +1)
-    return chosen
+    def _apply(self, rank: int, enters: dict[int, int], leaves: dict[int, int]) -> None:
+        """The augmenting path ending on ``rank``, applied backwards."""
+        while rank != -1:
+            layer = enters[rank]
+            self.move(self.best_free(layer, rank), +1)
+            rank = leaves[layer]
+            if rank != -1:
+                self.move(self.worst_taken(layer, rank), -1)
 
 
 def _popularity(lay: ExpertLayout, rest: list[ExpertId], slots: int, tokens: Callable[[ExpertId], int],

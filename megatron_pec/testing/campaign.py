@@ -677,21 +677,7 @@ def format_table(table: dict[str, dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_pec.testing.campaign",
-                                description="Random fault injection against a simulated 2-node CPU job.")
-    p.add_argument("--runs", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="fault_campaign.json", help="JSON results (default %(default)s)")
-    p.add_argument("--markdown", default=None, help="also write the table as a Markdown report here")
-    p.add_argument("--workdir", default="/tmp/megatron_pec_campaign",
-                   help="per-run directories, wiped at start (failed runs are kept for inspection)")
-    p.add_argument("--shm-dir", default="/dev/shm/fault_helper/campaign",
-                   help="node memory root (each run uses <dir>/<job id>/)")
-    p.add_argument("--types", default=",".join(TYPES), help="comma-separated subset of: " + ", ".join(TYPES))
-    p.add_argument("--script", default=DEFAULT_SCRIPT,
-                   help="the training script every run launches (default: %(default)s, from a megatron-pec checkout)")
-    p.add_argument("--cpu-hog", type=int, default=0, metavar="N",
-                   help="N busy-looping processes share the machine for the whole campaign (timing under load)")
+    p = _parser()
     a = p.parse_args(argv)
     types = [t for t in a.types.split(",") if t]
     unknown = set(types) - set(TYPES)
@@ -711,10 +697,8 @@ def main(argv=None) -> int:
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.cpu_hog)]
     try:
         campaign.prepare()
-        draws = 0
         while len(runs) < a.runs:
             spec = campaign.draw()
-            draws += 1
             if spec["type"] not in types:
                 continue
             r = campaign.run(len(runs) + 1, spec)
@@ -728,8 +712,32 @@ def main(argv=None) -> int:
         for hog in hogs:
             hog.kill()
         shutil.rmtree(shm, ignore_errors=True)
-    table = summarize(runs)
-    print(format_table(table))
+    _report(a, command, started, runs)
+    return 0 if all(r["recovered"] for r in runs) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_pec.testing.campaign",
+                                description="Random fault injection against a simulated 2-node CPU job.")
+    p.add_argument("--runs", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="fault_campaign.json", help="JSON results (default %(default)s)")
+    p.add_argument("--markdown", default=None, help="also write the table as a Markdown report here")
+    p.add_argument("--workdir", default="/tmp/megatron_pec_campaign",
+                   help="per-run directories, wiped at start (failed runs are kept for inspection)")
+    p.add_argument("--shm-dir", default="/dev/shm/fault_helper/campaign",
+                   help="node memory root (each run uses <dir>/<job id>/)")
+    p.add_argument("--types", default=",".join(TYPES), help="comma-separated subset of: " + ", ".join(TYPES))
+    p.add_argument("--script", default=DEFAULT_SCRIPT,
+                   help="the training script every run launches (default: %(default)s, from a megatron-pec checkout)")
+    p.add_argument("--cpu-hog", type=int, default=0, metavar="N",
+                   help="N busy-looping processes share the machine for the whole campaign (timing under load)")
+    return p
+
+
+def _report(a, command: str, started: float, runs: list[dict]) -> None:
+    """The tables on stdout, the JSON results and, with --markdown, the report."""
+    print(format_table(summarize(runs)))
     print(format_plt_comparison(plt_comparison(runs)))
     print(format_skips(runs))
     _write(a.out, command, a.seed, started, runs, a.cpu_hog)
@@ -738,7 +746,6 @@ def main(argv=None) -> int:
         with open(a.out) as f:
             Path(a.markdown).write_text(markdown(json.load(f)))
         print(f"report: {a.markdown}")
-    return 0 if all(r["recovered"] for r in runs) else 1
 
 
 def markdown(data: dict) -> str:

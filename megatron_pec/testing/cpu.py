@@ -102,8 +102,14 @@ def activate() -> None:
             "megatron_pec.testing.cpu refuses to activate: CUDA is available, so the real CUDA "
             "code paths must be used. Run without the CPU stand-ins on GPU machines."
         )
-    cuda = torch.cuda
+    _replace_cuda_runtime(torch.cuda)
+    _redirect_tensors_to_cpu()
+    _patch_megatron_core()
+    _ACTIVE = True
 
+
+def _replace_cuda_runtime(cuda) -> None:
+    """Devices, streams, events and the "CUDA" RNG: the CPU's."""
     # DDP, optimizer and dispatcher place tensors on torch.cuda.current_device().
     cuda.current_device = lambda: _CPU
     cuda.device_count = lambda: 1
@@ -124,6 +130,9 @@ def activate() -> None:
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
+
+def _redirect_tensors_to_cpu() -> None:
+    """``.cuda()``, ``.to("cuda")`` and the factories' ``device=`` land on the CPU; the type names stay CUDA's."""
     # Model code calls .cuda() and .to("cuda"/current_device()).
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.nn.Module.cuda = lambda self, *a, **k: self
@@ -150,6 +159,9 @@ def activate() -> None:
 
     torch.Tensor.type = tensor_type
 
+
+def _patch_megatron_core() -> None:
+    """megatron-core's own RNG-state swaps and a missing name of 0.16.1."""
     from megatron.core.tensor_parallel import random as mcore_random
 
     # The Megatron RNG tracker's fork() swaps "CUDA" RNG states through these two.
@@ -164,4 +176,3 @@ def activate() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    _ACTIVE = True

@@ -205,11 +205,6 @@ def _inner_optimizers(optimizer) -> list:
 
 def collect(model, optimizer, scheduler, args, returned=None) -> tuple[dict, dict]:
     """(tensors, values) of this rank's whole state, one flat key per leaf."""
-    import random
-
-    import numpy as np
-    import torch
-
     tensors, values = {}, {}
 
     def put(obj, path):
@@ -221,37 +216,10 @@ def collect(model, optimizer, scheduler, args, returned=None) -> tuple[dict, dic
     for i, chunk in enumerate(model if isinstance(model, (list, tuple)) else [model]):
         put(dict(chunk.state_dict()), f"model{i}")
     if optimizer is not None:
-        try:
-            put(optimizer.state_dict(), "optimizer/state_dict")
-        except AssertionError as exc:  # a DistributedOptimizer before its first step on CPU (torch's Adam)
-            put(f"<state_dict() fails: AssertionError {exc}>", "optimizer/state_dict")
-        for c, inner in enumerate(_inner_optimizers(optimizer)):
-            torch_opt = getattr(inner, "optimizer", None)
-            if torch_opt is None:
-                continue
-            for g, group in enumerate(torch_opt.param_groups):
-                for p, param in enumerate(group["params"]):
-                    put(param, f"optimizer/shard/{c}/group{g}/param{p}/main")
-                    put(dict(torch_opt.state.get(param, {})), f"optimizer/shard/{c}/group{g}/param{p}/state")
-            scaler = getattr(inner, "grad_scaler", None)
-            if scaler is not None:
-                put(scaler.state_dict(), f"optimizer/grad_scaler/{c}")
-                put(inner.get_loss_scale(), f"optimizer/loss_scale/{c}")
+        _put_optimizer(optimizer, put)
     if scheduler is not None:
         put(scheduler.state_dict(), "scheduler")
-    put(list(random.getstate()), "rng/random")
-    put(list(np.random.get_state()), "rng/numpy")
-    put(torch.get_rng_state(), "rng/torch")
-    put(torch.cuda.get_rng_state(), "rng/cuda")
-    from megatron.core import tensor_parallel
-
-    put(tensor_parallel.get_cuda_rng_tracker().get_states(), "rng/tracker")
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-    machine = get_rerun_state_machine()
-    put(machine.state_dict(data_iterator=None, ckpt_format="torch_dist", force=True), "rerun/state_dict")
-    put(getattr(machine, "state", None), "rerun/state")
-    put(getattr(machine, "mode", None), "rerun/mode")
+    _put_rng_and_rerun(put)
     put(args, "args")
     try:
         from megatron.training.checkpointing import get_checkpoint_version
@@ -264,6 +232,46 @@ def collect(model, optimizer, scheduler, args, returned=None) -> tuple[dict, dic
     put(nmc.get_num_microbatches(), "microbatches/num")
     put(nmc.get_current_global_batch_size(), "microbatches/global_batch_size")
     return tensors, values
+
+
+def _put_optimizer(optimizer, put) -> None:
+    """Megatron's state dict, then each shard's main params and moments, grad scaler and loss scale."""
+    try:
+        put(optimizer.state_dict(), "optimizer/state_dict")
+    except AssertionError as exc:  # a DistributedOptimizer before its first step on CPU (torch's Adam)
+        put(f"<state_dict() fails: AssertionError {exc}>", "optimizer/state_dict")
+    for c, inner in enumerate(_inner_optimizers(optimizer)):
+        torch_opt = getattr(inner, "optimizer", None)
+        if torch_opt is None:
+            continue
+        for g, group in enumerate(torch_opt.param_groups):
+            for p, param in enumerate(group["params"]):
+                put(param, f"optimizer/shard/{c}/group{g}/param{p}/main")
+                put(dict(torch_opt.state.get(param, {})), f"optimizer/shard/{c}/group{g}/param{p}/state")
+        scaler = getattr(inner, "grad_scaler", None)
+        if scaler is not None:
+            put(scaler.state_dict(), f"optimizer/grad_scaler/{c}")
+            put(inner.get_loss_scale(), f"optimizer/loss_scale/{c}")
+
+
+def _put_rng_and_rerun(put) -> None:
+    """Every RNG Megatron keeps (Python, numpy, torch, "CUDA", the tracker's) and the rerun state machine's."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    put(list(random.getstate()), "rng/random")
+    put(list(np.random.get_state()), "rng/numpy")
+    put(torch.get_rng_state(), "rng/torch")
+    put(torch.cuda.get_rng_state(), "rng/cuda")
+    put(tensor_parallel.get_cuda_rng_tracker().get_states(), "rng/tracker")
+    machine = get_rerun_state_machine()
+    put(machine.state_dict(data_iterator=None, ckpt_format="torch_dist", force=True), "rerun/state_dict")
+    put(getattr(machine, "state", None), "rerun/state")
+    put(getattr(machine, "mode", None), "rerun/mode")
 
 
 def dump(directory, model, optimizer, scheduler, args, returned=None) -> None:
