@@ -51,7 +51,7 @@ from megatron_pec.format.protocol import (
 )
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.memory.layout import POOL
-from megatron_pec.memory.node_files import REPLICAS, replace_node_file
+from megatron_pec.memory.node_files import REPLICAS, map_node_file, replace_node_file
 from megatron_pec.memory.slots import SlotCache, slot_path
 from megatron_pec.format.stformat import MAX_HEADER, FormatError, decode_header, encode_header
 from megatron_pec.store.storage import Storage
@@ -87,14 +87,7 @@ def _read_line(sock: socket.socket, limit: int = 64 << 20) -> bytes:
 
 
 def _map(path: str, length: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if os.fstat(fd).st_size != length:
-            os.ftruncate(fd, length)
-        os.posix_fallocate(fd, 0, length)  # a full tmpfs fails here, not with SIGBUS later
-        return mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
+    return map_node_file(path, length)[0]  # (a full tmpfs fails here, not with SIGBUS later)
 
 
 class ReplicaStore:

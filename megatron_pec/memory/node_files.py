@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import mmap
 import os
 import re
 import shutil
@@ -31,6 +32,22 @@ def replace_node_file(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def map_node_file(path: str, length: int, populate: bool = False) -> tuple[mmap.mmap, os.stat_result]:
+    """(a shared mapping of the node-memory file ``path``, created or resized to ``length`` bytes, the file's
+    stat). Its pages are reserved first: a full tmpfs fails here with OSError (ENOSPC), not with SIGBUS at
+    a later write. ``populate``: map every page now (a page first touched in a save would cost a fault)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_size != length:
+            os.ftruncate(fd, length)
+        os.posix_fallocate(fd, 0, length)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return mmap.mmap(fd, length, flags=flags), st
+    finally:
+        os.close(fd)
 
 
 def home_slot_name(rank: int, slot: int) -> str:
@@ -79,5 +96,5 @@ def remove_job_files(directory: str) -> None:
                 os.unlink(entry.path)
 
 
-__all__ = ["SOCKET", "PIDFILE", "LOCKFILE", "AGENT_LOG", "REPLICAS", "RANK_FILE", "home_slot_name", "pool_name",
+__all__ = ["SOCKET", "PIDFILE", "LOCKFILE", "AGENT_LOG", "REPLICAS", "RANK_FILE", "map_node_file", "home_slot_name", "pool_name",
            "memory_plan_name", "agent_lock", "remove_job_files"]

@@ -15,13 +15,14 @@ never by the slot file alone.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import struct
 import threading
 
 from megatron_pec.memory.layout import HOMES_MAX, MemoryLayout, is_pool
-from megatron_pec.memory.node_files import home_slot_name, pool_name
+from megatron_pec.memory.node_files import home_slot_name, map_node_file, pool_name
 from megatron_pec.format.protocol import SlotHeader
 from megatron_pec.format.stformat import (MAX_HEADER, FormatError, Header, TensorEntry, decode_header, decode_metadata,
                                   encode_header, header_tail, read_head, read_header, tensor_table, tensor_views)
@@ -61,7 +62,8 @@ class SlotFiles:
         needed = len(encode_header(entries, {}, table=table)) - 8 + reserve
         # Existing slots of this layout (a restart restores from them) keep their header size when it
         # is large enough: the reserve is partly measured, and a different size would move every tensor.
-        self.capacity = self._existing_capacity(directory, rank, table, needed) or _aligned(needed)
+        self.capacity = self._existing_capacity(directory, rank, table, needed) or home_header_capacity(
+            entries, reserve, table)
         if self.capacity > MAX_HEADER:
             raise SlotSpaceError(
                 f"rank {rank}'s snapshot header would need {self.capacity / 2**20:.1f} MiB "
@@ -191,24 +193,18 @@ class SlotFiles:
         return out
 
     def _map(self, path: str, length: int) -> mmap.mmap:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            st = os.fstat(fd)
-            self._files.append((st.st_dev, st.st_ino))
-            if st.st_size != length:
-                os.ftruncate(fd, length)
-            try:
-                # Reserve the pages now: a full tmpfs fails here with a message, not with SIGBUS later.
-                os.posix_fallocate(fd, 0, length)
-            except OSError as exc:
-                stats = os.statvfs(self.directory)
-                raise SlotSpaceError(_space_message(self.directory, stats.f_bavail * stats.f_frsize,
-                                                   self.footprint, 1) + f" ({exc.strerror})") from None
-            # Map every page now: a page first touched during a save costs a fault (regions this
-            # process has not written yet, e.g. those a restart restores from).
-            return mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
+            # (every page mapped now: a page first touched during a save costs a fault - regions this process
+            # has not written yet, e.g. those a restart restores from)
+            mapping, st = map_node_file(path, length, populate=True)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            stats = os.statvfs(self.directory)
+            raise SlotSpaceError(_space_message(self.directory, stats.f_bavail * stats.f_frsize,
+                                               self.footprint, 1) + f" ({exc.strerror})") from None
+        self._files.append((st.st_dev, st.st_ino))
+        return mapping
 
     def write_header(self, slot: int, metadata: dict[str, str]) -> None:
         """Rewrite a home slot's metadata (and, the first time, its length prefix and tensor table)."""
@@ -233,12 +229,23 @@ class SlotFiles:
         self.maps = []
 
 
+def home_header_capacity(entries, reserve: int, table: bytes | None = None) -> int:
+    """Header bytes (after the length prefix) of a slot file of ``entries``: their tensor table (``table``,
+    if encoded already) and ``reserve`` for a save's metadata, aligned. The one computation of a slot's size."""
+    table = tensor_table(entries) if table is None else table
+    return _aligned(len(encode_header(entries, {}, table=table)) - 8 + reserve)
+
+
+def home_file_bytes(entries, reserve: int) -> int:
+    """A home slot file of ``entries`` (a rank's dense state) with ``reserve`` header bytes for metadata."""
+    return 8 + home_header_capacity(entries, reserve) + (entries[-1].end if entries else 0)
+
+
 def snapshot_file_bytes(layout: MemoryLayout, reserve: int) -> int:
     """One complete snapshot of a rank as a slot file of its own, its header naming every tensor (what a
     replica of the rank holds, and each slot of the three-region layout before the pool): the state
     that node memory is measured against."""
-    entries = layout.full_entries()
-    return 8 + _aligned(len(encode_header(entries, {})) - 8 + reserve) + layout.state_bytes
+    return 8 + home_header_capacity(layout.full_entries(), reserve) + layout.state_bytes
 
 
 def _aligned(header_bytes: int) -> int:

@@ -20,8 +20,8 @@ from megatron_pec.config import PecConfig
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.memory.node_files import memory_plan_name, replace_node_file
 from megatron_pec.memory.layout import MemoryLayout
-from megatron_pec.memory.slots import HEADER_ALIGN, snapshot_file_bytes, tmpfs_room
-from megatron_pec.format.stformat import encode_header, tensor_table
+from megatron_pec.memory.slots import home_file_bytes, snapshot_file_bytes, tmpfs_room
+from megatron_pec.format.stformat import encode_header
 
 
 def header_reserve(job: JobFacts, small_state_bound: int) -> int:
@@ -38,7 +38,7 @@ def plan(job: JobFacts, config: PecConfig, collectives, layout: MemoryLayout, as
          reserve: int) -> tuple[budget.MemoryPlan | None, str | None]:
     """This rank's node memory for the asked snapshot K, or the K a --pec-node-memory budget holds;
     (plan, None) or (None, what is wrong). Collective: the node's state is every local rank's."""
-    home_file = 8 + reserve + (HEADER_ALIGN - 1) + len(tensor_table(layout.dense)) + layout.dense_bytes
+    home_file = home_file_bytes(layout.dense, reserve)
     state = snapshot_file_bytes(layout, reserve)
     header = 8 + len(encode_header(replace(layout, regions=2 * len(layout.experts)).pool_entries(),
                                    layout.pool_metadata()))
