@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from megatron_pec.integrity.kinds import is_sum64
 from megatron_pec.integrity.byteruns import runs
 
 try:
@@ -34,27 +35,13 @@ class _Crc32:
         return self.value
 
 
-class _Sum64:
-    def __init__(self):
-        from megatron_pec.integrity.sum64 import Sum64  # (numpy: imported when an item is checked)
-
-        self.acc = Sum64()
-
-    def update(self, data) -> "_Sum64":
-        self.acc.update(data)
-        return self
-
-    def result(self) -> str:
-        return self.acc.hexdigest()
-
-
-def is_sum64(value) -> bool:
-    return isinstance(value, str) and value.startswith("s64:")
-
-
 def accumulator(like):
     """An accumulator of the kind of the recorded checksum ``like`` (``update(bytes)``, ``result()``)."""
-    return _Sum64() if is_sum64(like) else _Crc32()
+    if is_sum64(like):
+        from megatron_pec.integrity.sum64 import Sum64  # (numpy: imported when an item is checked)
+
+        return Sum64()
+    return _Crc32()
 
 
 def item_checks(buffer, header, expected: dict) -> dict:

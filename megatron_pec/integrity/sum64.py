@@ -30,19 +30,13 @@ from __future__ import annotations
 import numpy
 
 from megatron_pec.integrity.byteruns import runs
-
-PREFIX = "s64:"
+from megatron_pec.integrity.kinds import SUM64_PREFIX as PREFIX, is_sum64
 MASK = (1 << 64) - 1
 COLUMNS = 4096  # words per row of the two reductions that weight each word by its index
 
 
 def digest(a: int, b: int) -> str:
     return f"{PREFIX}{a & MASK:016x}{b & MASK:016x}"
-
-
-def is_sum64(value) -> bool:
-    """Whether a recorded checksum is of this kind (older records hold CRC-32 integers)."""
-    return isinstance(value, str) and value.startswith(PREFIX)
 
 
 class Sum64:
@@ -82,6 +76,9 @@ class Sum64:
             value = byte << (8 * place)
             self.a += value
             self.b += (word + 1) * value
+
+    def result(self) -> str:  # (an ``accumulator``, as a CRC-32's)
+        return self.hexdigest()
 
     def hexdigest(self) -> str:
         return digest(self.a, self.b)
