@@ -283,3 +283,40 @@ def test_the_agent_starts_without_torch_or_megatron():
             "print(sorted(m for m in ('torch', 'megatron', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
+# Classes still over the limit (issue 40, item 7), each held at its size today: it may shrink, never grow,
+# and no other class may join it.
+OVERSIZED_CLASSES = {"megatron_pec/testing/campaign.py:Campaign": 525, "megatron_pec/engine.py:Engine": 447,
+                     "megatron_pec/restore/loader.py:Loader": 335,
+                     "megatron_pec/store/checkpoint_dir.py:CheckpointDir": 328, "megatron_pec/agent/server.py:Agent": 321}
+
+
+def definition_sizes(roots, base=REPO) -> tuple[dict[str, int], dict[str, int]]:
+    """(class -> lines, function -> lines) of every definition under ``roots`` (``path:name``, the path from
+    ``base``), nested ones too."""
+    classes, functions = {}, {}
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+                where = f"{path.relative_to(base)}:{getattr(node, 'name', '')}"
+                if isinstance(node, ast.ClassDef):
+                    classes[where] = lines
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    functions[where] = max(lines, functions.get(where, 0))
+    return classes, functions
+
+
+def test_no_function_over_60_lines_and_no_class_over_300_but_the_named_ones():
+    classes, functions = definition_sizes([REPO / "megatron_pec", REPO / "benchmarks"])
+    assert {f: n for f, n in functions.items() if n > MAX_FUNCTION_LINES} == {}
+    over = {c: n for c, n in classes.items() if n > MAX_CLASS_LINES}
+    assert set(over) <= set(OVERSIZED_CLASSES), sorted(set(over) - set(OVERSIZED_CLASSES))
+    assert all(n <= OVERSIZED_CLASSES[c] for c, n in over.items()), over
+
+
+def test_the_size_check_counts_nested_definitions(tmp_path):
+    (tmp_path / "made_up.py").write_text("class C:\n    def f(self):\n" + "        x = 1\n" * 70)
+    assert definition_sizes([tmp_path], tmp_path) == ({"made_up.py:C": 72}, {"made_up.py:f": 71})
