@@ -437,8 +437,8 @@ class Engine:
 
     def _restored(self, directory: CheckpointDir, plan: RestorePlan, finetune: bool,
                   phases: Phases) -> tuple[int, float]:
-        """Load step 7, the restore is done: retire what an abandoned run left after it, say so (where the
-        time went included) and start the new timeline."""
+        """Load step 7, retire and begin: the restore is done. Retire what an abandoned run left after it, say
+        so (where the time went included) and start the new timeline."""
         iteration = self.adapter.iteration_after_load(plan.iteration, finetune)
         self.history.restore(iteration, here=directory.root == self.job.save_root)
         self._retire_after(directory, plan.iteration, finetune, phases)

@@ -14,6 +14,7 @@
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -320,3 +321,43 @@ def test_no_function_over_60_lines_and_no_class_over_300_but_the_named_ones():
 def test_the_size_check_counts_nested_definitions(tmp_path):
     (tmp_path / "made_up.py").write_text("class C:\n    def f(self):\n" + "        x = 1\n" * 70)
     assert definition_sizes([tmp_path], tmp_path) == ({"made_up.py:C": 72}, {"made_up.py:f": 71})
+
+
+STEP_LIST = re.compile(r"^(\d+)\. \*\*([a-z ]+)\*\*", re.MULTILINE)
+STEP_MENTION = re.compile(r"\b(save|load) steps? (\d+)(?:-(\d+))?(?:, ([a-z][a-z ]*[a-z]))?", re.IGNORECASE)
+
+
+def design_steps() -> dict[str, dict[int, str]]:
+    """"save" / "load" -> step number -> name, from docs/design.md's numbered lists of the two paths."""
+    text = (REPO / "docs" / "design.md").read_text()
+    out = {}
+    for path in ("save", "load"):
+        section = text.split(f"## The {path} path", 1)[1].split("\n## ", 1)[0]
+        out[path] = {int(n): name for n, name in STEP_LIST.findall(section)}
+    return out
+
+
+def step_mentions(text: str) -> list[tuple[str, int, int, str | None]]:
+    """(path, first step, last step, the name given after a single step or None) of each mention."""
+    return [(path.lower(), int(first), int(last or first), name or None)
+            for path, first, last, name in STEP_MENTION.findall(text)]
+
+
+def test_step_numbers_and_names_agree_with_the_design_everywhere():
+    """One numbering of the save and load steps: every "save step N" / "load steps N-M" in the package and
+    the design names a step of docs/design.md's lists, and a name given with a step is that step's."""
+    steps = design_steps()
+    assert sorted(steps["save"]) == list(range(1, 9)) and sorted(steps["load"]) == list(range(1, 8)), steps
+    wrong = []
+    for path in [*PACKAGE.rglob("*.py"), REPO / "docs" / "design.md"]:
+        for kind, first, last, name in step_mentions(path.read_text()):
+            named = steps[kind].get(first)
+            if last not in steps[kind] or named is None or (name and first == last and
+                                                            not name.lower().startswith(named)):
+                wrong.append(f"{path.relative_to(REPO)}: {kind} step {first}-{last} {name!r} (design: {named!r})")
+    assert not wrong, wrong
+
+
+def test_the_step_check_sees_a_drifted_name():
+    assert step_mentions('"""Save step 4, notify: ...') == [("save", 4, 4, "notify")]
+    assert step_mentions("load steps 3-5 without") == [("load", 3, 5, None)]

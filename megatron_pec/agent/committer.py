@@ -1,4 +1,4 @@
-"""Save step 6, commit - and the persists a restart relies on.
+"""Save step 6, persist and commit (its commit) - and the persists a restart relies on.
 
 Runs in the node agent's writer thread (``writer.py``; at a planned exit, once the writer stopped, in
 the agent's main thread). A node's part of an iteration is done when every local

@@ -4,7 +4,7 @@ iteration manifests, the tracker, retention and retirement.
 One ``CheckpointDir(root, storage)`` per directory, built where the storage is injected (the engine,
 the node agent per job, the command line) and handed to whoever reads or writes the directory; every
 byte goes through its ``storage``. The node agents commit and apply retention (save step 6); the
-engine retires what an abandoned run left after a restore (load step 6); restore, ``inspect``,
+engine retires what an abandoned run left after a restore (load step 7, retire and begin); restore, ``inspect``,
 ``verify`` and ``export`` read.
 
 One rule decides validity: an iteration is committed iff its ``manifest.json`` exists. The manifest
