@@ -175,14 +175,7 @@ class Engine:
         self.save_phases = phases = save.phases
         with phases("previous snapshot"):
             self.handover.wait()
-        save.lease()
-        self._await_snapshot_room(save)
-        save.start_agreement()
-        # The dense state, which every plan writes, is copied while the all-reduce runs; so are the
-        # experts when the plan reads no token counts (the all-reduce brings them).
-        save.copy({NON_EXPERT})
-        for step in (save.plan, save.agree) if self.book.plans_without_counts else (save.agree, save.plan):
-            step()
+        self._take_snapshot(save, every_expert=False)
         with phases("metadata"):
             # (a skipped save too: a clean exit right after it still saves this state, ``_final_snapshot``)
             self.history.called(iteration, small_state.Captured(
@@ -192,15 +185,41 @@ class Engine:
             self._skip(iteration, save.why_not)
             return
         faults.point("snapshot_end", iteration=iteration)
-        generation = self.history.generation(iteration) if persistent else ""
+        self._hand_over(save, self.history.generation(iteration) if persistent else "")
+
+    def _take_snapshot(self, save: "Save", every_expert: bool) -> None:
+        """Save steps 1-3, the one order of every save: lease a home slot; start the agreement (an ordinary
+        save: its one collective); copy the dense state, which every plan writes, while the all-reduce runs;
+        plan the experts and copy them, before the agreement's result where the plan reads no token counts
+        (the all-reduce brings them), after it otherwise. ``every_expert``: a planned exit's save, every
+        expert and no collective (every rank does the same, so the PEC bookkeeping stays identical)."""
+        save.lease()
+        if not every_expert:
+            self._await_snapshot_room(save)
+            save.start_agreement()
+        save.copy({NON_EXPERT})
+        if every_expert:
+            save.plan_all()
+        elif self.book.plans_without_counts:
+            save.plan()
+            save.agree()
+        else:
+            save.agree()
+            save.plan()
+
+    def _hand_over(self, save: "Save", generation: str) -> bool:
+        """Save step 4, describe and hand over: the snapshot to the hand-over thread whole, or in rounds where
+        node memory cannot take its experts at once; then the save is written in the save history. False
+        when node memory freed no region for a round (warned)."""
         if save.in_rounds:
             if not self._in_rounds(save, generation):
-                return
+                return False
         else:
-            with phases("metadata"):
+            with save.phases("metadata"):
                 pending = save.describe(self.history.small, generation)
             self.handover.submit(pending)
-        self.history.wrote(iteration, save.writes_every_expert)
+        self.history.wrote(save.iteration, save.writes_every_expert)
+        return True
 
     def _await_snapshot_room(self, save: "Save") -> None:
         """Under a budget a snapshot takes the experts its implied K promises: where a persist or a push
@@ -227,20 +246,13 @@ class Engine:
         if iteration is None:
             return
         save = Save(self.parts, iteration, persistent=True)  # (waits for regions, as a persistent save)
-        save.lease()
+        self._take_snapshot(save, every_expert=True)
         if save.slot is None:
             log.warning(f"cannot save every expert of iteration {iteration} at exit: {save.why_not}; the restart "
                         "restores them from their newest saved versions", rank=self.rank)
             return
-        save.copy({NON_EXPERT})
-        save.plan_all()
-        if save.in_rounds:
-            if not self._in_rounds(save, self.history.exit_generation):
-                return
-        else:
-            self.handover.submit(save.describe(self.history.small, self.history.exit_generation))
-        self.history.wrote(iteration, True)
-        log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
+        if self._hand_over(save, self.history.exit_generation):
+            log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
 
     def _in_rounds(self, save: "Save", generation: str) -> bool:
         """A persistent save whose experts node memory cannot take at once (every expert at a planned
@@ -511,10 +523,10 @@ class SaveParts:
 
 
 class Save:
-    """One save on one rank as named steps over its own state; ``Engine.save`` runs them in order:
-    lease a home slot, start the agreement, copy the dense state, plan and copy the experts / finish
-    the agreement (in the order the policy allows), describe the snapshot. Changes only node memory
-    (copies) and, once agreed, the PEC bookkeeping."""
+    """One save on one rank as named steps over its own state; ``Engine._take_snapshot`` runs them in the one
+    order of every save (lease a home slot, start the agreement, copy the dense state, plan and copy the
+    experts / finish the agreement, in the order the policy allows) and ``Engine._hand_over`` describes the
+    snapshot. Changes only node memory (copies) and, once agreed, the PEC bookkeeping."""
 
     def __init__(self, parts: SaveParts, iteration: int, persistent: bool,
                  experts: tuple[frozenset, frozenset] | None = None):

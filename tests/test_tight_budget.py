@@ -51,7 +51,7 @@ def refused(tmp_path, shm_dir, job, budget, *extra) -> float:
     out, code = launch(tmp_path, shm_dir, job, "--pec-node-memory", budget, *extra, check=False)
     found = SMALLEST.search(out)
     assert code != 0 and found, out[-3000:]
-    assert f"--pec-node-memory {budget} leaves" in out and "iteration        1/" not in out
+    assert f"--pec-node-memory {float(budget[:-1]):g}x leaves" in out and "iteration        1/" not in out
     return float(found.group(1))
 
 
