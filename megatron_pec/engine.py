@@ -195,7 +195,7 @@ class Engine:
         expert and no collective (every rank does the same, so the PEC bookkeeping stays identical)."""
         save.lease()
         if not every_expert:
-            self._await_snapshot_room(save)
+            save.await_snapshot_room(self.snapshot_need)
             save.start_agreement()
         save.copy({NON_EXPERT})
         if every_expert:
@@ -212,7 +212,7 @@ class Engine:
         node memory cannot take its experts at once; then the save is written in the save history. False
         when node memory freed no region for a round (warned)."""
         if save.in_rounds:
-            if not self._in_rounds(save, generation):
+            if not save.write_in_rounds(self.handover, self.history.small, generation, self.adapter_items):
                 return False
         else:
             with save.phases("metadata"):
@@ -220,20 +220,6 @@ class Engine:
             self.handover.submit(pending)
         self.history.wrote(save.iteration, save.writes_every_expert)
         return True
-
-    def _await_snapshot_room(self, save: "Save") -> None:
-        """Under a budget a snapshot takes the experts its implied K promises: where a persist or a push
-        still reads the regions it needs (the spares are exactly what one snapshot writes), it waits for
-        them to be handed back - one persist at most - rather than keep experts at older versions (the
-        PLT of a crash would be a smaller K's)."""
-        if save.slot is None or save.capacity >= self.snapshot_need:
-            return
-        started = time.monotonic()
-        with save.phases("slot"):
-            save.await_capacity(self.snapshot_need, SNAPSHOT_ROOM_WAIT_S)
-        log.info(f"the snapshot of iteration {save.iteration} waited {time.monotonic() - started:.3f} s for the node "
-                 "agent to hand back regions a persist or push was reading (--pec-node-memory leaves spares for one "
-                 "snapshot's experts)", rank=self.rank)
 
     def _final_snapshot(self) -> None:
         """A clean exit right after a save (nothing trained since) that left experts out, or was skipped:
@@ -253,55 +239,6 @@ class Engine:
             return
         if self._hand_over(save, self.history.exit_generation):
             log.info(f"planned exit: iteration {iteration} saved once more with every expert", rank=self.rank)
-
-    def _in_rounds(self, save: "Save", generation: str) -> bool:
-        """A persistent save whose experts node memory cannot take at once (every expert at a planned
-        exit, or a first persist of every expert, into a pool with spares for a partial snapshot): rounds
-        of memory-only snapshots of its iteration, each of as many of its experts as the pool has regions
-        free and recorded before the next (their older versions are then free, once the agent's pushes
-        and persists of the last round hand them back: one persist at most, ``AgentSession.await_capacity``),
-        and a last one, persisted, whose header names every item it wrote and where. No collective: the PEC
-        bookkeeping records the save's plan once, as on every rank. False (warned) when node memory frees no
-        region (a budget admits none where that can happen: ``budget.least_spares``)."""
-        planned = self.parts.job.held_items(save.experts[0])
-        remaining = [item for item in self.adapter_items if item in planned]
-        known: dict[str, str] = {}     # item -> checksum, of the experts earlier rounds wrote
-        elsewhere: dict[str, int] = {}  # item -> the region they wrote it to
-        current, rounds, waited = save, 1, 0.0  # (waited: for the agent to record a round and free regions)
-        while True:
-            take = remaining[:current.capacity]
-            current.copy(set(take))
-            remaining = remaining[len(take):]
-            if not remaining:
-                self.handover.submit(current.describe_whole(self.history.small, generation, save.persistent,
-                                                            known, elsewhere))
-                log.info(f"persistent save of iteration {save.iteration}: {len(planned)} experts through node memory "
-                         f"in {rounds} rounds; training waited {waited:.3f} s in all for the node agent to record "
-                         "each round and hand its regions back (at most one persist per round)", rank0=True)
-                return True
-            part = current.describe_part(self.history.small)
-            self.handover.submit(part)
-            self.handover.wait()
-            started = time.monotonic()
-            self.session.settle()
-            known.update({item: value for item, value in part.staged.sums().items() if item != NON_EXPERT})
-            elsewhere.update({item: slot for item, slot in part.placement.items() if item != NON_EXPERT})
-            current = Save(self.parts, save.iteration, persistent=True, experts=save.experts)
-            current.lease()
-            if current.slot is not None:
-                waited += time.monotonic() - started
-                current.copy({NON_EXPERT})
-                started = time.monotonic()
-                current.await_capacity()
-            waited += time.monotonic() - started
-            rounds += 1
-            if current.slot is None or not current.capacity:
-                log.warning(f"cannot save every planned expert of iteration {save.iteration}: node memory frees no "
-                            f"region for the {len(remaining)} left ({current.why_not or 'every region held'}); the "
-                            "restart restores them from their newest saved versions", rank=self.rank)
-                if current.slot is not None:
-                    self.session.skipped(current.placement)
-                return False
 
     @property
     def adapter_items(self) -> list[str]:
@@ -630,6 +567,68 @@ class Save:
         self.placement = {item: slot for item, slot in self.placement.items() if item not in dropped}
         self.staging.drop(wasted)
         self.experts = kept
+
+    def await_snapshot_room(self, need: int) -> None:
+        """Under a budget a snapshot takes the experts its implied K promises: where a persist or a push
+        still reads the regions it needs (the spares are exactly what one snapshot writes), it waits for
+        them to be handed back - one persist at most - rather than keep experts at older versions (the
+        PLT of a crash would be a smaller K's)."""
+        if self.slot is None or self.capacity >= need:
+            return
+        started = time.monotonic()
+        with self.phases("slot"):
+            self.await_capacity(need, SNAPSHOT_ROOM_WAIT_S)
+        log.info(f"the snapshot of iteration {self.iteration} waited {time.monotonic() - started:.3f} s for the node "
+                 "agent to hand back regions a persist or push was reading (--pec-node-memory leaves spares for one "
+                 "snapshot's experts)", rank=self.parts.job.rank)
+
+    def write_in_rounds(self, handover, small: small_state.Captured, generation: str, items: list[str]) -> bool:
+        """A persistent save whose experts node memory cannot take at once (every expert at a planned
+        exit, or a first persist of every expert, into a pool with spares for a partial snapshot): rounds
+        of memory-only snapshots of its iteration, each of as many of its experts as the pool has regions
+        free and recorded before the next (their older versions are then free, once the agent's pushes
+        and persists of the last round hand them back: one persist at most, ``AgentSession.await_capacity``),
+        and a last one, persisted, whose header names every item it wrote and where. No collective: the PEC
+        bookkeeping records the save's plan once, as on every rank. False (warned) when node memory frees no
+        region (a budget admits none where that can happen: ``budget.least_spares``)."""
+        planned = self.parts.job.held_items(self.experts[0])
+        remaining = [item for item in items if item in planned]
+        known: dict[str, str] = {}     # item -> checksum, of the experts earlier rounds wrote
+        elsewhere: dict[str, int] = {}  # item -> the region they wrote it to
+        current, rounds, waited = self, 1, 0.0  # (waited: for the agent to record a round and free regions)
+        while True:
+            take = remaining[:current.capacity]
+            current.copy(set(take))
+            remaining = remaining[len(take):]
+            if not remaining:
+                handover.submit(current.describe_whole(small, generation, self.persistent, known, elsewhere))
+                log.info(f"persistent save of iteration {self.iteration}: {len(planned)} experts through node memory "
+                         f"in {rounds} rounds; training waited {waited:.3f} s in all for the node agent to record "
+                         "each round and hand its regions back (at most one persist per round)", rank0=True)
+                return True
+            part = current.describe_part(small)
+            handover.submit(part)
+            handover.wait()
+            started = time.monotonic()
+            self.parts.session.settle()
+            known.update({item: value for item, value in part.staged.sums().items() if item != NON_EXPERT})
+            elsewhere.update({item: slot for item, slot in part.placement.items() if item != NON_EXPERT})
+            current = Save(self.parts, self.iteration, persistent=True, experts=self.experts)
+            current.lease()
+            if current.slot is not None:
+                waited += time.monotonic() - started
+                current.copy({NON_EXPERT})
+                started = time.monotonic()
+                current.await_capacity()
+            waited += time.monotonic() - started
+            rounds += 1
+            if current.slot is None or not current.capacity:
+                log.warning(f"cannot save every planned expert of iteration {self.iteration}: node memory frees no "
+                            f"region for the {len(remaining)} left ({current.why_not or 'every region held'}); the "
+                            "restart restores them from their newest saved versions", rank=self.parts.job.rank)
+                if current.slot is not None:
+                    self.parts.session.skipped(current.placement)
+                return False
 
     def copy(self, items: set[str]) -> None:
         if self.slot is None or not items:
