@@ -29,6 +29,14 @@ class PecConfigError(ValueError):
 def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--pec-*`` flags; usable as Megatron-LM's ``extra_args_provider``."""
     g = parser.add_argument_group("megatron-pec (partial-experts flash checkpointing)")
+    _add_expert_selection(g)
+    _add_node_memory(g)
+    _add_replicas_storage_and_agent(g)
+    return parser
+
+
+def _add_expert_selection(g) -> None:
+    """Which experts a checkpoint saves, and Dynamic-K."""
     g.add_argument("--pec-snapshot-k", type=int, default=None,
                    help="experts per MoE layer copied to node memory at each save "
                         "(default: all experts, a plain flash checkpoint)")
@@ -47,6 +55,10 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "exceeds --pec-plt-threshold")
     g.add_argument("--pec-plt-threshold", type=float, default=0.0375,
                    help="PLT limit for --pec-dynamic-k, as a fraction (default 0.0375 = 3.75%%)")
+
+
+def _add_node_memory(g) -> None:
+    """Node memory (where snapshots live, its budget) and how many checkpoints are kept."""
     g.add_argument("--pec-shm-dir", default=DEFAULT_SHM_DIR,
                    help="tmpfs directory for snapshot slots; node memory lives in "
                         "DIR/<job id>/node<node rank>/ (default %(default)s)")
@@ -67,6 +79,10 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "Snapshots take as many experts per layer as it holds (said at start-up). Default: "
                         "two dense states and one spare expert region per expert a snapshot writes (2x the "
                         "state with every expert, less with --pec-snapshot-k)")
+
+
+def _add_replicas_storage_and_agent(g) -> None:
+    """Replicas in peer nodes' memory, the storage (--pec-storage) and the node agent."""
     g.add_argument("--pec-replicas", type=int, default=None,
                    help="copies of every snapshot that node agents keep in other nodes' memory, so a lost "
                         "node restores from a peer instead of storage (default: 1 when the job spans more "
@@ -87,7 +103,6 @@ def add_pec_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pec-agent-idle-timeout", type=float, default=600.0,
                    help="seconds the node agent waits for trainers to come back after they vanished "
                         "(default 600)")
-    return parser
 
 
 def megatron_flag_notes(args) -> list[str]:
