@@ -110,7 +110,7 @@ class Staging:
         if not dst:
             return
         if stager.stream is None:
-            with torch.no_grad():
+            with torch.no_grad():  # (main params require grad, and autograd would record every copy)
                 torch._foreach_copy_(dst, src)
             return
         produced = torch.cuda.Event()
