@@ -138,3 +138,53 @@ def test_the_commands_refuse_an_unknown_profile_plainly(s3_server):
     proc = megatron_pec("verify", "msc://nowhere/ck")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "'nowhere'" in proc.stderr and "MSC_CONFIG" in proc.stderr
+
+
+# ---- the example trainer on the object store -----------------------------------------------------------------
+def wait_committed(url: str, iteration: int, timeout: float = 120.0) -> CheckpointDir:
+    """The checkpoint directory ``url`` once ``iteration`` is committed there (the agents persist after the
+    trainers exit)."""
+    import time
+
+    d = CheckpointDir(url, open_storage(spec_for("", url)))
+    deadline = time.monotonic() + timeout
+    while iteration not in d.committed_iterations():
+        assert time.monotonic() < deadline, f"iteration {iteration} not committed in {url}: {d.storage.list(url)}"
+        time.sleep(0.2)
+    return d
+
+
+@pytest.mark.multiprocess
+def test_the_example_trainer_saves_to_s3_and_restores_from_it_alone(s3_prefix, tmp_path):
+    """examples/gpt_moe/pretrain_gpt_moe.py on 2 CPU ranks with ``--save/--load msc://...`` (no
+    --pec-storage): it trains 3 iterations and persists them to the object store; with node memory gone, a
+    fresh run restores iteration 3 from the store alone, equal item by item to its live state at the save;
+    ``verify`` and ``inspect`` read the store."""
+    from megatron_pec.testing import launch
+    from test_state_parity import ITERATION, LOAD_SEED, SAVE_SEED, differences, report, run_dump
+
+    shm = Path("/dev/shm") / f"pec-s3-{os.getpid()}-{tmp_path.name[-12:]}"
+    ckpt = f"{s3_prefix}/ck"
+    args = ["--hidden-size", "32", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--expert-model-parallel-size", "2", "--log-interval", "100", "--eval-iters", "1", "--hidden-dropout",
+            "0.1", "--train-iters", str(ITERATION), "--save", ckpt, "--load", ckpt, "--enable-msc",
+            "--save-interval", str(ITERATION), "--pec-shm-dir", str(shm), "--pec-job-id", "s3ex"]
+    script = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+    try:
+        run_dump(script, *args, dump=tmp_path / "live", seed=SAVE_SEED, at=f"save:{ITERATION}")
+        d = wait_committed(ckpt, ITERATION)
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)  # node memory gone: the store alone
+        log = run_dump(script, *args, dump=tmp_path / "restored", seed=LOAD_SEED)
+        assert f"restored iteration {ITERATION} from storage" in log, log[-3000:]
+    finally:
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)
+    ignore = {"args/iteration": "", "args/num_floating_point_operations_so_far": ""}
+    found = differences(tmp_path / "live", tmp_path / "restored", None, ignore, {})
+    assert not found, report(found, "the example trainer's restore from S3 against its state at the save")
+    assert d.read_tracker() == str(ITERATION)
+    for command in ("verify", "inspect"):
+        proc = megatron_pec(command, ckpt)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
