@@ -129,9 +129,9 @@ def test_retention_on_s3_keeps_the_configured_number_of_iterations(s, s3_prefix)
 
 
 # ---- the command line --------------------------------------------------------------------------------------
-def megatron_pec(*args: str) -> subprocess.CompletedProcess:
+def megatron_pec(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_pec", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                          timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
 
 
 def test_the_commands_refuse_an_unknown_profile_plainly(s3_server):
@@ -188,3 +188,58 @@ def test_the_example_trainer_saves_to_s3_and_restores_from_it_alone(s3_prefix, t
         proc = megatron_pec(command, ckpt)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def own_s3(tmp_path):
+    """An S3 server of this test alone (it kills and restarts it), with its MSC config file."""
+    from megatron_pec.testing import s3_server
+
+    why = s3_server.missing()
+    if why:
+        pytest.skip(f"no S3 server for the object-store tests: {why}")
+    server = s3_server.S3Server(tmp_path / "s3data").start()
+    server.config = server.msc_config(tmp_path / "msc.yaml", profile="pecown")
+    yield server
+    server.stop()
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path, monkeypatch):
+    """Two simulated nodes (the example trainer) with ``--save msc://...``, persisting every 2 iterations.
+    Node 1 is lost: the relaunch restores it from node 0's memory. Then the S3 server is SIGKILLed and
+    restarted on the same data and ports a few seconds later: training never stops (the persists that met
+    the outage fail with a warning; node memory holds the state), the persists after the restart commit,
+    no committed iteration is partial."""
+    from megatron_pec.testing.cluster import Cluster
+    from test_faults import FULL, LAUNCH_TIMEOUT, PRETRAIN, held, wait_held, with_flag
+
+    env = {"MSC_CONFIG": str(own_s3.config)}
+    monkeypatch.setenv("MSC_CONFIG", env["MSC_CONFIG"])
+    url, last = "msc://pecown/ck", 100  # (iterations take ~0.1 s: the store must come back before the end)
+    shm = Path("/dev/shm") / f"pec-s3n-{os.getpid()}-{tmp_path.name[-12:]}"
+    c = Cluster(tmp_path / "run", shm, "s3nodes", script=PRETRAIN, save=url, env=env)
+    try:
+        c.launch(FULL, **held(1, after=5))
+        wait_held(c, 1)
+        c.lose_node(1)
+        assert c.wait_exit(60, nodes=[0])[0] != 0
+        c.launch(with_flag(FULL, "--train-iters", str(last)))
+        c.wait_for(lambda: c.iteration() >= 8, LAUNCH_TIMEOUT, "iteration 8")
+        own_s3.kill()
+        down_at = c.iteration()
+        c.wait_for(lambda: c.iteration() >= down_at + 2, LAUNCH_TIMEOUT, "training on while the store is down")
+        own_s3.start()
+        restarted_at = c.iteration()
+        assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+        restores = c.restores(2)
+        assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
+        d = wait_committed(url, last, timeout=LAUNCH_TIMEOUT)  # persists after the restart commit
+    finally:
+        c.close()
+        shutil.rmtree(shm, ignore_errors=True)
+    assert restarted_at < last, (restarted_at, "the store came back only after training ended")
+    assert "was not persisted: OSError" in c.logs(2), c.logs(2)[-3000:]  # (the outage was met, and survived)
+    assert d.read_tracker() == str(last)
+    proc = megatron_pec("verify", url, env=env)  # every committed iteration whole
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -90,7 +90,11 @@ class S3Server:
         p = self.ports
         cmd = [weed_binary(), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                "-s3", f"-s3.port={p['s3']}", f"-master.port={p['master']}", f"-volume.port={p['volume']}",
-               f"-filer.port={p['filer']}", "-volume.max=0", "-master.volumeSizeLimitMB=64"]
+               f"-filer.port={p['filer']}", "-volume.max=0", "-master.volumeSizeLimitMB=64",
+               # (fixed ports by default: two servers would collide; unused here)
+               "-s3.port.iceberg=0", "-s3.port.lance=0",
+               # one master: a restart waits a whole election timeout (10 s by default) before it serves
+               "-master.electionTimeout=1s"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -114,11 +118,12 @@ class S3Server:
                             aws_secret_access_key="any", config=Config(retries={"max_attempts": 1},
                                                                         connect_timeout=2, read_timeout=10))
 
-    def msc_config(self, path: str | os.PathLike) -> Path:
-        """Write the MSC profile ``PROFILE`` for this server to ``path`` (name it in ``MSC_CONFIG``)."""
+    def msc_config(self, path: str | os.PathLike, profile: str = PROFILE) -> Path:
+        """Write the MSC profile ``profile`` for this server to ``path`` (name it in ``MSC_CONFIG``). MSC
+        keeps a client per profile name in a process: two servers, two names."""
         path = Path(path)
         path.write_text(f"""profiles:
-  {PROFILE}:
+  {profile}:
     storage_provider:
       type: s3
       options:
