@@ -8,14 +8,14 @@ import os
 import sys
 
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.store.storage import open_storage
+from megatron_pec.store.storage import open_storage, spec_for
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_pec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     storage_flag = dict(default="", metavar="SPEC", help="the storage DIR is on, as the job's --pec-storage "
-                        "(default: POSIX files)")
+                        "(default: POSIX files; MSC for an msc://<profile>/<path> DIR)")
     p = sub.add_parser("inspect", help="summarise a checkpoint directory (--save/--load), or a node's memory "
                        "(<shm dir>/<job id>/node<k>: what its files take against the state)")
     p.add_argument("dir")
@@ -45,7 +45,8 @@ def main(argv=None) -> int:
 
         return agent_main(args.dir, args.node_rank, args.idle_timeout, args.keep_shm)
     try:
-        storage = open_storage(args.storage)  # every command reads and writes checkpoint directories through it
+        # every command reads and writes checkpoint directories through it (an msc:// DIR implies MSC)
+        storage = open_storage(spec_for(args.storage, args.dir))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
         found = inspect_node_memory.report(args.dir)  # (node memory: local files, never on the storage)
         print(json.dumps(found, indent=1) if args.json else inspect_node_memory.format_report(found))
         return 0
-    if not storage.exists(args.dir):
+    if not (storage.exists(args.dir) or storage.list(args.dir)):  # (an object store has no directories)
         print(f"error: {args.dir} is not a directory", file=sys.stderr)
         return 2
     directory = CheckpointDir(args.dir, storage)

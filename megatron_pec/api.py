@@ -17,6 +17,7 @@ from megatron_pec.common import log
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.config import this_launch
 from megatron_pec.integrity import run_sums
+from megatron_pec.store.storage import absolute
 
 _fallback_args = None
 _engine = None
@@ -68,7 +69,7 @@ def _converting(args) -> str | None:
     --save at <--ckpt-convert-save>/<format> and saves once, to be read by Megatron itself."""
     fmt, target = getattr(args, "ckpt_convert_format", None), getattr(args, "ckpt_convert_save", None)
     save = getattr(args, "save", None)
-    if fmt and target and save and os.path.abspath(save) == os.path.abspath(os.path.join(target, fmt)):
+    if fmt and target and save and absolute(save) == absolute(os.path.join(target, fmt)):
         return fmt
     return None
 

@@ -139,7 +139,8 @@ def default_job_id(directory: str | None, run_id: str) -> str:
     if run_id and run_id != "none":
         return run_id
     if directory:
-        return "save-" + hashlib.sha1(os.path.realpath(directory).encode()).hexdigest()[:12]
+        where = directory if "://" in directory else os.path.realpath(directory)  # (a URL is no local path)
+        return "save-" + hashlib.sha1(where.encode()).hexdigest()[:12]
     return "default"
 
 
@@ -251,8 +252,12 @@ class PecConfig:
 
     @staticmethod
     def storage_spec(args) -> str:
-        """--pec-storage from Megatron's args ("" when absent: POSIX)."""
-        return getattr(args, "pec_storage", None) or ""
+        """--pec-storage from Megatron's args; absent, the storage an ``msc://`` --save/--load implies
+        (Megatron's --enable-msc paths), else "" (POSIX)."""
+        from megatron_pec.store.storage import spec_for
+
+        return spec_for(getattr(args, "pec_storage", None) or "", getattr(args, "save", None),
+                        getattr(args, "load", None))
 
     @classmethod
     def from_args(cls, args, env: Mapping[str, str] | None = None) -> "PecConfig":

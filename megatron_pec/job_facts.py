@@ -19,6 +19,7 @@ from megatron_pec.pec.expert_values import HeldExperts
 from megatron_pec.format.item_names import ExpertId, ExpertOrder, item_name
 from megatron_pec.format.protocol import Hello, JobInfo, RankLayout
 from megatron_pec.memory.slots import node_dir
+from megatron_pec.store.storage import absolute
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +92,7 @@ class JobFacts:
                    token_replicas=adapter.token_replicas,
                    replicas=_replicas(config, num_nodes, adapter.rank), ep_groups=ep_groups,
                    node_dir=node_dir(config.shm_dir, config.job_id, node_rank),
-                   save_root=os.path.abspath(config.save) if config.save else "")
+                   save_root=absolute(config.save) if config.save else "")
 
 
 def _expert_layout(adapter) -> policy.ExpertLayout | None:

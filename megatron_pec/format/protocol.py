@@ -175,7 +175,8 @@ class JobKey(typing.NamedTuple):
 
     @classmethod
     def of(cls, header: "SlotHeader") -> "JobKey":
-        return cls(header.job_id, header.fingerprint, os.path.abspath(header.save))
+        save = header.save if "://" in header.save else os.path.abspath(header.save)  # (a URL is no local path)
+        return cls(header.job_id, header.fingerprint, save)
 
 
 # ---- agent messages ------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from typing import Callable
 from megatron_pec.common import faults
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Manifest, NodeMarker, ProtocolError, RankFile, RankLayout
-from megatron_pec.store.storage import Storage
+from megatron_pec.store.storage import Storage, absolute
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -54,7 +54,7 @@ class ManifestError(ValueError):
 
 class CheckpointDir:
     def __init__(self, root: str, storage: Storage):
-        self.root = root if "://" in root else os.path.abspath(root)  # (a URL is no local path)
+        self.root = absolute(root)
         self.storage = storage
 
     def __repr__(self) -> str:

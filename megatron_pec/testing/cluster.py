@@ -148,7 +148,7 @@ class Cluster:
         self.nnodes, self.model_args, self.script = nnodes, list(model_args), Path(script).resolve()
         if not self.script.is_file():
             raise FileNotFoundError(f"training script {self.script} not found")
-        self.save = Path(save) if save is not None else self.workdir / "checkpoints"
+        self.save = self.workdir / "checkpoints" if save is None else save if "://" in str(save) else Path(save)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.once_dir = self.workdir / "faults_fired"
         self.once_dir.mkdir(exist_ok=True)

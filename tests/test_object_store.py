@@ -1,0 +1,245 @@
+"""Checkpoints on a real S3 object store (SeaweedFS) through Megatron's storage client, the Multi-Storage
+Client (``store/msc_storage.py``, paths ``msc://<profile>/<path>``): the storage protocol as
+``PosixStorage`` keeps it (tests/test_storage.py), retention, the command line, and the example trainer
+saving to and restoring from the store."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy
+import pytest
+
+from conftest import REPO
+from megatron_pec.store.checkpoint_dir import CheckpointDir
+from megatron_pec.store.storage import open_storage, spec_for
+
+
+@pytest.fixture
+def s(s3_prefix):
+    return open_storage(spec_for("", s3_prefix))
+
+
+# ---- the storage protocol on S3 -------------------------------------------------------------------------
+def test_an_msc_url_selects_the_msc_storage(s3_prefix):
+    from megatron_pec.store.msc_storage import MscStorage
+
+    assert spec_for("", s3_prefix) == "msc://pectest" and spec_for("posix", s3_prefix) == "posix"
+    assert spec_for("", "/tmp/x", None) == ""
+    assert isinstance(open_storage("msc://pectest"), MscStorage)
+    with pytest.raises(ValueError, match="no usable profile 'nowhere'.*MSC_CONFIG"):
+        open_storage("msc://nowhere/ck")
+
+
+def test_a_commit_replaces_only_what_the_committer_read(s, s3_prefix):
+    path = f"{s3_prefix}/d/manifest.json"
+    assert s.commit(path, b"one", expected=None)             # a conditional create (If-None-Match: *)
+    assert not s.commit(path, b"two", expected=None)         # it exists: another writer won
+    assert not s.commit(path, b"two", expected=b"other")     # it holds something else
+    assert s.read(path) == b"one"
+    assert s.commit(path, b"two", expected=b"one")           # (If-Match: the ETag of what was read)
+    assert s.read(path) == b"two"
+    assert s.list(f"{s3_prefix}/d") == ["manifest.json"]
+
+
+def test_create_writes_a_record_once(s, s3_prefix):
+    path = f"{s3_prefix}/layout/rank_00000.json"
+    assert s.create(path, b"first") and not s.create(path, b"second")
+    assert s.read(path) == b"first"
+
+
+def test_a_streamed_write_is_summed_as_sent_and_read_back_whole_or_in_ranges(s, s3_prefix, monkeypatch):
+    """Several parts (a multipart upload, parts in flight together) from chunks whose bytes change as
+    soon as the next is asked for: the object and its crc32 are what each chunk held when handed over."""
+    from megatron_pec.store import msc_storage
+
+    monkeypatch.setattr(msc_storage, "PART", 5 << 20)  # (S3's smallest part)
+    data = numpy.random.default_rng(0).integers(0, 256, (13 << 20) + 12345, dtype=numpy.uint8).tobytes()
+    buf = bytearray(3 << 20)
+
+    def chunks():
+        for start in range(0, len(data), len(buf)):
+            piece = data[start:start + len(buf)]
+            buf[:len(piece)] = piece
+            yield memoryview(buf)[:len(piece)]
+            buf[:] = b"\xff" * len(buf)  # the region is handed back and reused
+
+    path = f"{s3_prefix}/iter/pec/rank_00000.safetensors"
+    assert s.write(path, chunks()) == (len(data), zlib.crc32(data))
+    got, crc = s.read_checked(path)
+    assert bytes(got) == data and crc == zlib.crc32(data) and not got.readonly
+    assert s.size(path) == len(data) and s.exists(path) and s.exists(f"{s3_prefix}/iter")
+    assert s.read_range(path, (5 << 20) - 3, 10) == data[(5 << 20) - 3:(5 << 20) + 7]
+    with pytest.raises(OSError):
+        s.read_range(path, len(data) - 4, 8)
+    with pytest.raises(FileNotFoundError):
+        s.read(f"{s3_prefix}/nothing")
+    assert not s.exists(f"{s3_prefix}/nothing")
+
+
+def test_a_failed_write_leaves_nothing_under_its_name(s, s3_prefix, monkeypatch):
+    from megatron_pec.store import msc_storage
+
+    monkeypatch.setattr(msc_storage, "PART", 5 << 20)
+
+    def chunks():
+        yield bytes(6 << 20)  # one part uploaded...
+        raise OSError("the node memory went away")
+
+    path = f"{s3_prefix}/pec/rank_00001.safetensors"
+    with pytest.raises(OSError, match="went away"):
+        s.write(path, chunks())
+    assert not s.exists(path) and s.list(f"{s3_prefix}/pec") == []
+    assert s.discard_partial(f"{s3_prefix}/pec", live_too=True) == []  # (the upload was aborted)
+
+
+def test_list_names_objects_and_prefixes_directly_under(s, s3_prefix):
+    for name in ("a", "sub/b", "sub/deeper/c", "subway"):
+        s.write(f"{s3_prefix}/{name}", [b"x"])
+    assert s.list(s3_prefix) == ["a", "sub", "subway"] == s.list(s3_prefix + "/")
+    assert s.list(f"{s3_prefix}/sub") == ["b", "deeper"]
+    assert s.list(f"{s3_prefix}/none") == []
+
+
+def test_a_prefix_goes_whole_and_a_missing_one_is_no_error(s, s3_prefix):
+    s.write(f"{s3_prefix}/iter/pec/a", [b"x"])
+    s.write(f"{s3_prefix}/iter/b", [b"y"])
+    s.write(f"{s3_prefix}/iter2/c", [b"z"])  # (a sibling whose name the prefix begins: kept)
+    s.delete_prefix(f"{s3_prefix}/iter")
+    s.delete_prefix(f"{s3_prefix}/iter")
+    s.delete(f"{s3_prefix}/nothing")
+    assert s.list(s3_prefix) == ["iter2"] and s.list(f"{s3_prefix}/iter") == []
+
+
+def test_retention_on_s3_keeps_the_configured_number_of_iterations(s, s3_prefix):
+    from test_checkpoint_dir import mark
+
+    d = CheckpointDir(s3_prefix, s)
+    assert d.root == s3_prefix  # (a URL stays a URL)
+    for iteration in (10, 20, 30, 40):
+        mark(d, iteration, 0)
+        assert d.try_commit(iteration, num_nodes=1, keep=2, generation="g")
+    assert d.committed_iterations() == [40, 30] and d.read_tracker() == "40"
+    assert s.list(s3_prefix) == ["iter_0000030", "iter_0000040", "latest_checkpointed_iteration.txt"]
+
+
+# ---- the command line --------------------------------------------------------------------------------------
+def megatron_pec(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_pec", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+
+
+def test_the_commands_refuse_an_unknown_profile_plainly(s3_server):
+    proc = megatron_pec("verify", "msc://nowhere/ck")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "'nowhere'" in proc.stderr and "MSC_CONFIG" in proc.stderr
+
+
+# ---- the example trainer on the object store -----------------------------------------------------------------
+def wait_committed(url: str, iteration: int, timeout: float = 120.0) -> CheckpointDir:
+    """The checkpoint directory ``url`` once ``iteration`` is committed there (the agents persist after the
+    trainers exit)."""
+    import time
+
+    d = CheckpointDir(url, open_storage(spec_for("", url)))
+    deadline = time.monotonic() + timeout
+    while iteration not in d.committed_iterations():
+        assert time.monotonic() < deadline, f"iteration {iteration} not committed in {url}: {d.storage.list(url)}"
+        time.sleep(0.2)
+    return d
+
+
+@pytest.mark.multiprocess
+def test_the_example_trainer_saves_to_s3_and_restores_from_it_alone(s3_prefix, tmp_path):
+    """examples/gpt_moe/pretrain_gpt_moe.py on 2 CPU ranks with ``--save/--load msc://...`` (no
+    --pec-storage): it trains 3 iterations and persists them to the object store; with node memory gone, a
+    fresh run restores iteration 3 from the store alone, equal item by item to its live state at the save;
+    ``verify`` and ``inspect`` read the store."""
+    from megatron_pec.testing import launch
+    from test_state_parity import ITERATION, LOAD_SEED, SAVE_SEED, differences, report, run_dump
+
+    shm = Path("/dev/shm") / f"pec-s3-{os.getpid()}-{tmp_path.name[-12:]}"
+    ckpt = f"{s3_prefix}/ck"
+    args = ["--hidden-size", "32", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--expert-model-parallel-size", "2", "--log-interval", "100", "--eval-iters", "1", "--hidden-dropout",
+            "0.1", "--train-iters", str(ITERATION), "--save", ckpt, "--load", ckpt, "--enable-msc",
+            "--save-interval", str(ITERATION), "--pec-shm-dir", str(shm), "--pec-job-id", "s3ex"]
+    script = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+    try:
+        run_dump(script, *args, dump=tmp_path / "live", seed=SAVE_SEED, at=f"save:{ITERATION}")
+        d = wait_committed(ckpt, ITERATION)
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)  # node memory gone: the store alone
+        log = run_dump(script, *args, dump=tmp_path / "restored", seed=LOAD_SEED)
+        assert f"restored iteration {ITERATION} from storage" in log, log[-3000:]
+    finally:
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)
+    ignore = {"args/iteration": "", "args/num_floating_point_operations_so_far": ""}
+    found = differences(tmp_path / "live", tmp_path / "restored", None, ignore, {})
+    assert not found, report(found, "the example trainer's restore from S3 against its state at the save")
+    assert d.read_tracker() == str(ITERATION)
+    for command in ("verify", "inspect"):
+        proc = megatron_pec(command, ckpt)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def own_s3(tmp_path):
+    """An S3 server of this test alone (it kills and restarts it), with its MSC config file."""
+    from megatron_pec.testing import s3_server
+
+    why = s3_server.missing()
+    if why:
+        pytest.skip(f"no S3 server for the object-store tests: {why}")
+    server = s3_server.S3Server(tmp_path / "s3data").start()
+    server.config = server.msc_config(tmp_path / "msc.yaml", profile="pecown")
+    yield server
+    server.stop()
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path, monkeypatch):
+    """Two simulated nodes (the example trainer) with ``--save msc://...``, persisting every 2 iterations.
+    Node 1 is lost: the relaunch restores it from node 0's memory. Then the S3 server is SIGKILLed and
+    restarted on the same data and ports a few seconds later: training never stops (the persists that met
+    the outage fail with a warning; node memory holds the state), the persists after the restart commit,
+    no committed iteration is partial."""
+    from megatron_pec.testing.cluster import Cluster
+    from test_faults import FULL, LAUNCH_TIMEOUT, PRETRAIN, held, wait_held, with_flag
+
+    env = {"MSC_CONFIG": str(own_s3.config)}
+    monkeypatch.setenv("MSC_CONFIG", env["MSC_CONFIG"])
+    url, last = "msc://pecown/ck", 100  # (iterations take ~0.1 s: the store must come back before the end)
+    shm = Path("/dev/shm") / f"pec-s3n-{os.getpid()}-{tmp_path.name[-12:]}"
+    c = Cluster(tmp_path / "run", shm, "s3nodes", script=PRETRAIN, save=url, env=env)
+    try:
+        c.launch(FULL, **held(1, after=5))
+        wait_held(c, 1)
+        c.lose_node(1)
+        assert c.wait_exit(60, nodes=[0])[0] != 0
+        c.launch(with_flag(FULL, "--train-iters", str(last)))
+        c.wait_for(lambda: c.iteration() >= 8, LAUNCH_TIMEOUT, "iteration 8")
+        own_s3.kill()
+        down_at = c.iteration()
+        c.wait_for(lambda: c.iteration() >= down_at + 2, LAUNCH_TIMEOUT, "training on while the store is down")
+        own_s3.start()
+        restarted_at = c.iteration()
+        assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+        restores = c.restores(2)
+        assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
+        d = wait_committed(url, last, timeout=LAUNCH_TIMEOUT)  # persists after the restart commit
+    finally:
+        c.close()
+        shutil.rmtree(shm, ignore_errors=True)
+    assert restarted_at < last, (restarted_at, "the store came back only after training ended")
+    assert "was not persisted: OSError" in c.logs(2), c.logs(2)[-3000:]  # (the outage was met, and survived)
+    assert d.read_tracker() == str(last)
+    proc = megatron_pec("verify", url, env=env)  # every committed iteration whole
+    assert proc.returncode == 0, proc.stdout + proc.stderr
