@@ -8,10 +8,12 @@ import os
 import sys
 
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.store.storage import open_storage, spec_for
+from megatron_pec.format.checkpoint_paths import storage_spec_for
+from megatron_pec.store.storage import open_storage
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The four commands and their flags."""
     parser = argparse.ArgumentParser(prog="python -m megatron_pec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     storage_flag = dict(default="", metavar="SPEC", help="the storage DIR is on, as the job's --pec-storage "
@@ -38,7 +40,11 @@ def main(argv=None) -> int:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--idle-timeout", type=float, default=600.0)
     p.add_argument("--keep-shm", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "agent":
         # (no storage here: the agent rebuilds each job's from the job description its trainers send)
         from megatron_pec.agent.server import main as agent_main
@@ -46,7 +52,7 @@ def main(argv=None) -> int:
         return agent_main(args.dir, args.node_rank, args.idle_timeout, args.keep_shm)
     try:
         # every command reads and writes checkpoint directories through it (an msc:// DIR implies MSC)
-        storage = open_storage(spec_for(args.storage, args.dir))
+        storage = open_storage(storage_spec_for(args.storage, args.dir))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

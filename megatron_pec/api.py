@@ -17,7 +17,7 @@ from megatron_pec.common import log
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.config import this_launch
 from megatron_pec.integrity import run_sums
-from megatron_pec.store.storage import absolute
+from megatron_pec.format.checkpoint_paths import absolute
 
 _fallback_args = None
 _engine = None

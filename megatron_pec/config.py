@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from megatron_pec.format.checkpoint_paths import storage_spec_for
 from megatron_pec.memory.budget import Budget
 from megatron_pec.pec.policy import POLICIES
 
@@ -254,9 +255,7 @@ class PecConfig:
     def storage_spec(args) -> str:
         """--pec-storage from Megatron's args; absent, the storage an ``msc://`` --save/--load implies
         (Megatron's --enable-msc paths), else "" (POSIX)."""
-        from megatron_pec.store.storage import spec_for
-
-        return spec_for(getattr(args, "pec_storage", None) or "", getattr(args, "save", None),
+        return storage_spec_for(getattr(args, "pec_storage", None) or "", getattr(args, "save", None),
                         getattr(args, "load", None))
 
     @classmethod

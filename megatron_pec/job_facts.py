@@ -19,7 +19,7 @@ from megatron_pec.pec.expert_values import HeldExperts
 from megatron_pec.format.item_names import ExpertId, ExpertOrder, item_name
 from megatron_pec.format.protocol import Hello, JobInfo, RankLayout
 from megatron_pec.memory.slots import node_dir
-from megatron_pec.store.storage import absolute
+from megatron_pec.format.checkpoint_paths import absolute
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import REPO
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.store.storage import open_storage, spec_for
+from megatron_pec.format.checkpoint_paths import storage_spec_for as spec_for
+from megatron_pec.store.storage import open_storage
 
 
 @pytest.fixture

@@ -40,7 +40,8 @@ from typing import Callable
 from megatron_pec.common import faults
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Manifest, NodeMarker, ProtocolError, RankFile, RankLayout
-from megatron_pec.store.storage import Storage, absolute
+from megatron_pec.format.checkpoint_paths import absolute
+from megatron_pec.store.storage import Storage
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"

@@ -126,23 +126,6 @@ def _msc(spec: str) -> Storage:
 register_scheme("msc", _msc)  # Megatron's --enable-msc paths, msc://<profile>/<path>
 
 
-def spec_for(explicit: str, *paths: str | None) -> str:
-    """The job's storage description: ``explicit`` (--pec-storage, --storage) when given, else the one
-    its checkpoint paths imply - "msc://<profile>" for a Megatron ``msc://`` --save/--load, POSIX otherwise."""
-    if explicit:
-        return explicit
-    for path in paths:
-        scheme, sep, rest = (path or "").partition("://")
-        if sep and scheme in SCHEMES:
-            return f"{scheme}://{rest.split('/', 1)[0]}"
-    return ""
-
-
-def absolute(path: str) -> str:
-    """A checkpoint path made absolute; a URL (``scheme://...``) is no local path and stays as it is."""
-    return path if "://" in path else os.path.abspath(path)
-
-
 _PARTIAL = re.compile(r"\.tmp(\d+)$")  # PosixStorage's temporary name: <name>.tmp<writer's pid>
 _LOCK = ".pec.lock"
 
@@ -350,5 +333,5 @@ class RunningCrc:
         return self.crc
 
 
-__all__ = ["Storage", "PosixStorage", "RunningCrc", "open_storage", "register_scheme", "spec_for", "absolute", "SCHEMES",
+__all__ = ["Storage", "PosixStorage", "RunningCrc", "open_storage", "register_scheme", "SCHEMES",
            "CHUNK"]

@@ -1,0 +1,28 @@
+"""Checkpoint paths (--save, --load, a command's DIR): a local or shared file system's, or a storage URL
+(``scheme://...``, Megatron's ``msc://<profile>/<path>`` among them), which is no local path. Pure:
+configuration and storage read them alike."""
+
+from __future__ import annotations
+
+import os
+
+
+def absolute(path: str) -> str:
+    """A checkpoint path made absolute; a URL stays as it is."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def storage_spec_for(explicit: str, *paths: str | None) -> str:
+    """The job's storage description: ``explicit`` (--pec-storage, --storage) when given, else the one its
+    checkpoint paths imply - "<scheme>://<first component>" for a URL (``msc://<profile>`` for Megatron's
+    MSC paths; ``store.storage.open_storage`` refuses a scheme it does not know), POSIX ("") otherwise."""
+    if explicit:
+        return explicit
+    for path in paths:
+        scheme, sep, rest = (path or "").partition("://")
+        if sep and scheme:
+            return f"{scheme}://{rest.split('/', 1)[0]}"
+    return ""
+
+
+__all__ = ["absolute", "storage_spec_for"]
