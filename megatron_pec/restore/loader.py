@@ -27,11 +27,15 @@ from megatron_pec.restore import reshard
 from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
 from megatron_pec.common.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
+from megatron_pec.job_facts import JobFacts
+from megatron_pec.memory.slots import SlotFiles
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 from megatron_pec.pec.state import PecState, flag_k
 from megatron_pec.common.phases import Phases
+from megatron_pec.format import reduced_record
 from megatron_pec.format.protocol import JobKey, Manifest
+from megatron_pec.format.reduced_record import MIN, columns, scalar, vector
 from megatron_pec.format.small_state import loads as load_small_state
 from megatron_pec.restore.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
 
@@ -45,11 +49,11 @@ ACCOUNT_VECTORS = 7  # per expert: restored version, tokens there, tokens at the
 class LoadContext:
     """What a load needs to know about this rank and job (built by the engine, read-only here)."""
 
-    job: object                         # the job's facts (``job.JobFacts``)
+    job: JobFacts
     config: PecConfig
     collectives: Collectives
     slice_items: dict[str, str]         # slice name -> item it belongs to
-    slots: object = None                # the trainer's own slot files (``slots.SlotFiles``), if mapped
+    slots: SlotFiles | None = None      # the trainer's own slot files, if mapped
     phases: Phases = field(default_factory=Phases)  # where this load's time goes (the engine's)
 
     @property
@@ -135,35 +139,21 @@ class RestorePlan:
 
 @dataclass
 class PlanVote:
-    """One rank's part of the agreement on a plan - and, after the MAX all-reduce, every rank's.
+    """One rank's part of the agreement on a plan - and, after the all-reduce, every rank's: each field
+    reduced over the ranks as it declares (``format/reduced_record.py``).
 
-    Minima travel negated (a MAX of -x is -MIN x). ``high``/``low``/``lacking`` (one int per expert of
-    the model) are sent only with the first plan of an iteration, to find experts that ranks planned
-    at different versions."""
+    ``high``/``low``/``lacking`` (one int per expert of the model) are sent only with the first plan of
+    an iteration, to find experts that ranks planned at different versions."""
 
-    failed: int                  # 1: this rank could not list its sources (every rank raises)
-    cannot: int                  # 1: this rank cannot restore its plan
-    iteration: int               # the iteration planned (-1: none)
-    lowest_iteration: int        # the same; after the reduction the lowest any rank planned
-    newest: int                  # the newest iteration this rank has a source of, excluded or not (-1: none)
-    accounting: list[list[int]]  # ACCOUNT_VECTORS columns of the PLT accounting (-1: unknown here)
-    high: list[int] | None = None     # the newest version planned (-2: not held)
-    low: list[int] | None = None      # the oldest version planned (NONE: not held)
-    lacking: list[int] | None = None  # 1: a rank planned a version but has no source for it
-
-    def values(self) -> list[int]:
-        out = [self.failed, self.cannot, self.iteration, -self.lowest_iteration, self.newest]
-        out += [v for column in self.accounting for v in column]
-        if self.high is not None:
-            out += self.high + [-v for v in self.low] + self.lacking
-        return out
-
-    @classmethod
-    def of_values(cls, values: list[int], n: int, versions: bool) -> "PlanVote":
-        columns = [values[5 + i * n:5 + (i + 1) * n] for i in range(ACCOUNT_VECTORS + (3 if versions else 0))]
-        high, low, lacking = (columns[-3], [-v for v in columns[-2]], columns[-1]) if versions else (None,) * 3
-        return cls(values[0], values[1], values[2], -values[3], values[4], columns[:ACCOUNT_VECTORS], high, low,
-                   lacking)
+    failed: int = scalar()               # 1: this rank could not list its sources (reduced: any rank; all raise)
+    cannot: int = scalar()               # 1: this rank cannot restore its plan (reduced: any rank)
+    iteration: int = scalar()            # the iteration planned (-1: none); reduced: the highest any rank planned
+    lowest_iteration: int = scalar(MIN)  # the same; reduced: the lowest any rank planned
+    newest: int = scalar()               # the newest iteration this rank has a source of, excluded or not (-1: none)
+    accounting: list[list[int]] = columns(ACCOUNT_VECTORS)  # the PLT accounting (-1: unknown here)
+    high: list[int] | None = vector(optional=True)          # the newest version planned (-2: not held)
+    low: list[int] | None = vector(MIN, optional=True)      # the oldest version planned (NONE: not held)
+    lacking: list[int] | None = vector(optional=True)       # 1: a rank planned a version but has no source for it
 
 
 @dataclass
@@ -411,7 +401,7 @@ class Loader:
             versions = [self._expert_vector(known, -2), self._expert_vector(known, NONE),
                         self._expert_vector({i: int(plan[i] is None and v is not None) for i, v in planned.items()}, 0)]
         mine = PlanVote(int(failed), int(error is not None), iteration, iteration, newest, accounting, *versions)
-        every = PlanVote.of_values(self.coll.reduce(mine.values(), "max"), n, planned is not None)
+        every = reduced_record.all_reduce(mine, n, lambda values: self.coll.reduce(values, "max"))
         same_iteration = every.iteration == every.lowest_iteration >= 0
         agreed = Agreement(bool(every.failed), same_iteration, same_iteration and not every.cannot,
                            every.accounting, state, every.newest)
