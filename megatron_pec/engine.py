@@ -175,7 +175,7 @@ class Engine:
         self.save_phases = phases = save.phases
         with phases("previous snapshot"):
             self.handover.wait()
-        self._take_snapshot(save, every_expert=False)
+        save.take(every_expert=False, room=self.snapshot_need)
         with phases("metadata"):
             # (a skipped save too: a clean exit right after it still saves this state, ``_final_snapshot``)
             self.history.called(iteration, small_state.Captured(
@@ -186,26 +186,6 @@ class Engine:
             return
         faults.point("snapshot_end", iteration=iteration)
         self._hand_over(save, self.history.generation(iteration) if persistent else "")
-
-    def _take_snapshot(self, save: "Save", every_expert: bool) -> None:
-        """Save steps 1-3, the one order of every save: lease a home slot; start the agreement (an ordinary
-        save: its one collective); copy the dense state, which every plan writes, while the all-reduce runs;
-        plan the experts and copy them, before the agreement's result where the plan reads no token counts
-        (the all-reduce brings them), after it otherwise. ``every_expert``: a planned exit's save, every
-        expert and no collective (every rank does the same, so the PEC bookkeeping stays identical)."""
-        save.lease()
-        if not every_expert:
-            save.await_snapshot_room(self.snapshot_need)
-            save.start_agreement()
-        save.copy({NON_EXPERT})
-        if every_expert:
-            save.plan_all()
-        elif self.book.plans_without_counts:
-            save.plan()
-            save.agree()
-        else:
-            save.agree()
-            save.plan()
 
     def _hand_over(self, save: "Save", generation: str) -> bool:
         """Save step 4, describe and hand over: the snapshot to the hand-over thread whole, or in rounds where
@@ -232,7 +212,7 @@ class Engine:
         if iteration is None:
             return
         save = Save(self.parts, iteration, persistent=True)  # (waits for regions, as a persistent save)
-        self._take_snapshot(save, every_expert=True)
+        save.take(every_expert=True)
         if save.slot is None:
             log.warning(f"cannot save every expert of iteration {iteration} at exit: {save.why_not}; the restart "
                         "restores them from their newest saved versions", rank=self.rank)
@@ -460,10 +440,11 @@ class SaveParts:
 
 
 class Save:
-    """One save on one rank as named steps over its own state; ``Engine._take_snapshot`` runs them in the one
-    order of every save (lease a home slot, start the agreement, copy the dense state, plan and copy the
-    experts / finish the agreement, in the order the policy allows) and ``Engine._hand_over`` describes the
-    snapshot. Changes only node memory (copies) and, once agreed, the PEC bookkeeping."""
+    """One save on one rank as named steps over its own state; ``take`` runs them in the one order of every
+    save (lease a home slot, start the agreement, copy the dense state, plan and copy the experts / finish
+    the agreement, in the order the policy allows) and ``Engine._hand_over`` describes the snapshot. Changes
+    only node memory (copies) and, once agreed, the PEC bookkeeping. Built from its parts alone: the tests
+    run it with stand-ins (tests/test_save_steps.py)."""
 
     def __init__(self, parts: SaveParts, iteration: int, persistent: bool,
                  experts: tuple[frozenset, frozenset] | None = None):
@@ -567,6 +548,27 @@ class Save:
         self.placement = {item: slot for item, slot in self.placement.items() if item not in dropped}
         self.staging.drop(wasted)
         self.experts = kept
+
+    def take(self, every_expert: bool, room: int = 0) -> None:
+        """Save steps 1-3, the one order of every save: lease a home slot; start the agreement (an ordinary
+        save: its one collective); copy the dense state, which every plan writes, while the all-reduce runs;
+        plan the experts and copy them, before the agreement's result where the plan reads no token counts
+        (the all-reduce brings them), after it otherwise. ``every_expert``: a planned exit's save, every
+        expert and no collective (every rank does the same, so the PEC bookkeeping stays identical);
+        ``room``: the experts a snapshot's implied K writes under a budget (``await_snapshot_room``)."""
+        self.lease()
+        if not every_expert:
+            self.await_snapshot_room(room)
+            self.start_agreement()
+        self.copy({NON_EXPERT})
+        if every_expert:
+            self.plan_all()
+        elif self.parts.book.plans_without_counts:
+            self.plan()
+            self.agree()
+        else:
+            self.agree()
+            self.plan()
 
     def await_snapshot_room(self, need: int) -> None:
         """Under a budget a snapshot takes the experts its implied K promises: where a persist or a push

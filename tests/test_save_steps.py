@@ -1,0 +1,168 @@
+"""A save's steps (``engine.Save``) built from its parts alone, with stand-ins for the node agent's session,
+the stager, the PEC bookkeeping and Megatron: no ``Engine``, no agent process, no model. The order of the
+steps, a skipped save, the agreed caps dropping what was copied for nothing, and a planned exit's save of
+every expert in rounds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from megatron_pec.engine import Save, SaveParts
+from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
+
+EXPERTS = [ExpertId(1, e) for e in range(5)]
+ITEMS = [item_name(e) for e in EXPERTS]
+
+
+class Session:
+    """The trainer's side of the node agent: a home slot, ``free`` pool regions per round."""
+
+    def __init__(self, log, free=(8,), slot=1, why_not=None):
+        self.log, self.free, self.slot, self.why_not = log, list(free), slot, why_not
+        self.round, self.next_region, self.run = 0, 100, "timeline"
+
+    def lease(self, persistent):
+        self.log.append("lease")
+        return (self.slot, None) if self.why_not is None else (None, self.why_not)
+
+    def capacity(self):
+        return self.free[min(self.round, len(self.free) - 1)]
+
+    def await_capacity(self, least, timeout):
+        return self.capacity()
+
+    def place(self, home, items):
+        placement = {}
+        for item in sorted(items):
+            placement[item] = home if item == NON_EXPERT else self.next_region
+            self.next_region += item != NON_EXPERT
+        return placement
+
+    def writing(self, iteration, placement):
+        pass
+
+    def skipped(self, placement):
+        self.log.append(("skipped", sorted(placement)))
+
+    def settle(self):
+        self.round += 1  # (the agent recorded the round: its regions for the next)
+
+
+class Staging:
+    def __init__(self, log):
+        self.log, self.placed = log, {}
+
+    def copy(self, placement):
+        self.log.append(("copy", sorted(placement)))
+        self.placed.update(placement)
+
+    def drop(self, placement):
+        for item in placement:
+            self.placed.pop(item, None)
+
+    def finish(self):
+        placed = dict(self.placed)
+        return SimpleNamespace(sums=lambda: {item: f"s64:{item}" for item in placed})
+
+
+class Book:
+    """The PEC bookkeeping: plans every expert; ``caps`` what the agreement says each EP rank can take."""
+
+    def __init__(self, log, plans_without_counts=True, everyone_can=True, caps=(8,)):
+        self.log, self.plans_without_counts = log, plans_without_counts
+        self.everyone_can, self.caps, self.recorded = everyone_can, list(caps), []
+
+    def agreement_values(self, tokens, can, capacity):
+        self.log.append("agreement started")
+        return [can, capacity]
+
+    def agreed(self, values):
+        self.log.append("agreed")
+        return self.everyone_can, self.caps
+
+    def plan(self, persistent):
+        self.log.append("plan")
+        every = frozenset(EXPERTS)
+        return every, every
+
+    def within(self, experts, caps):
+        keep = frozenset(sorted(experts[0])[:caps[0]])
+        return keep, experts[1] & keep
+
+    def record(self, snapshot, persist, iteration, persistent):
+        self.recorded.append((iteration, len(snapshot), persistent))
+
+    def header_columns(self):
+        return {}, ""
+
+
+def parts(log, session=None, book=None) -> SaveParts:
+    layout = SimpleNamespace(all_experts=lambda: EXPERTS)
+    job = SimpleNamespace(held_items=lambda experts: {item_name(e) for e in experts}, expert_layout=layout,
+                          fingerprint="f", save_root="/ck", rank=0, world_size=1)
+    collectives = SimpleNamespace(start_reduce=lambda values, op: SimpleNamespace(reduced=lambda: values))
+    adapter = SimpleNamespace(tokens=SimpleNamespace(take=lambda: None), collectives=collectives,
+                              live_views=lambda: {}, ep_rank=0)
+    history = SimpleNamespace(writes_every_expert=lambda iteration: False)
+    stager = SimpleNamespace(begin=lambda live: Staging(log))
+    files = SimpleNamespace(invalidate=lambda slot: None)
+    return SaveParts(job, "job", adapter, book or Book(log), history, session or Session(log), files, stager)
+
+
+def test_an_ordinary_save_runs_its_steps_in_the_one_order():
+    """Lease, start the agreement, copy the dense state while it runs, then plan (and copy the experts)
+    before the agreement's result where the plan needs no token counts, after it otherwise."""
+    for without_counts, tail in ((True, ["plan", ("copy", ITEMS), "agreed"]),
+                                 (False, ["agreed", "plan", ("copy", ITEMS)])):
+        log = []
+        save = Save(parts(log, book=Book(log, plans_without_counts=without_counts)), 7, persistent=False)
+        save.take(every_expert=False)
+        assert log == ["lease", "agreement started", ("copy", [NON_EXPERT]), *tail]
+        assert save.why_not is None and sorted(save.placement) == sorted([NON_EXPERT, *ITEMS])
+        pending = save.describe(small=None, generation="")
+        assert pending.slot == 1 and pending.iteration == 7 and sorted(pending.header.items) == sorted(save.placement)
+
+
+def test_a_save_another_rank_cannot_take_is_marked_skipped():
+    log = []
+    save = Save(parts(log, book=Book(log, everyone_can=False)), 7, persistent=False)
+    save.take(every_expert=False)
+    assert save.why_not == "another rank cannot snapshot (see its warning)"
+
+
+def test_the_agreed_caps_drop_what_was_copied_for_nothing():
+    """Planned before the agreement (no token counts), the experts another rank's memory cannot take are
+    dropped after it: handed back to the agent, out of the snapshot."""
+    log = []
+    save = Save(parts(log, book=Book(log, caps=(2,))), 7, persistent=False)
+    save.take(every_expert=False)
+    assert ("skipped", ITEMS[2:]) in log
+    assert sorted(save.placement) == sorted([NON_EXPERT, *ITEMS[:2]])
+    assert save.staging.placed == save.placement
+
+
+def test_a_planned_exits_save_goes_through_node_memory_in_rounds():
+    """Every expert, no collective; node memory takes 2 experts a round: 3 rounds, the first two memory-only
+    snapshots, the last persisted and naming every item where it was written, with the earlier rounds'
+    checksums."""
+    log = []
+    session = Session(log, free=(2, 2, 2))
+    save = Save(parts(log, session=session), 9, persistent=True)
+    save.take(every_expert=True)
+    assert "agreement started" not in log and save.in_rounds
+    submitted = []
+    handover = SimpleNamespace(submit=submitted.append, wait=lambda: None)
+    assert save.write_in_rounds(handover, small=None, generation="g", items=[NON_EXPERT, *ITEMS])
+    assert [p.persistent for p in submitted] == [False, False, True]
+    last = submitted[-1]
+    assert sorted(last.placement) == sorted([NON_EXPERT, *ITEMS]) and last.persist_items == sorted(ITEMS)
+    assert set(last.known_sums) == set(ITEMS[:4])  # (the earlier rounds' experts, summed where they landed)
+    assert save.parts.book.recorded == [(9, len(EXPERTS), True)]  # (the whole save, recorded once)
+
+
+def test_a_round_without_a_free_region_is_given_up_with_a_warning():
+    log = []
+    save = Save(parts(log, session=Session(log, free=(2, 0))), 9, persistent=True)
+    save.take(every_expert=True)
+    handover = SimpleNamespace(submit=lambda pending: None, wait=lambda: None)
+    assert not save.write_in_rounds(handover, small=None, generation="g", items=[NON_EXPERT, *ITEMS])
