@@ -254,9 +254,15 @@ class PecConfig:
     @staticmethod
     def storage_spec(args) -> str:
         """--pec-storage from Megatron's args; absent, the storage an ``msc://`` --save/--load implies
-        (Megatron's --enable-msc paths), else "" (POSIX)."""
-        return storage_spec_for(getattr(args, "pec_storage", None) or "", getattr(args, "save", None),
-                        getattr(args, "load", None))
+        (Megatron's --enable-msc paths), else "" (POSIX). Raises ValueError for an ``msc://`` path while
+        Megatron's MSC is off (core_v0.19.0 makes it opt-in: --enable-msc; 0.16.1 has it on unless
+        --disable-msc), as Megatron itself would not read such a path through MSC."""
+        spec = storage_spec_for(getattr(args, "pec_storage", None) or "", getattr(args, "save", None),
+                                getattr(args, "load", None))
+        if spec.startswith("msc://") and getattr(args, "enable_msc", True) is False:
+            raise ValueError(f"--save/--load {spec}/... is an MSC path but Megatron's Multi-Storage Client is off: "
+                             "pass --enable-msc (core_v0.19.0 and later; older releases: drop --disable-msc)")
+        return spec
 
     @classmethod
     def from_args(cls, args, env: Mapping[str, str] | None = None) -> "PecConfig":

@@ -221,11 +221,11 @@ def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path,
     shm = Path("/dev/shm") / f"pec-s3n-{os.getpid()}-{tmp_path.name[-12:]}"
     c = Cluster(tmp_path / "run", shm, "s3nodes", script=PRETRAIN, save=url, env=env)
     try:
-        c.launch(FULL, **held(1, after=5))
+        c.launch([*FULL, "--enable-msc"], **held(1, after=5))
         wait_held(c, 1)
         c.lose_node(1)
         assert c.wait_exit(60, nodes=[0])[0] != 0
-        c.launch(with_flag(FULL, "--train-iters", str(last)))
+        c.launch([*with_flag(FULL, "--train-iters", str(last)), "--enable-msc"])
         c.wait_for(lambda: c.iteration() >= 8, LAUNCH_TIMEOUT, "iteration 8")
         own_s3.kill()
         down_at = c.iteration()
@@ -244,3 +244,16 @@ def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path,
     assert d.read_tracker() == str(last)
     proc = megatron_pec("verify", url, env=env)  # every committed iteration whole
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_an_msc_path_without_megatrons_msc_is_refused_with_the_flag_to_pass():
+    """core_v0.19.0 makes Megatron's MSC opt-in (--enable-msc); 0.16.1 has it on unless --disable-msc."""
+    from types import SimpleNamespace
+
+    from megatron_pec.config import PecConfig
+
+    assert PecConfig.storage_spec(SimpleNamespace(save="msc://p/ck", load=None, enable_msc=True)) == "msc://p"
+    assert PecConfig.storage_spec(SimpleNamespace(save="msc://p/ck", load=None)) == "msc://p"  # (no such flag)
+    with pytest.raises(ValueError, match="pass --enable-msc"):
+        PecConfig.storage_spec(SimpleNamespace(save="msc://p/ck", load=None, enable_msc=False))
+    assert PecConfig.storage_spec(SimpleNamespace(save="/ck", load=None, enable_msc=False)) == ""

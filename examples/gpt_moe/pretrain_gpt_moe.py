@@ -73,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--non-persistent-save-interval", type=int, default=None)
     g.add_argument("--enable-msc", action="store_true",
-                   help="(Megatron's flag) --save/--load may be msc://<profile>/<path>: megatron-pec takes them "
-                   "to that object store itself whenever they are, with or without this flag")
+                   help="(Megatron's flag, opt-in since core_v0.19.0) --save/--load may be msc://<profile>/<path>: "
+                   "checkpoints on that object store through the Multi-Storage Client (profiles: MSC_CONFIG)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
