@@ -189,6 +189,31 @@ def test_the_example_trainer_saves_to_s3_and_restores_from_it_alone(s3_prefix, t
         proc = megatron_pec(command, ckpt)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+    # export from the store (into a local directory, and into the store): the weights an export of a local
+    # copy of the checkpoint writes
+    local = tmp_path / "ck_local"
+    download(d.storage, ckpt, local)
+    for source, out in ((ckpt, str(tmp_path / "export_s3")), (ckpt, f"{s3_prefix}/export"),
+                        (str(local), str(tmp_path / "export_local"))):
+        proc = megatron_pec("export", source, out)
+        assert proc.returncode == 0 and f"exported iteration {ITERATION}" in proc.stdout, proc.stdout + proc.stderr
+    download(d.storage, f"{s3_prefix}/export", tmp_path / "export_in_s3")
+    shards = sorted(p.name for p in (tmp_path / "export_local").glob("*.safetensors"))
+    assert shards
+    for where in ("export_s3", "export_in_s3"):
+        assert sorted(p.name for p in (tmp_path / where).glob("*.safetensors")) == shards, where
+        for name in shards:
+            assert (tmp_path / where / name).read_bytes() == (tmp_path / "export_local" / name).read_bytes(), name
+
+
+def download(storage, url: str, to: Path) -> None:
+    """Every object under ``url`` into the directory ``to``, as a POSIX checkpoint directory."""
+    to.mkdir(parents=True, exist_ok=True)
+    for name in storage.list(url):
+        if storage.list(f"{url}/{name}"):
+            download(storage, f"{url}/{name}", to / name)
+        else:
+            (to / name).write_bytes(storage.read(f"{url}/{name}"))
 
 
 @pytest.fixture
