@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks import object_store_e2e
 from benchmarks.common import RESULTS, loadavg, machine
 from megatron_pec.agent.persist import CHUNK
 from megatron_pec.store import msc_storage
@@ -86,8 +88,9 @@ def timed(run) -> float:
     return time.perf_counter() - start
 
 
-def measure(mb: int, rounds: int, log=print) -> dict:
-    """Every method ``rounds`` times against one fresh SeaweedFS; seconds per round of each."""
+def measure(mb: int, rounds: int, end_to_end: bool = False, log=print) -> tuple[dict, dict | None]:
+    """Every method ``rounds`` times against one fresh SeaweedFS: seconds per round of each; and, asked,
+    the example trainer's persist and restore on the same server (``object_store_e2e``)."""
     import numpy
 
     why = s3_server.missing()
@@ -98,14 +101,21 @@ def measure(mb: int, rounds: int, log=print) -> dict:
     parts = [bytes(state[o:o + msc_storage.PART]) for o in range(0, size, msc_storage.PART)]
     with tempfile.TemporaryDirectory(prefix="bench-s3-", dir="/tmp") as tmp:
         server = s3_server.S3Server(Path(tmp) / "data").start()
+        previous = os.environ.get("MSC_CONFIG")
         try:
-            import os
-
-            os.environ["MSC_CONFIG"] = str(server.msc_config(Path(tmp) / "msc.yaml"))
+            os.environ["MSC_CONFIG"] = str(server.msc_config(Path(tmp) / "msc.yaml"))  # (the trainers' too)
             storage = MscStorage(f"msc://{s3_server.PROFILE}")
-            return _rounds(storage, state, parts, rounds, log)
+            seconds = _rounds(storage, state, parts, rounds, log)
+            del state, parts  # (the trainers' memory)
+            e2e = object_store_e2e.run(f"msc://{s3_server.PROFILE}/e2e", storage, log) if end_to_end else None
+            if e2e is not None:
+                e2e["rank_files_get_floor_s"] = min(_files_get_floor(storage, e2e["rank_files"]) for _ in range(3))
+            return seconds, e2e
         finally:
             server.stop()
+            os.environ.pop("MSC_CONFIG", None)
+            if previous is not None:
+                os.environ["MSC_CONFIG"] = previous
 
 
 def _rounds(storage: MscStorage, state: memoryview, parts: list[bytes], rounds: int, log) -> dict:
@@ -134,6 +144,15 @@ def _rounds(storage: MscStorage, state: memoryview, parts: list[bytes], rounds: 
     return seconds
 
 
+def _files_get_floor(storage: MscStorage, urls: list[str]) -> float:
+    """Seconds of the get floor of every file in ``urls``, one after the other (a restore's own files)."""
+    start = time.perf_counter()
+    for url in urls:
+        provider, key = storage._provider(url)
+        get_floor(provider._s3_client, *storage._bucket_key(provider, key), storage.size(url))
+    return time.perf_counter() - start
+
+
 def summarize(seconds: dict[str, list[float]], size: int) -> dict:
     """MB/s of each method's best round, and each megatron-pec path against its floor."""
     best = {k: min(v) for k, v in seconds.items()}
@@ -158,9 +177,24 @@ def markdown(result: dict) -> str:
     lines += ["", f"Issue 42's target: at least {TARGET:.0%} of each floor: "
               f"{'met' if s['meets_target'] else 'NOT met'}.", "",
               f"Every round (s): `{json.dumps({k: [round(x, 3) for x in v] for k, v in result['seconds'].items()})}`",
+              *_e2e_lines(result.get("end_to_end")),
               "", f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores; 1-min load before "
               f"{result['load_before']:.2f}. SeaweedFS on this machine's disk, over loopback.", ""]
     return "\n".join(lines)
+
+
+def _e2e_lines(e2e: dict | None) -> list[str]:
+    if e2e is None:
+        return []
+    return ["", "## End to end: the example trainer (2 CPU ranks, EP 2) persisting to msc:// and restoring from "
+            "the store alone", "",
+            f"Rank files {e2e['rank_file_bytes'] / 1e6:.0f} MB; the restore's \"reading and checking\" "
+            f"{e2e['reading_and_checking_s']} s per rank: {e2e['restore_reading_mb_per_s']:.0f} MB/s over both ranks "
+            f"= {e2e['of_get_floor']:.0%} of the get floor above, {e2e['of_rank_files_get_floor']:.0%} of the get "
+            f"floor of these rank files ({e2e['rank_files_get_floor_s']:.3f} s for both, one after the other; the "
+            "phase also checks every item's checksum, two ranks on the machine's cores beside the server). "
+            f"Whole restore: {e2e['restore_s']} s per rank. Train {object_store_e2e.ITERS} iterations and commit: "
+            f"{e2e['train_and_persist_s']} s.", "", *[f"    {line}" for line in e2e["restore_lines"]]]
 
 
 def main(argv=None) -> int:
@@ -168,15 +202,23 @@ def main(argv=None) -> int:
     parser.add_argument("--mb", type=int, default=256, help="state size in MiB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "object_store"), help="results path without suffix")
+    parser.add_argument("--end-to-end", action="store_true", help="also the example trainer's persist and "
+                        "restore from the store alone (a ~290 MB state; a few more minutes)")
     args = parser.parse_args(argv)
     load = loadavg()
-    seconds = measure(args.mb, args.rounds)
+    seconds, e2e = measure(args.mb, args.rounds, args.end_to_end)
     command = "python -m benchmarks.object_store" + "".join(
         f" --{k} {v}" for k, v in (("mb", args.mb), ("rounds", args.rounds)) if v != parser.get_default(k))
+    summary = summarize(seconds, args.mb << 20)
+    if e2e is not None:
+        command += " --end-to-end"
+        slowest = max(e2e["reading_and_checking_s"])
+        e2e["restore_reading_mb_per_s"] = e2e["rank_file_bytes"] / 1e6 / slowest
+        e2e["of_get_floor"] = e2e["restore_reading_mb_per_s"] / summary["mb_per_s"]["get floor"]
+        e2e["of_rank_files_get_floor"] = e2e["rank_files_get_floor_s"] / slowest
     result = {"mb": args.mb, "rounds": args.rounds, "part_mib": msc_storage.PART >> 20,
-              "in_flight": msc_storage.IN_FLIGHT, "chunk_bytes": CHUNK, "seconds": seconds,
-              "summary": summarize(seconds, args.mb << 20), "load_before": load, "machine": machine(),
-              "command": command}
+              "in_flight": msc_storage.IN_FLIGHT, "chunk_bytes": CHUNK, "seconds": seconds, "summary": summary,
+              "end_to_end": e2e, "load_before": load, "machine": machine(), "command": command}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)

@@ -129,6 +129,19 @@ def test_retention_on_s3_keeps_the_configured_number_of_iterations(s, s3_prefix)
     assert s.list(s3_prefix) == ["iter_0000030", "iter_0000040", "latest_checkpointed_iteration.txt"]
 
 
+def test_the_object_store_benchmark_measures_each_path_against_its_floor(s3_server):
+    """``benchmarks/object_store.py`` at a small size: every method measured, the bytes read back checked
+    (it asserts), the report written (its own server: the session's profile is left as it was)."""
+    from benchmarks import object_store
+
+    config = os.environ["MSC_CONFIG"]
+    seconds, e2e = object_store.measure(16, 1, log=lambda *_: None)
+    assert os.environ["MSC_CONFIG"] == config and e2e is None
+    summary = object_store.summarize(seconds, 16 << 20)
+    assert set(summary["ratios"]) == {"persist / put floor", "restore / get floor"}
+    assert all(v > 0 for v in summary["mb_per_s"].values())
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 def megatron_pec(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_pec", *args], capture_output=True, text=True,
