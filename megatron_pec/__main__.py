@@ -29,8 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", **storage_flag)
     p = sub.add_parser("export", help="write a committed iteration's model weights as consolidated safetensors")
     p.add_argument("dir", help="the checkpoint directory (--save)")
-    p.add_argument("out", help="an empty or new directory for model.safetensors and pec_export.json (on the "
-                   "same storage)")
+    p.add_argument("out", help="an empty or new directory for model.safetensors and pec_export.json (a path "
+                   "on the storage it names: a local one for an msc:// checkpoint downloads the weights)")
     p.add_argument("--storage", **storage_flag)
     p.add_argument("--iteration", type=int, default=None, help="default: the newest committed iteration")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into files of at most this size "
@@ -41,6 +41,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float, default=600.0)
     p.add_argument("--keep-shm", action="store_true")
     return parser
+
+
+def _out_storage(args, storage):
+    """Where ``export`` writes: the checkpoint's storage, unless ``out`` implies another (a local directory
+    for an object store's checkpoint); raises ExportError."""
+    spec = storage_spec_for("", args.out)
+    if args.storage or spec == storage_spec_for("", args.dir):
+        return storage
+    try:
+        return open_storage(spec)
+    except ValueError as exc:  # (an unknown profile or scheme: said as export's own refusals are)
+        from megatron_pec.tools.export import ExportError
+
+        raise ExportError(str(exc)) from None
 
 
 def main(argv=None) -> int:
@@ -71,7 +85,8 @@ def main(argv=None) -> int:
         from megatron_pec.tools.export import ExportError, export, progress_bar
 
         try:
-            summary = export(directory, args.out, args.iteration, int(args.max_shard_gb * 2**30), progress_bar())
+            summary = export(directory, args.out, args.iteration, int(args.max_shard_gb * 2**30), progress_bar(),
+                             _out_storage(args, storage))
         except ExportError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -78,6 +78,25 @@ def test_slot_header_keeps_its_table_and_blanks_longer_metadata(tmp_path):
         small.write_header(1, {"tokens": "x" * (small.capacity + 1)})
 
 
+def test_a_header_another_process_wrote_into_a_new_slot_is_blanked_by_the_next_save(tmp_path):
+    """A replacement node's agent pulls a peer's replica into home slot 0 after the trainer created the
+    slot files (``replica_transport._land``: a whole header, metadata longer than the empty one the
+    trainer wrote): the trainer's next, shorter, header there leaves none of it behind (it did once:
+    "header is not valid JSON (Extra data ...)", the snapshot unrecorded)."""
+    from megatron_pec.memory.slots import SlotFiles, open_slot
+    from megatron_pec.format.stformat import encode_header
+
+    entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
+    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)  # new files
+    files.maps[0][:8 + files.capacity] = encode_header(files.header.tensors, {"iteration": "5", "tokens": "x" * 300},
+                                                       capacity=files.capacity)  # the pull, from the agent
+    files.write_header(0, {"iteration": "7"})
+    files.close()
+    mapping, header = open_slot(str(tmp_path / "rank0.slot0"))
+    mapping.close()
+    assert header.metadata == {"iteration": "7"}
+
+
 def test_a_restart_keeps_the_slots_header_size(tmp_path):
     """The header reserve is partly measured at start-up; a restart that measures a little less or more
     keeps the existing slots' header size (or the snapshots in them would no longer line up)."""

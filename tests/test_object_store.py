@@ -129,6 +129,19 @@ def test_retention_on_s3_keeps_the_configured_number_of_iterations(s, s3_prefix)
     assert s.list(s3_prefix) == ["iter_0000030", "iter_0000040", "latest_checkpointed_iteration.txt"]
 
 
+def test_the_object_store_benchmark_measures_each_path_against_its_floor(s3_server):
+    """``benchmarks/object_store.py`` at a small size: every method measured, the bytes read back checked
+    (it asserts), the report written (its own server: the session's profile is left as it was)."""
+    from benchmarks import object_store
+
+    config = os.environ["MSC_CONFIG"]
+    seconds, e2e = object_store.measure(16, 1, log=lambda *_: None)
+    assert os.environ["MSC_CONFIG"] == config and e2e is None
+    summary = object_store.summarize(seconds, 16 << 20)
+    assert set(summary["ratios"]) == {"persist / put floor", "restore / get floor"}
+    assert all(v > 0 for v in summary["mb_per_s"].values())
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 def megatron_pec(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_pec", *args], capture_output=True, text=True,
@@ -189,6 +202,31 @@ def test_the_example_trainer_saves_to_s3_and_restores_from_it_alone(s3_prefix, t
         proc = megatron_pec(command, ckpt)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+    # export from the store (into a local directory, and into the store): the weights an export of a local
+    # copy of the checkpoint writes
+    local = tmp_path / "ck_local"
+    download(d.storage, ckpt, local)
+    for source, out in ((ckpt, str(tmp_path / "export_s3")), (ckpt, f"{s3_prefix}/export"),
+                        (str(local), str(tmp_path / "export_local"))):
+        proc = megatron_pec("export", source, out)
+        assert proc.returncode == 0 and f"exported iteration {ITERATION}" in proc.stdout, proc.stdout + proc.stderr
+    download(d.storage, f"{s3_prefix}/export", tmp_path / "export_in_s3")
+    shards = sorted(p.name for p in (tmp_path / "export_local").glob("*.safetensors"))
+    assert shards
+    for where in ("export_s3", "export_in_s3"):
+        assert sorted(p.name for p in (tmp_path / where).glob("*.safetensors")) == shards, where
+        for name in shards:
+            assert (tmp_path / where / name).read_bytes() == (tmp_path / "export_local" / name).read_bytes(), name
+
+
+def download(storage, url: str, to: Path) -> None:
+    """Every object under ``url`` into the directory ``to``, as a POSIX checkpoint directory."""
+    to.mkdir(parents=True, exist_ok=True)
+    for name in storage.list(url):
+        if storage.list(f"{url}/{name}"):
+            download(storage, f"{url}/{name}", to / name)
+        else:
+            (to / name).write_bytes(storage.read(f"{url}/{name}"))
 
 
 @pytest.fixture

@@ -95,10 +95,14 @@ class SlotFiles:
         head = self._pool_head()
         if self.pool[:len(head)] != head:
             self.pool[:len(head)] = head
-        self._tail_len = [8 + self.capacity - len(self.prefix)] * self.homes  # unknown yet: blank it all once
+        unknown = 8 + self.capacity - len(self.prefix)
+        self._tail_len = [unknown] * self.homes  # unknown yet: blank it all once
         for s in range(self.homes):
             if not self._table_written[s]:  # (a new file: readable as holding no snapshot, by the agent too)
                 self.write_header(s, {})
+        # Still unknown: a replacement node's agent pulls a peer's replica into slot 0 after this (a
+        # whole header of its own), so the first save in each slot blanks the whole header again.
+        self._tail_len = [unknown] * self.homes
         self._region_views: dict[str, dict[int, dict[str, object]]] = {}  # expert -> region slot -> views
 
     def _pool_head(self) -> bytes:

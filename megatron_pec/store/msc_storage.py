@@ -144,16 +144,18 @@ class MscStorage:
             return provider.get_object(key)
 
     def read_range(self, path: str, offset: int, length: int) -> bytearray:
+        return bytearray(self._get_range(path, offset, length)) if length else bytearray()
+
+    def _get_range(self, path: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset``, as the client returns them (``length`` > 0)."""
         from multistorageclient.types import Range
 
         provider, key = self._provider(path)
-        if length == 0:
-            return bytearray()
         with _io(path):
             data = provider.get_object(key, byte_range=Range(offset, length))
         if len(data) != length:
             raise OSError(errno.EIO, f"{path} ends before byte {offset + length}")
-        return bytearray(data)
+        return data
 
     def read_checked(self, path: str) -> tuple[memoryview, int]:
         """The object in a writable numpy-backed buffer, read in ``PART`` ranges ``IN_FLIGHT`` at once;
@@ -165,7 +167,7 @@ class MscStorage:
         ranges = [(o, min(PART, length - o)) for o in range(0, length, PART)]
 
         def fetch(o: int, n: int) -> int:
-            buf[o:o + n] = self.read_range(path, o, n)
+            buf[o:o + n] = self._get_range(path, o, n)  # (straight into place: no bytearray between)
             return o
 
         crc = 0
@@ -263,7 +265,7 @@ class _Multipart:
         try:
             with _io(self.path):
                 r = self.s3.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self.id, PartNumber=number,
-                                        Body=bytes(data))
+                                        Body=data)  # (its own: ``write`` starts a new part after ``add``)
             return {"PartNumber": number, "ETag": r["ETag"]}
         finally:
             self.slots.release()

@@ -49,11 +49,13 @@ class GlobalTensor:
 
 
 def export(directory: CheckpointDir, out_dir: str, iteration: int | None = None, max_shard_bytes: int = 5 << 30,
-           progress=None) -> dict:
+           progress=None, out_storage: Storage | None = None) -> dict:
     """Write iteration ``iteration`` (default: the newest committed) of ``directory`` to ``out_dir``;
     returns the summary also written to ``out_dir/pec_export.json``. ``progress(done_bytes, total_bytes)``.
-    Reads and writes through ``directory.storage`` (``out_dir`` is a path or prefix on it)."""
+    Reads through ``directory.storage``, writes through ``out_storage`` (``out_dir`` is a path or prefix on
+    it; default the same storage: e.g. an object store's checkpoint exported to a local directory)."""
     storage = directory.storage
+    target = out_storage or storage
     m = _manifest(directory, iteration)
     layouts = _layouts(directory, m)
     files = CommittedFiles(directory, m, ExportError)
@@ -61,12 +63,12 @@ def export(directory: CheckpointDir, out_dir: str, iteration: int | None = None,
     small = _small_states(files, layouts)
     _add_buffers(tensors, layouts, small)
     shards = _shards(sorted(tensors.values(), key=lambda t: t.name), max_shard_bytes)
-    _prepare(out_dir, [name for name, _ in shards], storage)
+    _prepare(out_dir, [name for name, _ in shards], target)
     total = sum(t.nbytes for t in tensors.values())
     files.verify()  # every item read is verified before any byte is exported
     done = 0
     for file_name, entries in shards:
-        done = _write_shard(os.path.join(out_dir, file_name), entries, storage, done, total, progress)
+        done = _write_shard(os.path.join(out_dir, file_name), entries, storage, target, done, total, progress)
     pec = json.loads(next(iter(small.values())).pec) if small else {}
     summary = {
         "source": directory.root, "iteration": m.iteration, "fingerprint": m.fingerprint, "topology": m.topology,
@@ -79,8 +81,8 @@ def export(directory: CheckpointDir, out_dir: str, iteration: int | None = None,
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {t.name: name for name, entries in shards for t in entries}}
-        _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index, storage)
-    _write_json(os.path.join(out_dir, SIDECAR), summary, storage)
+        _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index, target)
+    _write_json(os.path.join(out_dir, SIDECAR), summary, target)
     return summary
 
 
@@ -193,8 +195,9 @@ def _prepare(out_dir: str, names: list[str], storage: Storage) -> None:
                           "was overwritten)")
 
 
-def _write_shard(path: str, tensors: list[GlobalTensor], storage: Storage, done: int, total: int,
+def _write_shard(path: str, tensors: list[GlobalTensor], storage: Storage, target: Storage, done: int, total: int,
                  progress) -> int:
+    """The shard ``path`` on ``target``, its tensors assembled from the rank files on ``storage``."""
     body, offset = {}, 0
     for t in tensors:
         body[t.name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
@@ -212,7 +215,7 @@ def _write_shard(path: str, tensors: list[GlobalTensor], storage: Storage, done:
             if progress is not None:
                 progress(done, total)
 
-    storage.write(path, chunks())
+    target.write(path, chunks())
     return done
 
 
