@@ -224,7 +224,9 @@ class AgentSession:
                     self.regions.released(msg.iteration, msg.recorded)
                 if msg.error is not None:
                     self.persist_errors += 1
-                    log.warning(f"snapshot of iteration {msg.iteration} was not persisted: {msg.error}; training "
+                    # (a snapshot that failed its record check is neither restorable from node memory nor persisted)
+                    lost = "persisted" if msg.recorded else "recorded in node memory (nor persisted)"
+                    log.warning(f"snapshot of iteration {msg.iteration} was not {lost}: {msg.error}; training "
                                 "continues and the next save tries again", rank=self.rank)
             if isinstance(msg, (Released, Granted)) and not self.begins_unanswered:
                 self.regions.pin(msg.pins, msg.hold)
