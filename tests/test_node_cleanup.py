@@ -39,6 +39,36 @@ def test_a_finished_job_leaves_only_its_log_in_node_memory(tmp_path, shm_dir):
     assert "removed the job's node memory" in (node_dir / AGENT_LOG).read_text()
 
 
+@pytest.mark.multiprocess
+def test_a_planned_exit_while_storage_is_down_keeps_node_memory_for_the_relaunch(tmp_path, shm_dir):
+    """The store refuses every write (``RefusingStorage``, while its marker exists): the final persistent
+    save fails, and so does the planned exit's persist of the newest snapshot. The trained state is
+    nowhere else: node memory stays, the agent says so, and a relaunch once the store is back restores it
+    from there and persists it at its own clean end, which then tidies node memory."""
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+    from megatron_pec.store.storage import PosixStorage
+
+    save, down = tmp_path / "ck", tmp_path / "store-down"
+    down.touch()
+    args = [*MODEL, "--train-iters", "3", "--save", str(save), "--load", str(save), "--non-persistent-save-interval",
+            "1", "--pec-shm-dir", shm_dir, "--pec-job-id", "refused",
+            "--pec-storage", f"megatron_pec.testing.refusing_storage:RefusingStorage?{down}"]
+    first = torchrun(PRETRAIN, *args)
+    assert "snapshot of iteration 3 was not persisted: OSError" in first.stdout + first.stderr
+    node_dir = Path(shm_dir) / "refused" / "node0"
+    wait_for_agent_exit(node_dir)
+    log = (node_dir / AGENT_LOG).read_text()
+    assert "storage does not hold the newest snapshot of rank 0's iteration 3" in log, log[-3000:]
+    assert {"rank0.slot0", "rank0.pool", "rank1.slot0"} <= set(os.listdir(node_dir))
+    assert CheckpointDir(str(save), PosixStorage()).committed_iterations() == []
+    down.unlink()  # the store is back
+    relaunch = torchrun(PRETRAIN, *args)
+    assert "rank 0: restored iteration 3 from memory" in relaunch.stdout + relaunch.stderr
+    wait_for_agent_exit(node_dir)
+    assert CheckpointDir(str(save), PosixStorage()).committed_iterations() == [3]
+    assert sorted(os.listdir(node_dir)) == [AGENT_LOG]
+
+
 def test_the_clean_up_keeps_the_log_and_removes_every_other_file_and_folder(tmp_path):
     for name in ("rank0.slot0", "rank0.pool", "rank0.memory.json", "slots.json", "agent.lock", AGENT_LOG):
         (tmp_path / name).write_text("x")

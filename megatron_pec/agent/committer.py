@@ -105,39 +105,49 @@ class Committer:
         except (OSError, ManifestError):
             return False
 
-    def persist_newest(self, served: dict, memory: NodeMemory) -> None:
+    def persist_newest(self, served: dict, memory: NodeMemory) -> bool:
         """A planned exit (every trainer detached cleanly): persist and commit each rank's newest snapshot
         where storage does not hold it as completely - at a clean exit the trainer completed it with
         every expert, so the restart restores with nothing lost. ``served``: rank -> the ``Link`` of its
-        latest trainer. Runs after the worker and the writer stopped."""
+        latest trainer. Runs after the worker and the writer stopped. False (warned) where storage does not
+        hold some rank's newest snapshot (the store down, full, failing): node memory must then stay."""
+        unsafe = []
         for rank, link in sorted(served.items()):
             newest = memory.newest(rank)
             if newest is not None:
-                self.persist_from_memory(link, MemoryCopy.of(memory, rank, *newest), "planned exit",
-                                         f"{link.job.session}.exit")
+                why = self.persist_from_memory(link, MemoryCopy.of(memory, rank, *newest), "planned exit",
+                                               f"{link.job.session}.exit")
+                if why is not None:
+                    unsafe.append(f"rank {rank}'s iteration {newest[1].iteration}: {why}")
+        if unsafe:  # (a planned exit loses nothing: the newest state stays where it still is)
+            log.warning(f"planned exit: storage does not hold the newest snapshot of {'; '.join(unsafe)}; node memory "
+                        f"keeps the job's files in {self.directory}: relaunch the job to restore from them (its next "
+                        "clean end persists them and removes them)")
+        return not unsafe
 
-    def persist_from_memory(self, link, copy: "MemoryCopy", why: str, generation: str) -> None:
+    def persist_from_memory(self, link, copy: "MemoryCopy", why: str, generation: str) -> str | None:
         """Persist and commit the items snapshot ``copy`` wrote (a rank file holds one iteration's items) as
         save ``generation``, unless storage holds a newer iteration or this save already. Where the
         committed file of the iteration holds every item the snapshot wrote, that file (never written
-        again) is this rank's part of the save: every rank takes part, so the save can commit."""
+        again) is this rank's part of the save: every rank takes part, so the save can commit. Returns None
+        once storage holds this rank's part, else what went wrong."""
         rank, job, iteration, checkpoints = link.rank, link.job, copy.record.iteration, link.checkpoints
         try:
             committed = checkpoints.committed_iterations()
             if committed and committed[0] > iteration:
-                return
+                return None
             entry = None
             if committed and committed[0] == iteration:
                 held = checkpoints.read_manifest(iteration)
                 if held.generation == generation:
-                    return  # this save is committed
+                    return None  # this save is committed
                 entry = held.ranks.get(str(rank))
             if job.node_rank in checkpoints.persisted_nodes(iteration, generation):
-                return  # persisted by this node already; another node's agent has yet to commit it
+                return None  # persisted by this node already; another node's agent has yet to commit it
             self.failed.discard((checkpoints.root, iteration, generation))  # a failed persist of it is retried now
             if entry is not None and copy.written <= set(entry.items):
                 self.persisted(checkpoints, job, iteration, rank, entry, generation)
-                return
+                return None
             target = checkpoints.fresh_rank_file(iteration, rank, generation)
             checked = check_snapshot(slot_path(self.directory, rank, copy.slot), iteration, copy.record.run, job.key,
                                      self.slots, self.locator(rank, copy.slot, copy.places))
@@ -146,8 +156,10 @@ class Committer:
             log.info(f"{why}: persisted rank {rank}'s snapshot of iteration {iteration}")
             self.persisted(checkpoints, job, iteration, rank, RankFile(file=checkpoints.relative(target), **file),
                            generation)
+            return None
         except Exception as exc:  # storage keeps what it had: said, never hidden
             log.info(f"{why}: cannot persist rank {rank}'s iteration {iteration}: {type(exc).__name__}: {exc}")
+            return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)

@@ -129,11 +129,10 @@ class Agent:
             self.writer.stop(timeout=3600)  # every write queued ends (a trainer that flushed waited for them)
             server.close()
             os.unlink(sock_path)  # no longer serving: a trainer must not find a socket to connect to
-            if self.planned_exit:
-                self.writer.committer.persist_newest(self.trainers.latest(), self.memory)
+            kept = self.planned_exit and not self.writer.committer.persist_newest(self.trainers.latest(), self.memory)
             self.writer.committer.purge.stop(timeout=600)  # the tidying after the last commits runs before exit
             self.replication.close()
-            self._cleanup()
+            self._cleanup(keep_memory=kept)
         return 0
 
     def _check_idle(self) -> None:
@@ -147,13 +146,13 @@ class Agent:
             log.info(f"no trainer for {self.idle_timeout:.0f}s; exiting")
             self.stopping.set()
 
-    def _cleanup(self) -> None:
+    def _cleanup(self, keep_memory: bool = False) -> None:
         for name in (SOCKET, PIDFILE):
             try:
                 os.unlink(os.path.join(self.directory, name))
             except OSError:
                 pass
-        if not self.keep_shm:
+        if not self.keep_shm and not keep_memory:
             # (the lock file too: this process holds it, and a waiter then locks a new one)
             remove_job_files(self.directory)
             log.info("removed the job's node memory (all but agent.log)")
