@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from megatron_pec.format.checkpoint_paths import storage_spec_for
+from megatron_pec.format.checkpoint_paths import is_url, storage_spec_for
 from megatron_pec.memory.budget import Budget
 from megatron_pec.pec.policy import POLICIES
 
@@ -140,7 +140,7 @@ def default_job_id(directory: str | None, run_id: str) -> str:
     if run_id and run_id != "none":
         return run_id
     if directory:
-        where = directory if "://" in directory else os.path.realpath(directory)  # (a URL is no local path)
+        where = directory if is_url(directory) else os.path.realpath(directory)
         return "save-" + hashlib.sha1(where.encode()).hexdigest()[:12]
     return "default"
 
@@ -179,7 +179,8 @@ class Launch:
         host = env.get("MEGATRON_PEC_AGENT_HOST") or (
             "127.0.0.1" if env.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost", "::1") else "")
         return cls(run_id=env.get("TORCHELASTIC_RUN_ID", ""), local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-                   local_rank=int(env.get("LOCAL_RANK", 0)), node_rank=int(env["GROUP_RANK"]) if env.get("GROUP_RANK") else None, agent_host=host)
+                   local_rank=int(env.get("LOCAL_RANK", 0)),
+                   node_rank=int(env["GROUP_RANK"]) if env.get("GROUP_RANK") else None, agent_host=host)
 
 
 def this_launch() -> Launch:

@@ -7,9 +7,14 @@ from __future__ import annotations
 import os
 
 
+def is_url(path: str) -> bool:
+    """Whether a checkpoint path is a storage URL (``scheme://...``), no local path."""
+    return "://" in path
+
+
 def absolute(path: str) -> str:
     """A checkpoint path made absolute; a URL stays as it is."""
-    return path if "://" in path else os.path.abspath(path)
+    return path if is_url(path) else os.path.abspath(path)
 
 
 def storage_spec_for(explicit: str, *paths: str | None) -> str:
@@ -25,4 +30,4 @@ def storage_spec_for(explicit: str, *paths: str | None) -> str:
     return ""
 
 
-__all__ = ["absolute", "storage_spec_for"]
+__all__ = ["absolute", "is_url", "storage_spec_for"]

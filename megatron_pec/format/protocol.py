@@ -29,12 +29,12 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
+from megatron_pec.format.checkpoint_paths import absolute
 from megatron_pec.format.json_text import Quoted
 from megatron_pec.format.packed_column import PackedColumn
 
@@ -175,8 +175,7 @@ class JobKey(typing.NamedTuple):
 
     @classmethod
     def of(cls, header: "SlotHeader") -> "JobKey":
-        save = header.save if "://" in header.save else os.path.abspath(header.save)  # (a URL is no local path)
-        return cls(header.job_id, header.fingerprint, save)
+        return cls(header.job_id, header.fingerprint, absolute(header.save))
 
 
 # ---- agent messages ------------------------------------------------------------------------------

@@ -109,6 +109,15 @@ def open_storage(spec: str) -> Storage:
     return factory(spec)
 
 
+def spec_argument(spec: str, what: str) -> str:
+    """What a ``package.module:Class?<argument>`` description gives its class after "?" (``what`` names it in
+    the error); ValueError when there is none."""
+    _, sep, argument = spec.partition("?")
+    if not sep or not argument:
+        raise ValueError(f"{spec!r}: give {what} after '?'")
+    return argument
+
+
 SCHEMES: dict[str, Callable[[str], Storage]] = {}
 """URL scheme -> the factory of its storage (called with the whole spec)."""
 
@@ -333,5 +342,5 @@ class RunningCrc:
         return self.crc
 
 
-__all__ = ["Storage", "PosixStorage", "RunningCrc", "open_storage", "register_scheme", "SCHEMES",
-           "CHUNK"]
+__all__ = ["Storage", "PosixStorage", "RunningCrc", "open_storage", "register_scheme", "spec_argument",
+           "SCHEMES", "CHUNK"]

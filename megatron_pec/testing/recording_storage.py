@@ -9,15 +9,12 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_pec.store.storage import PosixStorage
+from megatron_pec.store.storage import PosixStorage, spec_argument
 
 
 class RecordingStorage(PosixStorage):
     def __init__(self, spec: str):
-        _, sep, log = spec.partition("?")
-        if not sep or not log:
-            raise ValueError(f"{spec!r}: give the log's path after '?'")
-        self.spec, self.log = spec, log
+        self.spec, self.log = spec, spec_argument(spec, "the log's path")
 
     def _record(self, op: str, path: str, **extra) -> None:
         line = json.dumps({"pid": os.getpid(), "op": op, "path": path, **extra}) + "\n"

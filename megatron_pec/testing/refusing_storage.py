@@ -1,5 +1,6 @@
-"""A storage that is down on demand (shipped test tooling): POSIX files, but every ``write`` (a rank file,
-a record) raises EIO while a marker file exists - a store that refuses, for as long as a test says.
+"""A storage that is down on demand (shipped test tooling): POSIX files, but every ``write`` (rank files,
+and the commits that write through it) raises EIO while a marker file exists - a store that refuses, for
+as long as a test says.
 Plugged in by its description, ``megatron_pec.testing.refusing_storage:RefusingStorage?<marker path>``
 (``--pec-storage``), so that the trainers and their node agent meet the same refusals."""
 
@@ -8,15 +9,12 @@ from __future__ import annotations
 import errno
 import os
 
-from megatron_pec.store.storage import PosixStorage
+from megatron_pec.store.storage import PosixStorage, spec_argument
 
 
 class RefusingStorage(PosixStorage):
     def __init__(self, spec: str):
-        _, sep, marker = spec.partition("?")
-        if not sep or not marker:
-            raise ValueError(f"{spec!r}: give the marker file's path after '?'")
-        self.spec, self.marker = spec, marker
+        self.spec, self.marker = spec, spec_argument(spec, "the marker file's path")
 
     def write(self, path, chunks):
         if os.path.exists(self.marker):
