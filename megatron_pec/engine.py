@@ -27,7 +27,6 @@ from megatron_pec.format import small_state
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import ROUND_WAIT_S, SNAPSHOT_ROOM_WAIT_S, AgentSession
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.integrity.checksum import mismatch
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.common.gcpause import without_gc
@@ -264,6 +263,9 @@ class Engine:
         with phases("waiting for the agent"):  # load step 2
             self.handover.wait()
             self.session.settle()
+        if self.stager is not None:
+            with phases("waiting for the checksum kernel"):  # (its loading thread would contend with the restore)
+                self.stager.wait_for_kernel()
         restored = None
         if root:
             restored = self._restore(CheckpointDir(root, self.storage), self.config.finetune, scheduler,
@@ -309,27 +311,14 @@ class Engine:
                 problem = plan.why
             else:
                 self._apply(plan, finetune, scheduler, rng_key_prefix, phases)
-                with phases("checking on the device"):
-                    problem = self._checked_after_copy(plan)
+                with phases("checking on the device"):  # (the items restored from node memory, where they landed)
+                    problem = (self.stager.checked(self.adapter.live_views(), plan.check_after_copy, phases)
+                               if plan.check_after_copy else None)
                 if self.adapter.collectives.all_ok(problem is None):
                     return self._restored(directory, plan, finetune, phases)
             log.warning(f"cannot restore iteration {plan.iteration}: {problem or 'another rank cannot'}; "
                         "falling back to an older checkpoint", rank=self.rank)
             excluded.add(plan.iteration)
-
-    def _checked_after_copy(self, result: RestorePlan) -> str | None:
-        """The items restored from node memory, checked where they landed (the device): their sums over
-        the live optimizer state equal the recorded ones; else what does not."""
-        if not result.check_after_copy:
-            return None
-        pending = self.stager.sums(self.adapter.live_views()).start(result.check_after_copy)
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
-        actual = pending.digests()
-        for item, (expected, where) in sorted(result.check_after_copy.items()):
-            if actual[item] != expected:
-                return mismatch(f"{where} (checked on the device after the copy)", item, actual[item], expected)
-        return None
 
     def megatron_checkpoint(self, root: str) -> str | None:
         """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:

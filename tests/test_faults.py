@@ -795,6 +795,7 @@ def test_a_byte_flipped_in_node_memory_is_caught_on_the_device_after_the_copy(cl
     assert "cannot restore iteration 6" in log and "falling back to an older checkpoint" in log
     restores = c.restores(2)
     assert {x.iteration for x in restores.values()} == {5} and {x.source for x in restores.values()} == {"memory"}
+    assert log.count("from node memory checked where they landed") >= 2, log[-3000:]  # (each rank says so)
     assert reference.assert_same_losses(c, launches=[2]) == ITERS - 5
     assert no_worker_traceback(log)
 

@@ -337,9 +337,10 @@ def test_close_waits_for_a_skipped_saves_copy_on_a_blocking_event_before_unpinni
     stager.close()
     files.close()
     # the skipped copy: an event on the training stream (what the copy stream waits for), then, from the
-    # enqueue thread, a blocking event after the copy: what close waits for, before it unpins
-    produced, after_copy = recorder.log[-4], recorder.log[-3]
-    assert produced[0] == "record" and not produced[2] and after_copy[0] == "record" and after_copy[2]
-    assert recorder.log[-2:] == [("wait", after_copy[1], True), ("unpin",)], recorder.log
+    # enqueue thread, blocking events after its wave and after the copy: close waits for the last, then unpins
+    produced = max(i for i, entry in enumerate(recorder.log) if entry[0] == "record" and not entry[2])
+    after = recorder.log[produced + 1:-2]
+    assert after and all(entry[0] == "record" and entry[2] for entry in after), recorder.log
+    assert recorder.log[-2:] == [("wait", after[-1][1], True), ("unpin",)], recorder.log
     assert all(entry[2] for entry in recorder.log if entry[0] == "wait")
     assert ("stream synchronize",) not in recorder.log

@@ -82,3 +82,35 @@ def test_override_ckpt_iteration_sets_the_samples_megatron_sets(monkeypatch):
     args.global_batch_size = 16
     with pytest.raises(CheckpointError, match=r"checkpoint global_batch_size \(8\) != current global_batch_size"):
         restore.restore_args(args, saved, finetune=False, override_iteration=5)
+
+
+def test_a_trainer_of_its_own_never_imports_megatron_lms_training_package():
+    """Issue 41: megatron-core 0.19's wheel ships ``megatron.training``; importing it (the whole training
+    package) took 0.57 s of a relaunched restore on an H200 in the example trainer. Its checkpoint version
+    and its arguments are looked up only where Megatron-LM's loop has loaded them (a fresh process here)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("megatron.training") is None:
+        pytest.skip("this megatron-core has no megatron.training to import (0.19's wheel has)")
+    probe = ("import sys\n"
+             "from megatron_pec.megatron import restore\n"
+             "from megatron_pec.megatron.adapter import training_args\n"
+             "restore.set_checkpoint_version(3.0)\n"
+             "assert training_args() is None\n"
+             "print(sorted(m for m in sys.modules if m.startswith('megatron.training')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_checkpoint_version_reaches_megatron_lm_where_its_loop_loaded_it(monkeypatch):
+    import sys
+    from types import ModuleType
+
+    checkpointing = ModuleType("megatron.training.checkpointing")
+    checkpointing.set_checkpoint_version = lambda v: setattr(checkpointing, "version", v)
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
+    restore.set_checkpoint_version(2.5)
+    assert checkpointing.version == 2.5

@@ -23,6 +23,7 @@ its ``digests()`` may be read once that stream's work up to the call is done (th
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -77,8 +78,11 @@ class KernelLoad:
         self._thread.start()
 
     def _run(self) -> None:
+        started = time.perf_counter()
         try:
             self._kernel = self._load(self.device)
+            log.info(f"checksum kernel loaded on device {self.device} in {time.perf_counter() - started:.2f} s",
+                     once=True)
         except Exception as exc:  # (whatever Triton raises: its errors have no common base)
             text = str(exc).strip()
             self.failure = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

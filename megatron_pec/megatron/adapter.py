@@ -26,12 +26,12 @@ from megatron_pec.format.protocol import GlobalParam, RankLayout
 
 
 def training_args():
-    """Megatron-LM's global training arguments, or None outside Megatron-LM's ``pretrain()``."""
+    """Megatron-LM's global training arguments, or None outside Megatron-LM's ``pretrain()`` (whose module is
+    then loaded: never imported here, it would import Megatron-LM's whole training package)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
     try:
-        from megatron.training import get_args
-
-        return get_args()
-    except (ImportError, AssertionError):
+        return global_vars.get_args() if global_vars is not None else None
+    except AssertionError:  # (loaded, but its arguments not parsed yet)
         return None
 
 
@@ -332,8 +332,10 @@ class MegatronAdapter:
             self._frozen = None
             if not finetune:  # (a resharded restore's small state has none: Megatron ignores it then)
                 modelstate.restore_rerun_state(small.get("rerun_state_machine"))
+        with phases("scheduler"):
             if scheduler is not None and load_optim and small["scheduler"] is not None:
                 restore.restore_scheduler(scheduler, small["scheduler"])
+        with phases("RNG and arguments"):
             saved_prefix = small.get("rng_key_prefix", "")
             if load_rng and saved_prefix != rng_key_prefix:
                 log.warning(f"the checkpoint's RNG state was saved under rng_state_key_prefix {saved_prefix!r}, "

@@ -131,6 +131,8 @@ class RestorePlan:
                 f"{n} at {v}" for v, n in sorted(counts.items(), reverse=True)) + ")"
         elif older:
             line += "; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
+        if self.check_after_copy:
+            line += f"; {len(self.check_after_copy)} item(s) from node memory checked where they landed"
         log.info(line, rank=rank)
         if self.report is not None and rank == 0:
             for text in self.report.format_lines():

@@ -35,6 +35,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from megatron_pec.common.coalesce import coalesced_with_starts, run_view
+from megatron_pec.common.phases import Phases
+from megatron_pec.integrity.checksum import mismatch
+from megatron_pec.save.copy_waves import copy_in_waves
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.memory.layout import POOL
 from megatron_pec.integrity.run_sums import KernelLoad, RunSums, kernel_load, on_device
@@ -118,7 +121,7 @@ class Staging:
 
         def copy():
             stager.stream.wait_event(produced)
-            torch._foreach_copy_(dst, src, non_blocking=True)  # one call: a large rank has 10^4-10^5 slices
+            copy_in_waves(dst, src, record=stager.record)  # (never a whole snapshot queued on the copy engine)
 
         stager.enqueue(copy)  # (a save skipped after this copy still has it in flight: ``Stager.close`` waits)
 
@@ -162,6 +165,7 @@ class Stager:
         self._last = None  # a blocking event after the last work enqueued on the copy stream
         # (the copies' enqueue, in order, off the training thread)
         self._enqueuer = ThreadPoolExecutor(1, "megatron-pec copy enqueue") if asynchronous else None
+        self._closed = False
         self.pinning = None
         self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
         self._runs: dict[tuple[int, str], list] = {}  # (slot, item) -> views of its runs there (kept: a few per item)
@@ -192,17 +196,39 @@ class Stager:
         def run():
             with torch.no_grad(), torch.cuda.stream(stream):  # (the stream's device becomes this thread's too)
                 result = work()
-            event = torch.cuda.Event(blocking=True)  # (the waiting thread sleeps, no core spins)
-            event.record(stream)
+            event = self.record()
             self._last = event
             return event, result
 
-        return self._enqueuer.submit(run)
+        return self._submit(run)
+
+    def record(self):
+        """A blocking event after the work enqueued so far on the copy stream (waiting on it sleeps, no core
+        spins)."""
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.stream)
+        return event
+
+    def _submit(self, run) -> Future:
+        """``run`` on the enqueue thread, after the work given before. At the interpreter's exit (a save from an
+        exit handler) Python has already joined that thread, every work given before done: ``run`` then runs
+        here, in order still. After ``close`` nothing may be enqueued (the slots are unmapped)."""
+        if self._closed:
+            raise RuntimeError("megatron-pec: the stager is closed; nothing can be copied into its slots")
+        if self._enqueuer is not None:
+            try:
+                return self._enqueuer.submit(run)
+            except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+                self._enqueuer = None
+        done = Future()
+        done.set_result(run())
+        return done
 
     def synchronize(self) -> None:
-        """Wait for every copy started so far (blocking, not spinning)."""
-        if self._enqueuer is not None:
-            self._enqueuer.submit(lambda: None).result()  # (what was given before has been enqueued)
+        """Wait for every copy started so far (blocking, not spinning); nothing once closed (close waited)."""
+        if self._closed:
+            return
+        self._submit(lambda: None).result()  # (what was given before has been enqueued)
         if self._last is not None:
             self._last.synchronize()
 
@@ -279,6 +305,25 @@ class Stager:
                                          for item, (_, _, src) in self._run_starts.items()})
         return self._sums
 
+    def checked(self, live: dict, expected: dict[str, tuple[str, str]], phases: Phases) -> str | None:
+        """Items restored into ``live``, checked where they landed: their sums equal ``expected`` (item ->
+        (sum64, where it was read)); else what does not."""
+        with phases("binding the device sums"):  # (the kernel's load and the chunk table: built once)
+            sums = self.sums(live)
+        pending = sums.start(expected)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        actual = pending.digests()
+        for item, (want, where) in sorted(expected.items()):
+            if actual[item] != want:
+                return mismatch(f"{where} (checked on the device after the copy)", item, actual[item], want)
+        return None
+
+    def wait_for_kernel(self) -> None:
+        """Until the checksum kernel's load (started at import) is over (at once where none was started)."""
+        if self.kernel is not None:
+            self.kernel.kernel()
+
     def runs_of(self, item: str) -> list | None:
         """The runs ``item`` coalesced into (their first slices' names), once bound (tests look)."""
         return None if self._run_starts is None or item not in self._run_starts else self._run_starts[item][0]
@@ -291,6 +336,7 @@ class Stager:
         if self._enqueuer is not None:
             self._enqueuer.shutdown()
             self._enqueuer = None
+        self._closed = True
         self._runs, self._runs_of, self._run_starts, self._sums = {}, None, None, None
         if self.pinning is not None:
             self.pinning.unpin_all()

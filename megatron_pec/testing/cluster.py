@@ -49,7 +49,8 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
 _RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from "
                        r"(memory|storage|peer memory \(node \d+\))"
                        r"(?:, (\d+) iteration\(s\) behind the newest snapshot of any rank)?"
-                       r"(?:; experts from older versions: (.*))?$", re.M)
+                       r"(?:; experts from older versions: (.*?))?"
+                       r"(?:; \d+ item\(s\) from node memory checked where they landed)?$", re.M)
 _PLT = re.compile(r"megatron-pec: PLT ([0-9.]+)% \((\d+) of (\d+) expert-tokens lost", re.M)
 
 

@@ -161,6 +161,6 @@ def test_the_example_snapshots_every_iteration_and_restores_from_memory_on_the_g
     resumed = run("--metrics-file", str(tmp_path / "b.jsonl"))
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-4000:]
-    assert "restored iteration 10 from memory" in out and "checking on the device" in out, out[-4000:]
+    assert "restored iteration 10 from memory" in out and "checked where they landed" in out, out[-4000:]
     losses = [json.loads(line) for line in open(tmp_path / "b.jsonl") if "lm loss" in line]
     assert losses and losses[0]["iteration"] == 11

@@ -1,5 +1,5 @@
 """A fresh process on a GPU: the stager starts the checksum kernel's load at start-up (the engine's
-``_start_memory_tier``); then a restore's check on the device (``Engine._checked_after_copy``: a new
+``_start_memory_tier``); then a restore's check on the device (``Stager.checked``: a new
 binding, its table, one launch) and a save. Prints one JSON line: Triton compiles at start-up and after,
 how long the restore's check took, whether the sums equal the reference. argv: SLOT_DIR."""
 
