@@ -262,7 +262,8 @@ def restart_row(out: dict, workdir: Path, shm: Path, model: list[str], sizes: Si
                       "over_h2d_floor": float(restore.group(1)) / out["floors"]["h2d_s"] if restore else None}
     out["rows"]["example: megatron-pec K=all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
                                                       h2d_floor_s=out["floors"]["h2d_s"])
-    clock.done("resumed", f"restored {out['restore']['restored']} in {out['restore']['restore_memory_s']} s")
+    clock.done("resumed", f"restored {out['restore']['restored']} in {out['restore']['restore_memory_s']} s "
+                          f"({out['restore']['phases']})")
 
 
 def main(argv=None) -> int:

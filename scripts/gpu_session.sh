@@ -18,11 +18,18 @@ export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
 { nvidia-smi; nproc; free -g; df -h /dev/shm
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
+# the checksum kernel's load alone in a fresh process, twice (the second finds Triton's cache warm): where
+# a relaunched trainer's load spends its time
+for attempt in cold warm; do
+  timeout 60 python3 scripts/kernel_load_profile.py > "$OUT/kernel_load_$attempt.txt" 2>&1
+done
 # BENCH_ARGS: e.g. --peers pec_all (the peers' rows from an earlier run on the same kind of GPU stand)
 timeout "$BENCH_S" python3 -m benchmarks.gpu --json "$OUT/gpu.json" ${BENCH_ARGS:-} > "$OUT/benchmark.log" 2>&1
 echo "benchmarks.gpu exit $? after $(( $(date +%s) - start )) s" >> "$OUT/benchmark.log"
 # one file of every run's log and metrics (not the checkpoints beside them: gigabytes)
-(cd /tmp && tar -czf "$OUT/runs.tar.gz" pec_gpu_*/*.log pec_gpu_*/*.jsonl pec_gpu_*/*.json 2>/dev/null)
+(cd /tmp && tar -czf "$OUT/runs.tar.gz" pec_gpu_*/*.jsonl pec_gpu_*/*.json \
+   $(ls pec_gpu_*/*.log | grep -v peers.log) 2>/dev/null)
+grep -h -B3 -A30 Traceback /tmp/pec_gpu_*/*.log 2>/dev/null | head -400 > "$OUT/tracebacks.txt"
 left=$(( TOTAL_S - ($(date +%s) - start) ))
 if [ "$left" -gt 30 ]; then
   timeout "$left" python3 -m pytest tests/gpu -q -rs > "$OUT/tests_gpu.log" 2>&1
