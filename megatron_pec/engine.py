@@ -22,13 +22,13 @@ import torch
 
 from megatron_pec.memory import budget
 from megatron_pec.common import faults, log
-from megatron_pec.save import memory_plan
+from megatron_pec.save import memory_plan, rank_layout
 from megatron_pec.format import small_state
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
 from megatron_pec.agent.session import ROUND_WAIT_S, SNAPSHOT_ROOM_WAIT_S, AgentSession
 from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
-from megatron_pec.common.errors import CheckpointError
+from megatron_pec.common.errors import CheckpointError, StorageUnreachable
 from megatron_pec.common.gcpause import without_gc
 from megatron_pec.save.handover import HandOver, PendingSnapshot
 from megatron_pec.format.item_names import NON_EXPERT, item_name
@@ -93,12 +93,8 @@ class Engine:
     # ---- set-up --------------------------------------------------------------------------------------
     def _record_layout(self) -> None:
         """Where this rank's stored tensors lie in the global parameters, once per configuration under
-        --save (what ``export`` and restores onto another topology read)."""
-        error = None
-        try:
-            CheckpointDir(self.job.save_root, self.storage).write_rank_layout(self.job.layout)
-        except OSError as exc:
-            error = f"cannot write under --save {self.job.save_root}: {exc.strerror or exc}"
+        --save (``save/rank_layout.py``): every rank stops where --save cannot be written."""
+        error = rank_layout.record(CheckpointDir(self.job.save_root, self.storage), self.job.layout)
         self.adapter.collectives.raise_if_any(error)
 
     def _start_memory_tier(self) -> None:
@@ -323,7 +319,10 @@ class Engine:
     def megatron_checkpoint(self, root: str) -> str | None:
         """What ``root`` holds when it is Megatron's own checkpoint and no megatron-pec one (collective:
         every rank must see the same)."""
-        found = CheckpointDir(root, self.storage).megatron_format()
+        try:
+            found = CheckpointDir(root, self.storage).megatron_format()
+        except StorageUnreachable:
+            found = None  # (the restore says what an unreachable storage means for it)
         coll = self.adapter.collectives
         if coll.all_ok(found is None):
             return None

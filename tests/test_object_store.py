@@ -278,10 +278,61 @@ def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path,
         c.close()
         shutil.rmtree(shm, ignore_errors=True)
     assert restarted_at < last, (restarted_at, "the store came back only after training ended")
-    assert "was not persisted: OSError" in c.logs(2), c.logs(2)[-3000:]  # (the outage was met, and survived)
+    assert "was not persisted: StorageUnreachable" in c.logs(2), c.logs(2)[-3000:]  # (the outage, survived)
     assert d.read_tracker() == str(last)
     proc = megatron_pec("verify", url, env=env)  # every committed iteration whole
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_relaunch_while_the_store_is_down_restores_from_node_memory_and_never_from_scratch(own_s3, tmp_path,
+                                                                                          monkeypatch):
+    """The example trainer persisting every 2 iterations to S3 is killed in step 6 (committed: 2 and 4; node
+    memory: 5). With the S3 server down, a relaunch restores 5 from node memory and trains on (its persists
+    fail with a warning, nothing stops). With node memory gone too, a relaunch refuses plainly - never
+    training from scratch over a store it cannot read - and changes nothing: once the server is back, the
+    store holds what it held."""
+    from megatron_pec.testing import launch
+
+    shm = Path("/dev/shm") / f"pec-s3d-{os.getpid()}-{tmp_path.name[-12:]}"
+    url = "msc://pecdown/ck"  # (a profile of its own: MSC keeps a client per profile name in this process)
+    monkeypatch.setenv("MSC_CONFIG", str(own_s3.msc_config(tmp_path / "msc_down.yaml", profile="pecdown")))
+    env = dict(os.environ)
+    args = ["--hidden-size", "32", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--expert-model-parallel-size", "2", "--log-interval", "1", "--eval-iters", "1", "--save", url,
+            "--load", url, "--enable-msc", "--save-interval", "2", "--non-persistent-save-interval", "1",
+            "--pec-shm-dir", str(shm), "--pec-job-id", "s3down"]
+    script = REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py"
+
+    def run(iters: int, **extra_env) -> subprocess.CompletedProcess:
+        job = launch.Launch(script, (*args, "--train-iters", str(iters)), nproc=2)
+        return launch.run(job, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(env, **extra_env))
+
+    try:
+        killed = run(8, MEGATRON_PEC_FAULT="optimizer_step=kill@6")
+        assert killed.returncode != 0
+        d = CheckpointDir(url, open_storage(spec_for("", url)))
+        before = (d.committed_iterations(), d.read_tracker())
+        assert before[0] == [4, 2], before
+        own_s3.kill()
+        relaunch = run(8)
+        out = relaunch.stdout + relaunch.stderr
+        assert relaunch.returncode == 0, out[-4000:]
+        for rank in (0, 1):
+            assert f"rank {rank}: restored iteration 5 from memory" in out, out[-4000:]
+        assert "cannot be reached" in out and "was not persisted: StorageUnreachable" in out, out[-4000:]
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)  # node memory gone too: only the store could serve
+        refused = run(10)
+        out = refused.stdout + refused.stderr
+        assert refused.returncode != 0
+        assert "cannot restore: node memory holds no snapshot every rank can restore, and the storage" in out, out
+        assert "training from scratch" not in out and "rank0]: Traceback" not in out, out[-4000:]
+    finally:
+        launch.stop_agents(shm)
+        shutil.rmtree(shm, ignore_errors=True)
+        own_s3.start()
+    assert (d.committed_iterations(), d.read_tracker()) == before
 
 
 def test_an_msc_path_without_megatrons_msc_is_refused_with_the_flag_to_pass():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, checkpoints
+from megatron_pec.common.errors import StorageUnreachable
 from megatron_pec.store import storage as storage_module
 from megatron_pec.store.storage import PosixStorage, open_storage, register_scheme
 from megatron_pec.testing.recording_storage import RecordingStorage, read_log
@@ -207,3 +208,65 @@ def test_the_scanner_sees_writes_around_the_seam(tmp_path):
 def test_no_module_writes_files_around_the_storage_seam():
     found = writers()
     assert set(found) <= set(AROUND_THE_SEAM), {k: v for k, v in found.items() if k not in AROUND_THE_SEAM}
+
+
+# ---- a storage that cannot be reached (issue 42: an object store's outage) ---------------------------------
+class _OutageStorage(PosixStorage):
+    """POSIX storage whose creates fail as an unreachable endpoint ``outages`` times, then succeed."""
+
+    def __init__(self, outages: int, error=None):
+        super().__init__()
+        self.outages, self.error = outages, error
+
+    def create(self, path, data):
+        if self.outages:
+            self.outages -= 1
+            raise self.error or StorageUnreachable(5, f"{path}: EndpointConnectionError")
+        return super().create(path, data)
+
+
+def _layout():
+    from megatron_pec.format.protocol import RankLayout
+
+    return RankLayout(fingerprint="f00d", rank=1, topology={"tp": 1}, params=[], slices={}, buffers={})
+
+
+def test_a_layout_record_the_storage_cannot_take_yet_is_written_once_it_answers(tmp_path):
+    """A relaunch during an object store's outage must train from node memory: the rank's layout record is
+    retried by a thread until the storage answers, and nothing waits for it or raises."""
+    import time
+
+    from megatron_pec.save import rank_layout
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+
+    d = CheckpointDir(str(tmp_path / "ck"), _OutageStorage(outages=3))
+    assert rank_layout.record(d, _layout(), retry_s=(0.01,)) is None
+    path = d.layout_path("f00d", 1)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "the layout record was never written"
+        time.sleep(0.01)
+    assert d.read_rank_layout("f00d", 1) == _layout()
+
+
+def test_a_save_directory_that_refuses_the_layout_record_stops_training_with_its_path(tmp_path):
+    from megatron_pec.save import rank_layout
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+
+    d = CheckpointDir(str(tmp_path / "ck"), _OutageStorage(1, PermissionError(13, "Permission denied")))
+    assert rank_layout.record(d, _layout()) == f"cannot write under --save {tmp_path / 'ck'}: Permission denied"
+
+
+@pytest.mark.parametrize("raised, unreachable", [
+    (RuntimeError("Failed to PUT object(s) at b/k, error type: EndpointConnectionError, error: ..."), True),
+    (type("ConnectTimeoutError", (Exception,), {})("timed out"), True),
+    (RuntimeError("Failed to PUT object(s) at b/k, error type: ClientError, error: 403 AccessDenied"), False),
+])
+def test_an_endpoint_that_cannot_be_reached_is_told_from_a_refusal(raised, unreachable):
+    pytest.importorskip("multistorageclient")
+    from megatron_pec.store import msc_storage
+
+    with pytest.raises(OSError) as caught:
+        with msc_storage._io("msc://p/k"):
+            raise raised
+    assert isinstance(caught.value, StorageUnreachable) is unreachable

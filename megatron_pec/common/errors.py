@@ -18,3 +18,10 @@ class CheckpointError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class StorageUnreachable(OSError):
+    """The storage cannot be reached now (an object store's endpoint refuses connections or times out): an
+    outage that passes, not a refusal of the path. Training goes on from node memory meanwhile; what needs
+    the storage is retried or refused with this message. ``PosixStorage`` never raises it (a file system
+    that hangs is the kernel's matter)."""

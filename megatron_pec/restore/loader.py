@@ -25,6 +25,7 @@ from megatron_pec.common import log
 from megatron_pec.pec import lost_tokens
 from megatron_pec.restore import reshard
 from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
+from megatron_pec.common.errors import StorageUnreachable
 from megatron_pec.common.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.job_facts import JobFacts
@@ -86,6 +87,7 @@ class Candidates:
     manifests: dict[int, Manifest]       # ... and its manifest
     error: str | None = None             # this rank could not list its sources (every rank raises)
     reshard: Manifest | None = None      # the newest committed iteration, saved by another layout: reshard it
+    unreachable: str | None = None       # the storage could not be reached: node memory alone was listed
 
     @property
     def iterations(self) -> set[int]:
@@ -172,6 +174,33 @@ class Agreement:
     versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
 
 
+def newest_committed(directory: CheckpointDir) -> Manifest | None:
+    """The manifest of the newest committed iteration (another layout's too), if readable."""
+    committed = directory.committed_iterations()
+    if not committed:
+        return None
+    try:
+        return directory.read_manifest(committed[0])
+    except ManifestError:
+        return None  # the normal path skips it with its warning
+
+
+def _warn_stale_tracker(directory: CheckpointDir, rank: int, manifests: dict) -> None:
+    """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
+    tracker = directory.read_tracker()
+    if rank == 0 and tracker and tracker.isdigit() and int(tracker) not in manifests:
+        log.warning(f"{directory.root}/{TRACKER} names iteration {tracker}, which has no valid manifest; "
+                    "ignoring it and using the newest committed iteration")
+
+
+def _unless_unreachable(read, otherwise=None):
+    """(``read()``, None), or (``otherwise``, why) where the storage cannot be reached."""
+    try:
+        return read(), None
+    except StorageUnreachable as exc:
+        return otherwise, str(exc)
+
+
 class Loader:
     """Plans a restore from one checkpoint directory (and this rank's node memory): load steps 3-5.
 
@@ -195,7 +224,8 @@ class Loader:
     def candidates(self) -> Candidates:
         """This rank's node-memory snapshots and the committed iterations of this configuration; or, when
         the newest committed iteration was saved by another layout and no rank has node memory, that one
-        to reshard (deciding so is the one collective here)."""
+        to reshard (deciding so is the one collective here). Storage that cannot be reached (an outage)
+        leaves node memory alone to list."""
         ctx, phases = self.ctx, self.ctx.phases
         error, memory, stored, manifests = None, [], {}, {}
         with phases("listing sources"):
@@ -205,37 +235,24 @@ class Loader:
                                         self.checked_after_copy)
             except SourceError as exc:
                 error = str(exc)
-            newest = self._newest_committed()
+            newest, unreachable = _unless_unreachable(lambda: newest_committed(self.directory))
         other = newest if newest is not None and newest.fingerprint != ctx.job.fingerprint else None
         if other is not None and self.coll.all_ok(error is None and not memory):
             return Candidates(memory, {}, {}, reshard=other)
         with phases("listing sources"):
-            if error is None:
+            if error is None and unreachable is None:
+                known = {newest.iteration: newest} if newest else None
                 try:
-                    known = {newest.iteration: newest} if newest else None
-                    stored, manifests = storage_sources(self.directory, self.rank, ctx.job.fingerprint,
-                                                        ctx.job.topology, known)
+                    (stored, manifests), unreachable = _unless_unreachable(lambda: storage_sources(
+                        self.directory, self.rank, ctx.job.fingerprint, ctx.job.topology, known), ({}, {}))
                 except SourceError as exc:
                     error = str(exc)
-            self._warn_stale_tracker(manifests)
-        return Candidates(memory, stored, manifests, error)
-
-    def _newest_committed(self) -> Manifest | None:
-        """The manifest of the newest committed iteration (another layout's too), if readable."""
-        committed = self.directory.committed_iterations()
-        if not committed:
-            return None
-        try:
-            return self.directory.read_manifest(committed[0])
-        except ManifestError:
-            return None  # the normal path skips it with its warning
-
-    def _warn_stale_tracker(self, manifests: dict) -> None:
-        """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
-        tracker = self.directory.read_tracker()
-        if self.rank == 0 and tracker and tracker.isdigit() and int(tracker) not in manifests:
-            log.warning(f"{self.root}/{TRACKER} names iteration {tracker}, which has no valid manifest; "
-                        "ignoring it and using the newest committed iteration")
+            if unreachable is None:
+                _warn_stale_tracker(self.directory, self.rank, manifests)
+            else:
+                log.warning(f"the storage of {self.root} cannot be reached ({unreachable}): restoring from node "
+                            "memory alone", rank=self.rank)
+        return Candidates(memory, stored, manifests, error, unreachable=unreachable)
 
     # ---- 4. agree on an iteration ----------------------------------------------------------------------
     def plan(self, found: Candidates, excluded: set[int]) -> RestorePlan | Refused | None:
@@ -257,7 +274,7 @@ class Loader:
             with self.ctx.phases("agreeing"):
                 target = self._agree(mine)
             if target is None:
-                return self._nothing(excluded)
+                return self._nothing(excluded, found)
             plan, unreadable, agreed = self._plan(target, found)
         if agreed.failed:
             raise CheckpointError(found.error or ANOTHER_RANK_FAILED)
@@ -266,7 +283,13 @@ class Loader:
         with self.ctx.phases("deciding"):
             return self._decide(target, plan, agreed.accounted, agreed.state, agreed.newest)
 
-    def _nothing(self, excluded: set[int]) -> None:
+    def _nothing(self, excluded: set[int], found: Candidates) -> None:
+        """Nothing every rank can restore: from scratch, unless a rank could not reach the storage (it may
+        hold what node memory lacks: never train from scratch over it) or every candidate was excluded."""
+        self.coll.raise_if_any(found.unreachable and (
+            f"cannot restore: node memory holds no snapshot every rank can restore, and the storage of {self.root} "
+            f"cannot be reached ({found.unreachable}); nothing was changed and training did not start from "
+            "scratch: relaunch once the storage answers"))
         if excluded:
             raise CheckpointError(f"no valid checkpoint left under {self.root} after rejecting iterations "
                                   f"{sorted(excluded)}; see the messages above")

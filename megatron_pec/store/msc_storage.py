@@ -16,8 +16,9 @@ How it keeps ``Storage``'s promises on S3:
   ``live_too``: S3 does not say whether their writer still runs; a dead writer's go with
   ``delete_prefix``, or with the bucket's lifecycle rule for incomplete uploads).
 
-Errors of the client (connection refused, 5xx after MSC's retries) become OSError, as the protocol
-asks; a missing object is FileNotFoundError.
+Errors of the client (5xx after MSC's retries) become OSError, as the protocol asks, and
+``StorageUnreachable`` (an OSError) where the endpoint cannot be reached; a missing object is
+FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Iterable
 
 from megatron_pec.common import faults
 from megatron_pec.integrity.checksum import crc32
+from megatron_pec.common.errors import StorageUnreachable
 
 SCHEME = "msc://"
 PART = 16 << 20  # bytes per uploaded part / ranged read (S3 asks at least 5 MiB of every part but the last)
@@ -318,7 +320,23 @@ def _io(path: str):
     except (OSError, PreconditionFailedError):
         raise
     except Exception as exc:  # noqa: BLE001 (botocore, MSC's RetryableError, ...)
-        raise OSError(errno.EIO, f"{path}: {type(exc).__name__}: {exc}") from exc
+        error = StorageUnreachable if _unreachable(exc) else OSError
+        raise error(errno.EIO, f"{path}: {type(exc).__name__}: {exc}") from exc
+
+
+# botocore's names for an endpoint that cannot be reached (MSC wraps them in its own errors, naming them)
+_UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
+                "ConnectionRefusedError", "NewConnectionError")
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """``exc`` (or an error it was raised from) says the endpoint could not be reached."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if type(exc).__name__ in _UNREACHABLE or any(f"error type: {name}" in str(exc) for name in _UNREACHABLE):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 __all__ = ["MscStorage", "is_url", "profile_of", "SCHEME", "PART", "IN_FLIGHT"]

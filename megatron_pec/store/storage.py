@@ -12,8 +12,9 @@ temporary names. Those are ``PosixStorage``'s way of keeping the promises (a wri
 whole or not at all; ``commit`` is a compare-and-swap), and telling a dead writer's leftovers from a
 live writer's is its question too (``discard_partial``). An object store keeps them with whole or
 multipart uploads (invisible until completed), conditional puts (If-None-Match / If-Match) or, where
-the store has none, a read-back of what was written. Node memory (tmpfs slots) is not storage:
-``memory/`` owns it.
+the store has none, a read-back of what was written. A storage that cannot be reached now (an object
+store's outage) raises ``common.errors.StorageUnreachable``: training goes on from node memory. Node
+memory (tmpfs slots) is not storage: ``memory/`` owns it.
 """
 
 from __future__ import annotations

@@ -426,6 +426,10 @@ class Cluster:
         for f in self._log_files:
             f.close()
         self._log_files = []
+        for node in range(self.nnodes):  # (the agents' logs outlive their node memory: a failure's evidence)
+            log = self.node_dir(node) / "agent.log"
+            if log.exists():
+                shutil.copyfile(log, self.workdir / f"agent.node{node}.log")
         if not keep_memory:
             shutil.rmtree(self.shm_dir / self.job_id, ignore_errors=True)
 
