@@ -40,7 +40,7 @@ from megatron_pec.pec.state import PecState
 from megatron_pec.format.protocol import SlotHeader
 from megatron_pec.memory.slots import open_slot
 from megatron_pec.format.stformat import decode_header
-from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, parse_plt, persist_only_plt, run_megatron_pec
+from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, agent_logs, parse_plt, persist_only_plt, run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
 
@@ -132,11 +132,6 @@ def assert_sound(root) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     names = tracker(root)
     assert names is None or int(names) in committed(root), f"tracker names {names}, committed: {committed(root)}"
-
-
-def agent_logs(c: Cluster) -> str:
-    return "\n".join((c.node_dir(n) / "agent.log").read_text() for n in range(c.nnodes)
-                     if (c.node_dir(n) / "agent.log").exists())
 
 
 def no_worker_traceback(text: str) -> bool:
@@ -847,12 +842,12 @@ def test_tmpfs_too_small_fails_at_startup_with_the_size_needed(clusters, tmp_pat
 @pytest.mark.campaign
 def test_random_fault_campaign(shm_root, tmp_path):
     """Three random runs of every fault type (``python -m megatron_pec.testing.campaign`` runs more)."""
-    from megatron_pec.testing.campaign import TYPES, Campaign, format_table, summarize
+    from megatron_pec.testing.campaign import Campaign, format_table, summarize
 
     campaign = Campaign(tmp_path, shm_root / "campaign", seed=int(os.environ.get("MEGATRON_PEC_CAMPAIGN_SEED", 7)),
                         script=PRETRAIN)
     campaign.prepare()
-    runs, per_type = [], {t: 0 for t in TYPES if t != "storage_full" or campaign.can_mount}
+    runs, per_type = [], dict.fromkeys(campaign.types, 0)
     while min(per_type.values()) < 3:
         spec = campaign.draw()
         if spec["type"] in per_type and per_type[spec["type"]] < 3:

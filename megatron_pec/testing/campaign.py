@@ -22,6 +22,7 @@ Prints a table per fault type and writes every run's record as JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -35,9 +36,12 @@ import time
 import traceback
 from pathlib import Path
 
+from megatron_pec.format.checkpoint_paths import storage_spec_for
 from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir
 from megatron_pec.store.storage import open_storage
-from megatron_pec.testing.cluster import Cluster, ClusterTimeout, parse_plt, persist_only_plt, run_megatron_pec
+from megatron_pec.testing import object_store_fault
+from megatron_pec.testing.cluster import (Cluster, ClusterTimeout, agent_logs, parse_plt, persist_only_plt,
+                                          run_megatron_pec)
 
 # Every expert saved: a memory snapshot every iteration, a persisted checkpoint every 2.
 FULL = ["--train-iters", "12", "--save-interval", "2", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
@@ -57,12 +61,12 @@ DAMAGE = ("flip_byte", "truncate", "delete_rank_file", "manifest_missing_file")
 TYPES = ("trainer_kill_point", "trainer_kill_random", "agent_kill_point", "agent_kill_random", "node_loss",
          "storage_error", "storage_full", "corruption", "replica_holder_kill", "replica_link_drop",
          "replica_corrupt", "two_nodes_lost", "planned_exit", "relaunch_finished", "restart_during_persist",
-         "slow_replica_node_loss")
+         "slow_replica_node_loss", "object_store_crash")
 REPLICA_LAG = 2  # --pec-replica-lag's default: how many snapshots a node's newest replica may lag
 
 
 def _checkpoints(root) -> CheckpointDir:
-    return CheckpointDir(str(root), open_storage("posix"))
+    return CheckpointDir(str(root), open_storage(storage_spec_for("", str(root))))
 
 
 class Failure(AssertionError):
@@ -79,6 +83,8 @@ class Campaign:
         self.workdir, self.shm, self.rng, self.script = workdir, shm, random.Random(seed), script
         self.keep_failed = keep_failed
         self.can_mount = os.geteuid() == 0 and shutil.which("mount") is not None
+        self.types = [t for t in TYPES if (t != "storage_full" or self.can_mount)  # (what this machine can run)
+                      and (t != "object_store_crash" or object_store_fault.available())]
         self.reference: dict[int, float] = {}
         self.reference_ckpt: Path | None = None
 
@@ -97,8 +103,7 @@ class Campaign:
             c.close()
 
     def draw(self) -> dict:
-        types = [t for t in TYPES if t != "storage_full" or self.can_mount]
-        kind = self.rng.choice(types)
+        kind = self.rng.choice(self.types)
         node = self.rng.randrange(2)
         spec = {"type": kind, "node": node}
         if kind == "trainer_kill_point":
@@ -150,6 +155,8 @@ class Campaign:
             spec["nth"] = self.rng.randrange(2, 6)  # the agent's n-th rename stalls; the trainers die meanwhile
         elif kind == "slow_replica_node_loss":
             spec["nth"] = self.rng.randrange(2, FULL_ITERS - 4)  # the holder's n-th replica transfer stalls
+        elif kind == "object_store_crash":
+            spec.update(object_store_fault.draw(self.rng))
         elif kind == "corruption":
             newest = range(FULL_ITERS, FULL_ITERS - 2 * self.rng.randrange(1, 3), -2)
             spec["damage"] = [(i, self.rng.choice(DAMAGE)) for i in newest]
@@ -175,12 +182,7 @@ class Campaign:
             result["failure"] = f"harness error: {type(exc).__name__}: {exc}"
             result["traceback"] = traceback.format_exc()
         finally:
-            if not result["recovered"]:  # keep the agents' own logs for the post-mortem
-                for n in range(c.nnodes):
-                    log = c.node_dir(n) / "agent.log"
-                    if log.exists():
-                        shutil.copy(log, workdir / f"agent.node{n}.log")
-            c.close()
+            c.close()  # (which keeps the agents' own logs in the run's directory, for the post-mortem)
             for mount in result.pop("_mounts", []):
                 subprocess.run(["umount", str(mount)], check=False, capture_output=True)
         result["wall_s"] = round(time.monotonic() - start, 1)
@@ -300,10 +302,8 @@ class Campaign:
 
     def _agent_outcome(self, c: Cluster, result: dict, codes: dict, fired_line: str | None) -> None:
         """Invariant 6: training went on to the end untouched, with a warning and a new agent."""
-        agent_logs = "\n".join((c.node_dir(n) / "agent.log").read_text() for n in range(2)
-                               if (c.node_dir(n) / "agent.log").exists())
         if fired_line is not None:
-            result["fired"] = fired_line in agent_logs
+            result["fired"] = fired_line in agent_logs(c)
         check(codes == {0: 0, 1: 0}, f"training stopped: exit codes {codes}: {c.logs()[-1500:]}")
         check(c.iteration() == FULL_ITERS, "training did not reach the last iteration")
         result.update(resumed_from="continued", iterations_lost=0, restored_iteration=None)
@@ -362,7 +362,7 @@ class Campaign:
         c.wait_iteration(spec["iteration"], timeout=TIMEOUT)
 
         def fired() -> None:  # (after the loss: a transfer under way at the iteration may still hit it)
-            result["fired"] = f"fault injection: {action} at replica_receive" in self._agent_logs(c)
+            result["fired"] = f"fault injection: {action} at replica_receive" in agent_logs(c)
 
         self._lose(c, [node], spec, result, before_restart=fired)
         lost_from = result["sources"].get(node) if result.get("sources") else None
@@ -428,10 +428,9 @@ class Campaign:
             before_restart()
         self._restart_and_finish(c, spec, result, "full")
 
-    @staticmethod
-    def _agent_logs(c: Cluster) -> str:
-        return "\n".join((c.node_dir(n) / "agent.log").read_text() for n in range(c.nnodes)
-                         if (c.node_dir(n) / "agent.log").exists())
+    def _object_store_crash(self, c: Cluster, spec: dict, result: dict) -> None:
+        object_store_fault.run(c, spec, result, script=self.script, train_args=FULL, timeout=TIMEOUT,
+                               outcome=functools.partial(self._storage_outcome, must_commit_last=True))
 
     def _storage_error(self, c: Cluster, spec: dict, result: dict) -> None:
         node = spec["node"]
@@ -450,8 +449,10 @@ class Campaign:
         result["fired"] = "No space left on device" in c.logs()
         self._storage_outcome(c, result, codes, "No space left on device" if result["fired"] else None)
 
-    def _storage_outcome(self, c: Cluster, result: dict, codes: dict, error: str | None) -> None:
-        """Invariant 8: training continues, the error is reported, nothing that failed is committed."""
+    def _storage_outcome(self, c: Cluster, result: dict, codes: dict, error: str | None,
+                         must_commit_last: bool = False) -> None:
+        """Invariant 8: training continues, the error is reported, nothing that failed is committed (with
+        ``must_commit_last``: the storage came back before the end, the last iteration is committed)."""
         check(codes == {0: 0, 1: 0}, f"training stopped: exit codes {codes}: {c.logs()[-1500:]}")
         check(c.iteration() == FULL_ITERS, "training did not reach the last iteration")
         logs = c.logs()
@@ -466,6 +467,8 @@ class Campaign:
             said = re.findall(rf"snapshot of iteration {i} was not persisted: (.*)", logs)
             check(said and all(TRACKER in line or "manifest.json" in line for line in said),
                   f"iteration {i} failed ({said}) yet is committed")
+        check(not must_commit_last or FULL_ITERS in committed,
+              f"the persists after the fault did not commit: {committed}")
         result.update(resumed_from="continued", iterations_lost=0, failed_iterations=sorted(failed))
         self._common_end_checks(c, result, "storage")
 
@@ -523,7 +526,7 @@ class Campaign:
         the commit still end, and the restart restores from node memory."""
         node = spec["node"]
         c.launch(FULL, faults={node: f"before_rename=stall@{spec['nth']}:{node}"})
-        c.wait_for(lambda: "fault injection: stall at before_rename" in self._agent_logs(c), TIMEOUT,
+        c.wait_for(lambda: "fault injection: stall at before_rename" in agent_logs(c), TIMEOUT,
                    "the stalled rename")
         c.kill_trainers([node])
         result["fired"] = True
@@ -538,7 +541,7 @@ class Campaign:
         rather than run further ahead) or, if none landed, from storage."""
         node, holder = spec["node"], 1 - spec["node"]
         c.launch(FULL, faults={holder: f"replica_receive=stall@{spec['nth']}:{holder}"})
-        c.wait_for(lambda: "fault injection: stall at replica_receive" in self._agent_logs(c), TIMEOUT,
+        c.wait_for(lambda: "fault injection: stall at replica_receive" in agent_logs(c), TIMEOUT,
                    "the stalled transfer")
         result["fired"] = True
         self._lose(c, [node], spec, result)

@@ -472,11 +472,17 @@ def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     return lost_tokens.lost_tokens(at_target, at_version, version_of, iteration).fraction
 
 
+def agent_logs(c: Cluster) -> str:
+    """Every node agent's log of cluster ``c`` (what the agents said, fault injections included)."""
+    return "\n".join((c.node_dir(n) / "agent.log").read_text() for n in range(c.nnodes)
+                     if (c.node_dir(n) / "agent.log").exists())
+
+
 def run_megatron_pec(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """``python -m megatron_pec ARGS`` (inspect / verify), output captured."""
     return subprocess.run([sys.executable, "-m", "megatron_pec", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout)
 
 
-__all__ = ["Cluster", "ClusterTimeout", "Restore", "parse_restores", "parse_plt", "SMALL_MODEL",
+__all__ = ["Cluster", "ClusterTimeout", "agent_logs", "Restore", "parse_restores", "parse_plt", "SMALL_MODEL",
            "run_megatron_pec", "descendants", "persist_only_plt"]
