@@ -249,7 +249,8 @@ def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path,
     Node 1 is lost: the relaunch restores it from node 0's memory. Then the S3 server is SIGKILLed and
     restarted on the same data and ports a few seconds later: training never stops (the persists that met
     the outage fail with a warning; node memory holds the state), the persists after the restart commit,
-    no committed iteration is partial."""
+    no committed iteration is partial. With both nodes' memory gone, a relaunch restores from the store
+    alone (bit-exact restores from the store: the single-node test above)."""
     from megatron_pec.testing.cluster import Cluster
     from test_faults import FULL, LAUNCH_TIMEOUT, PRETRAIN, held, wait_held, with_flag
 
@@ -274,12 +275,18 @@ def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path,
         restores = c.restores(2)
         assert restores[0].source == "memory" and restores[1].source == "peer memory (node 0)", restores
         d = wait_committed(url, last, timeout=LAUNCH_TIMEOUT)  # persists after the restart commit
+        for node in (0, 1):  # every node's memory gone: the object store alone serves the next relaunch
+            c.lose_node(node)
+        c.launch([*with_flag(FULL, "--train-iters", str(last + 2)), "--enable-msc"])
+        assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
+        assert {r: (x.iteration, x.source) for r, x in c.restores(3).items()} == {0: (last, "storage"),
+                                                                                   1: (last, "storage")}
     finally:
         c.close()
         shutil.rmtree(shm, ignore_errors=True)
     assert restarted_at < last, (restarted_at, "the store came back only after training ended")
     assert "was not persisted: StorageUnreachable" in c.logs(2), c.logs(2)[-3000:]  # (the outage, survived)
-    assert d.read_tracker() == str(last)
+    assert d.read_tracker() == str(last + 2)  # (the relaunch from the store saved on to the end)
     proc = megatron_pec("verify", url, env=env)  # every committed iteration whole
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
