@@ -637,3 +637,30 @@ def test_a_trainer_that_begins_while_a_persist_is_written_keeps_off_its_regions(
         begun.pins
     t.hear_until(lambda: not t.book.pins and checkpoints(t.root).committed_iterations() == [13, 10])
     assert t.book.pins == [] and checkpoints(t.root).committed_iterations() == [13, 10]
+
+
+def test_a_snapshot_being_written_keeps_its_dense_state_pinned_after_the_writer_read_it():
+    """Two nodes, no replicas: survivors of a node loss restore from memory the iteration the lost node
+    restores from storage. While the agent writes iteration 5, its writer hands the dense state back once
+    read (the write's own pin then names the experts left); until the write ends, and then as committed,
+    the dense state of 5 stays pinned, so the trainer's next saves (6, 7, 8 into its three home slots)
+    cannot overwrite it mid-write. (Found by test_node_loss_survivor_..._whatever_the_intervals: about one
+    run in eight restored 5 from storage.)"""
+    from types import SimpleNamespace
+
+    from megatron_pec.agent.pins import pins
+
+    records = {2: SimpleNamespace(iteration=5, run="r"), 0: SimpleNamespace(iteration=6, run="r"),
+               1: SimpleNamespace(iteration=7, run="r")}
+
+    class Memory:
+        def newest(self, rank, accept):
+            live = [(rec.iteration, slot) for slot, rec in records.items() if accept(rec)]
+            return (max(live)[1], records[max(live)[1]]) if live else None
+
+    job = SimpleNamespace(replicas=0, num_nodes=2)
+    nothing_committed = SimpleNamespace(is_committed=lambda iteration: False)
+    writing = [Pin(5, ["L1.E0", "L1.E1"], slots=[9, 10])]  # (the dense state read already)
+    assert Pin(5, ["dense"], slots=[2]) in pins(0, job, Memory(), nothing_committed, [], writing, None)
+    assert Pin(5, ["dense"], slots=[2]) in pins(0, job, Memory(), nothing_committed, [], [], ("r", 5))
+    assert not [p for p in pins(0, job, Memory(), nothing_committed, [], [], None) if "dense" in p.items]

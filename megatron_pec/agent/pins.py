@@ -7,8 +7,8 @@ recorded version, not in flight and not pinned (``regions.RegionBook``). The age
   home slot: the trainer has three), so that after a node
   loss the survivors restore from memory the iteration the lost node restores from storage, whatever
   the ratio of snapshot and persist intervals (its experts are at their newest versions anyway, or on
-  storage) - or of the newest one this agent persisted, from its write on (pinned only once the other
-  nodes' agents commit it, it could be overwritten before). With replicas the lost node restores its
+  storage) - or of the newest one this agent persists, from the start of its write (pinned only once the
+  other nodes' agents commit it, it could be overwritten before). With replicas the lost node restores its
   newest replica instead, which the survivors hold as one of their newest snapshots; keeping a third
   one would leave snapshots no region while a push runs;
 * the snapshot being sent to a peer, or waiting to be: each item at its newest version up to it, less
@@ -37,7 +37,10 @@ def pins(rank: int, job, memory: NodeMemory, checkpoints: CheckpointDir, replica
     (a planned exit's save in rounds writes its dense state more than once)."""
     out = list(replicating) + list(writing)
     if not job.replicas and job.num_nodes > 1:  # (its trainer has a third home slot for it)
-        committed = memory.newest(rank, lambda r: (r.run, r.iteration) == persisted or
+        # (a write in flight from its start: once the writer has read the dense state, its own pin no longer
+        # holds it, and until the write ends nothing else did - a save could overwrite it mid-write)
+        in_flight = {pin.iteration for pin in writing}
+        committed = memory.newest(rank, lambda r: (r.run, r.iteration) == persisted or r.iteration in in_flight or
                                   checkpoints.is_committed(r.iteration))
         if committed is not None:
             out.append(Pin(committed[1].iteration, [NON_EXPERT], slots=[committed[0]]))
