@@ -174,7 +174,7 @@ class Agreement:
     versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
 
 
-def newest_committed(directory: CheckpointDir) -> Manifest | None:
+def _newest_committed(directory: CheckpointDir) -> Manifest | None:
     """The manifest of the newest committed iteration (another layout's too), if readable."""
     committed = directory.committed_iterations()
     if not committed:
@@ -235,7 +235,7 @@ class Loader:
                                         self.checked_after_copy)
             except SourceError as exc:
                 error = str(exc)
-            newest, unreachable = _unless_unreachable(lambda: newest_committed(self.directory))
+            newest, unreachable = _unless_unreachable(lambda: _newest_committed(self.directory))
         other = newest if newest is not None and newest.fingerprint != ctx.job.fingerprint else None
         if other is not None and self.coll.all_ok(error is None and not memory):
             return Candidates(memory, {}, {}, reshard=other)
@@ -248,7 +248,7 @@ class Loader:
                 except SourceError as exc:
                     error = str(exc)
             if unreachable is None:
-                _warn_stale_tracker(self.directory, self.rank, manifests)
+                _unless_unreachable(lambda: _warn_stale_tracker(self.directory, self.rank, manifests))
             else:
                 log.warning(f"the storage of {self.root} cannot be reached ({unreachable}): restoring from node "
                             "memory alone", rank=self.rank)

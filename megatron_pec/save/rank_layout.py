@@ -9,6 +9,7 @@ storage answers, and nothing waits for it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -37,7 +38,7 @@ def record(directory: CheckpointDir, layout: RankLayout, retry_s=RETRY_S) -> str
 
 
 def _retry(directory: CheckpointDir, layout: RankLayout, retry_s) -> None:
-    for attempt in range(1_000_000):
+    for attempt in itertools.count():  # (a daemon thread: it ends with the trainer at the latest)
         time.sleep(retry_s[min(attempt, len(retry_s) - 1)])
         try:
             directory.write_rank_layout(layout)

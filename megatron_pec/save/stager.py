@@ -17,15 +17,14 @@ and summed over their copies in node memory. On CPU ranks every copy is a synchr
 are computed over node memory once the copies are done (``sum64.item_sums``), by whoever asks (the
 hand-over thread, off the training thread).
 
-A snapshot enqueues a fixed number of operations whatever the number of items and runs: one
-``_foreach_copy_`` per ``copy`` call (two per save: the dense state, then the experts) and, at
-``finish``, the sums' launch and their copy to the host. On the GPU the training thread only records an
-event on its stream: the stager's enqueue thread makes the copy stream wait for it and issues the copies
-(one ``cudaMemcpyAsync`` per run, ~8 us each on an H200: 1.8 ms at the example's 229 runs, 10 ms at a
-DeepSeek-V3 rank's) and the sums' launch, in order, off the training thread. Nothing on that path waits
-for the device: the sums' tables are uploaded once, from page-locked memory, when a binding is made; every
-wait for a copy (the hand-over, ``synchronize``, ``close``, the next optimizer step's stream) first waits
-for its enqueue (long done by then), then blocks on an event without spinning a core.
+The training thread enqueues a fixed number of operations per snapshot whatever the number of items
+and runs. On the GPU it only records an event on its stream: the stager's enqueue thread makes the copy
+stream wait for it and issues the copies (one ``_foreach_copy_`` per wave of ~32 MB, at most two waves
+queued: ``copy_waves.py``; one ``cudaMemcpyAsync`` per run, ~8 us each on an H200) and, at ``finish``,
+the sums' launch and their copy to the host, in order, off the training thread. The training thread
+never waits for the device on that path: the sums' tables are uploaded once, from page-locked memory,
+when a binding is made; every wait for a copy (the hand-over, ``synchronize``, ``close``, the next
+optimizer step's stream) first waits for its enqueue, then blocks on an event without spinning a core.
 """
 
 from __future__ import annotations
