@@ -179,9 +179,12 @@ def example_row(r: dict, base_step: float | None, node_dir: Path | None) -> dict
     saves = [x for x in r["rows"] if x.get("save_blocking_s") is not None]
     taken = [x["save_blocking_s"] for x in saves if x["iteration"] not in skipped]
     step = statistics.median(x["step_s"] + (x.get("save_blocking_s") or 0) for x in steps) if steps else None
+    # (where a longer step goes: the training thread's CPU time, the GPU stream's time; None where not recorded)
+    parts = {key: statistics.median(x[key] for x in steps) if steps and all(x.get(key) is not None for x in steps)
+             else None for key in ("step_cpu_s", "device_step_s")}
     later = taken[1:]
     return {"harness": "example trainer", "schedule": SCHEDULE.label, "iterations": len(steps) + WARMUP,
-            "checkpoints": len(saves), "skipped": len(skipped), "step_s": step,
+            "checkpoints": len(saves), "skipped": len(skipped), "step_s": step, **parts,
             "step_overhead": (step / base_step - 1) if step and base_step else None,
             "blocking_s_median": statistics.median(later) if later else None,
             "blocking_s_p90": p90(later) if later else None,
@@ -229,7 +232,8 @@ def example_rows(out: dict, workdir: Path, shm: Path, model: list[str], sizes: S
                  clock: Clock) -> None:
     """The example trainer without checkpoints, then with each of ``EXAMPLE_RUNS`` on the schedule."""
     base = example("base", workdir, model, sizes.iters, [], env)
-    base_step = example_row(base, None, None)["step_s"]
+    out["example_base"] = example_row(base, None, None)
+    base_step = out["example_base"]["step_s"]
     clock.done("base", f"exit {base['code']}, step {base_step}")
     for name, extra in EXAMPLE_RUNS.items():
         ckpt = ["--save", str(workdir / f"ck_{name}"), "--pec-shm-dir", str(shm), "--pec-job-id", name,
@@ -314,7 +318,6 @@ def main(argv=None) -> int:
 
 
 def markdown(out: dict, command: str) -> str:
-    ms = lambda v: f"{v * 1e3:.1f}" if v is not None else "-"  # noqa: E731
     mb = lambda v: f"{v / 1e6:.0f}" if v is not None else "-"  # noqa: E731
     lines = [f"# Every method on {out['device']}, one schedule", "",
              f"`{command}` ({out['wall_s']:.0f} s); model `{' '.join(out['model'])}`. Methods with a node-memory "
@@ -355,6 +358,7 @@ def markdown(out: dict, command: str) -> str:
             extra.append(f"restore from memory = {r['restore_memory_s'] / r['h2d_floor_s']:.2f}x the H2D floor")
         if extra:
             lines.append(f"* {name}: " + "; ".join(extra) + ".")
+    lines += step_parts_markdown(out)
     fl, sf = out.get("floors"), out.get("storage_floors")
     if fl:
         lines.append(f"* Copy floors for {fl['bytes'] / 1e6:.0f} MB: device -> page-locked host {ms(fl['d2h_s'])} ms, "
@@ -376,6 +380,21 @@ def markdown(out: dict, command: str) -> str:
 
 
 METHOD_ERRORS_ELSEWHERE = {"worker", "copy enqueue"}  # (errors that are no method's: listed below the table)
+
+
+def ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds is not None else "-"
+
+
+def step_parts_markdown(out: dict) -> list[str]:
+    """The example's median step as wall time, its training thread's CPU time and its GPU stream's time: a
+    longer step with more CPU is a host-side slowdown, with a longer stream a device-side one."""
+    runs = {"no checkpoints": out.get("example_base") or {}}
+    runs.update({name.removeprefix("example: "): r for name, r in out["rows"].items() if name.startswith("example")})
+    shown = [f"{name} {ms(r.get('step_s'))} / {ms(r.get('step_cpu_s'))} / {ms(r.get('device_step_s'))}"
+             for name, r in runs.items() if r.get("step_s") is not None]
+    return [f"* The example's step (median ms: wall / training thread's CPU / GPU stream): {'; '.join(shown)}."] \
+        if shown else []
 
 
 def enqueue_markdown(measured: dict | None) -> list[str]:

@@ -45,7 +45,8 @@ def steps(r):
 
 base = gpu.example("base", workdir, model, iters, [], env)
 b = gpu.example_row(base, None, None)["step_s"]
-say(f"base step {b}: {steps(base)}")
+base_row = gpu.example_row(base, None, None)
+say(f"base step {b} (thread CPU {base_row['step_cpu_s']}, GPU stream {base_row['device_step_s']}): {steps(base)}")
 runs = {
     "all": gpu.SCHEDULE.megatron_flags(),
     "all_memonly": ["--non-persistent-save-interval", "1", "--save-interval", "100000"],
@@ -61,6 +62,7 @@ for name, extra in runs.items():
     stop.set()
     row = gpu.example_row(r, b, shm / name / "node0")
     say(f"{name}: exit {r['code']} overhead {row['step_overhead']} blocking {row['blocking_s_median']} "
+        f"thread CPU {row['step_cpu_s']} GPU stream {row['device_step_s']} "
         f"skipped {row['skipped']}\n   steps {steps(r)}\n   blocking {[x.get('save_blocking_s') for x in r['rows']]}")
     ag = shm / name / "node0" / "agent_cpu.json"
     if ag.exists():

@@ -266,3 +266,18 @@ def test_the_worker_follows_the_schedule_and_counts_skipped_checkpoints(one_rank
     storage_only.has_memory = False
     scheduled.run_on_schedule(FakeCtx(), storage_only, Schedule(20, 20), 40)
     assert storage_only.calls == [(20, PERSIST), (40, PERSIST)]
+
+
+def test_the_gpu_rows_say_where_a_longer_step_goes():
+    """benchmarks.gpu: the example's median step as wall time, training-thread CPU and GPU-stream time, so a
+    GPU run tells a host-side slowdown from a device-side one (the H200's K=all step was 25-30 ms longer)."""
+    rows = [{"iteration": i, "step_s": 0.1 + i / 1000, "step_cpu_s": 0.05, "device_step_s": 0.08 + i / 1000}
+            for i in range(1, 12)]
+    row = gpu.example_row({"rows": rows, "log": "", "code": 0}, None, None)
+    assert row["step_cpu_s"] == 0.05 and abs(row["device_step_s"] - 0.0885) < 1e-12  # (after the warm-up)
+    cpu_only = gpu.example_row({"rows": [dict(r, device_step_s=None) for r in rows], "log": "", "code": 0},
+                               None, None)
+    assert cpu_only["device_step_s"] is None
+    out = {"rows": {"example: megatron-pec K=all": row}, "example_base": cpu_only}
+    line = gpu.step_parts_markdown(out)[0]
+    assert "no checkpoints 108.5 / 50.0 / -" in line and "megatron-pec K=all 108.5 / 50.0 / 88.5" in line

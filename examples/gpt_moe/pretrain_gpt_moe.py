@@ -314,17 +314,19 @@ def main(argv=None) -> int:
     log(args, f"training from iteration {iteration} to {args.train_iters} "
               f"(world {args.world_size}, EP {args.expert_model_parallel_size}, DP {args.data_parallel_size})")
     while iteration < args.train_iters:
-        start = time.perf_counter()
+        start, cpu_start, device_start = time.perf_counter(), time.thread_time(), _device_mark()
         loss, grad_norm = _trained(train_step, args, model, optimizer, scheduler, data_iterator)
         iteration += 1
         args.iteration = iteration
         args.consumed_train_samples += args.global_batch_size
         args.num_floating_point_operations_so_far += flops_per_iteration
-        step_s = time.perf_counter() - start
+        step_s, step_cpu_s = time.perf_counter() - start, time.thread_time() - cpu_start
+        device_step_s = _device_seconds_since(device_start)
         save_s = checkpoint_if_due(args, iteration, model, optimizer, scheduler)
         if metrics:
             record = {"iteration": iteration, "lm loss": loss, "save_blocking_s": save_s,
-                      "plt": megatron_pec.plt_so_far(), "step_s": step_s}
+                      "plt": megatron_pec.plt_so_far(), "step_s": step_s, "step_cpu_s": step_cpu_s,
+                      "device_step_s": device_step_s}
             if save_s is not None:
                 record["save_phases_s"] = megatron_pec.last_save_phases()
             metrics.write(json.dumps(record) + "\n")
@@ -354,6 +356,27 @@ def main(argv=None) -> int:
         metrics.write(json.dumps({"iteration": iteration, "validation loss": val}) + "\n")
         metrics.close()
     return 0
+
+
+def _device_mark():
+    """An event on the GPU's stream at the step's start (None on CPU ranks)."""
+    if not torch.cuda.is_available():
+        return None
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record()
+    return mark
+
+
+def _device_seconds_since(mark) -> float | None:
+    """Seconds the GPU's stream took from ``mark`` to now (the step's losses were read: it is idle, this
+    waits for nothing). Beside the step's wall time and its training thread's CPU time, it tells a host-side
+    slowdown from a device-side one."""
+    if mark is None:
+        return None
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    return mark.elapsed_time(end) / 1000
 
 
 def _trained(step, args, *rest):
