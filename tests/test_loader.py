@@ -1,59 +1,20 @@
-"""The loader on its own (and the engine's load without Megatron): one real gloo process, a checkpoint
-directory made by hand."""
+"""The loader on its own (and the engine's load without Megatron, ``workers/loader_alone.py``: one real
+gloo process, a checkpoint directory made by hand)."""
 
 import subprocess
 import sys
 
 from megatron_pec.testing.launch import free_port
 
-from conftest import REPO, checkpoints
-
-SCRIPT = r"""
-import argparse, os, sys
-from types import SimpleNamespace
-import torch.distributed as dist
-from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.common.collectives import Collectives
-from megatron_pec.config import PecConfig
-from megatron_pec.engine import Engine
-from megatron_pec.restore.loader import LoadContext, Loader
-from megatron_pec.format.protocol import NodeMarker
-from megatron_pec.store.storage import PosixStorage
-
-root, port = sys.argv[1], sys.argv[2]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-# A run that died at iteration 2: one node's marker was written, the other's never; nothing committed.
-checkpoints = CheckpointDir(root, PosixStorage())
-os.makedirs(checkpoints.pec_dir(2))
-checkpoints.write_node_marker(NodeMarker(iteration=2, node=1, job_id="j", fingerprint="f", topology={}, ranks={}))
-config = PecConfig.from_args(argparse.Namespace(save=root, load=root, pec_job_id="j"))
-job = SimpleNamespace(rank=0, node_dir=os.path.join(root, "no_memory"), fingerprint="f", topology={}, held_names={},
-                      all_experts=(), expert_layout=None, layout=None, save_root=checkpoints.root)
-collectives = Collectives.over_all_ranks()
-# The loader decides and leaves the directory as it is ...
-loader = Loader(LoadContext(job=job, config=config, collectives=collectives, slice_items={}), checkpoints)
-assert loader.plan(loader.candidates(), set()) is None
-assert os.path.exists(checkpoints.node_marker(2, 1)), "the loader removed a file"
-# ... the engine acts: an engine without Megatron, only what a load that finds nothing touches.
-engine, began = Engine.__new__(Engine), []
-engine.config, engine.storage, engine.job, engine.rank, engine.files, engine.stager =     config, PosixStorage(), job, 0, None, None
-engine.check_on_device = False
-engine.adapter = SimpleNamespace(collectives=collectives, slices=[], exit_if_missing_checkpoint=lambda where: None)
-engine.handover = SimpleNamespace(wait=lambda: None)
-engine.session = SimpleNamespace(settle=lambda: None, begin=began.append)
-assert engine.load(root, scheduler=None) == (0, 0) and began == [None]
-left = os.path.exists(checkpoints.node_marker(2, 1))
-print("stale marker left" if left else "stale marker retired")
-dist.destroy_process_group()
-"""
+from conftest import REPO, WORKERS, checkpoints
 
 
 def test_training_from_scratch_retires_node_markers_of_an_abandoned_run(tmp_path):
     """A restart that finds nothing committed trains from scratch and saves iteration 2 again: the dead
     run's node marker of 2 must be gone first, or the next commit of 2 would combine it (and its sizes and
     checksums) with the new run's files. The loader only decides; the engine retires, after deciding."""
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt"), str(free_port())],
-                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    worker = [sys.executable, str(WORKERS / "loader_alone.py"), str(tmp_path / "ckpt"), str(free_port())]
+    result = subprocess.run(worker, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no checkpoint found" in result.stdout and "stale marker retired" in result.stdout, result.stdout
 
