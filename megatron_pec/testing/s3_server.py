@@ -85,7 +85,10 @@ class S3Server:
         return f"http://127.0.0.1:{self.ports['s3']}"
 
     def start(self, timeout_s: float = 60.0) -> "S3Server":
-        """Start the server (again: same ports, same data) and wait until the bucket can be created."""
+        """Start the server (again: same ports, same data) and wait until the bucket can be created; a server
+        still running is left as it is (a second one would fail on its ports, and the first would be lost)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         p = self.ports
         cmd = [weed_binary(), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
