@@ -8,7 +8,8 @@ commit (the last iteration's included), every committed iteration verifies, and 
 each loss equals the uninterrupted reference run's.
 
 To be sure the server is back before training ends however fast the machine is, both trainers stall in
-their optimizer step two iterations after the kill, for longer than the outage and the restart.
+the optimizer step three iterations after the one the server dies after, for longer than the outage and
+the restart; the persist of an iteration in between meets the outage.
 """
 
 from __future__ import annotations
