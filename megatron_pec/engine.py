@@ -259,9 +259,6 @@ class Engine:
         with phases("waiting for the agent"):  # load step 2
             self.handover.wait()
             self.session.settle()
-        if self.stager is not None:
-            with phases("waiting for the checksum kernel"):  # (its loading thread would contend with the restore)
-                self.stager.wait_for_kernel()
         restored = None
         if root:
             restored = self._restore(CheckpointDir(root, self.storage), self.config.finetune, scheduler,

@@ -22,8 +22,15 @@ def test_waves_cover_every_byte_once_in_order_and_none_is_over_its_size():
         assert all(d.data_ptr() != s.data_ptr() for d, s in zip(wave_dst, wave_src))
     flat_src = torch.cat([s for _, wave_src in grouped for s in wave_src])
     assert torch.equal(flat_src, torch.cat(src)), "the waves must read every element once, in order"
-    flat_dst_ptrs = [d.data_ptr() for wave_dst, _ in grouped for d in wave_dst]
-    assert flat_dst_ptrs == sorted(flat_dst_ptrs, key=flat_dst_ptrs.index)  # (no piece twice)
+    pieces = iter((d.data_ptr(), d.numel() * 4) for wave_dst, _ in grouped for d in wave_dst)
+    for whole in dst:  # the pieces tile each destination once, in order, and nothing else
+        at, end = whole.data_ptr(), whole.data_ptr() + whole.numel() * 4
+        while at < end:
+            start, nbytes = next(pieces)
+            assert start == at, "a destination piece is missing, repeated or out of order"
+            at += nbytes
+        assert at == end
+    assert next(pieces, None) is None
     assert len(grouped) >= 300 * 4 // wave_bytes + 1, "a run longer than a wave must be cut"
 
 

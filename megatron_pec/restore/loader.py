@@ -25,12 +25,11 @@ from megatron_pec.common import log
 from megatron_pec.pec import lost_tokens
 from megatron_pec.restore import reshard
 from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
-from megatron_pec.common.errors import StorageUnreachable
 from megatron_pec.common.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.memory.slots import SlotFiles
-from megatron_pec.common.errors import CheckpointError
+from megatron_pec.common.errors import CheckpointError, StorageUnreachable
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 from megatron_pec.pec.state import PecState, flag_k
 from megatron_pec.common.phases import Phases
@@ -186,9 +185,12 @@ def _newest_committed(directory: CheckpointDir) -> Manifest | None:
 
 
 def _warn_stale_tracker(directory: CheckpointDir, rank: int, manifests: dict) -> None:
-    """The tracker is a hint for Megatron's tools; validity comes only from manifests."""
+    """The tracker is a hint for Megatron's tools; validity comes only from manifests (rank 0 says so; the
+    other ranks do not read it)."""
+    if rank != 0:
+        return
     tracker = directory.read_tracker()
-    if rank == 0 and tracker and tracker.isdigit() and int(tracker) not in manifests:
+    if tracker and tracker.isdigit() and int(tracker) not in manifests:
         log.warning(f"{directory.root}/{TRACKER} names iteration {tracker}, which has no valid manifest; "
                     "ignoring it and using the newest committed iteration")
 

@@ -318,11 +318,6 @@ class Stager:
                 return mismatch(f"{where} (checked on the device after the copy)", item, actual[item], want)
         return None
 
-    def wait_for_kernel(self) -> None:
-        """Until the checksum kernel's load (started at import) is over (at once where none was started)."""
-        if self.kernel is not None:
-            self.kernel.kernel()
-
     def runs_of(self, item: str) -> list | None:
         """The runs ``item`` coalesced into (their first slices' names), once bound (tests look)."""
         return None if self._run_starts is None or item not in self._run_starts else self._run_starts[item][0]
