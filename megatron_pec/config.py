@@ -74,6 +74,11 @@ def _add_node_memory(g) -> None:
                         "(persistent saves wait up to 10 s)")
     g.add_argument("--pec-keep-shm", action="store_true",
                    help="keep node-memory slot files when the agent exits")
+    g.add_argument("--pec-copy-engine", action="store_true",
+                   help="(GPU) copy snapshots to node memory with the GPU's copy engine instead of the checksum "
+                        "kernel's launch, which copies on 16 of its cores while it sums; the copy engine makes the "
+                        "training step's own small device-to-host copies wait behind a snapshot (default: the "
+                        "kernel, where the GPU addresses the page-locked node memory as the host does)")
     g.add_argument("--pec-node-memory", default=None, metavar="BUDGET",
                    help="hard budget for node memory: a multiple of the node's state (e.g. 1.5x) or GiB for "
                         "the node (e.g. 24), its ranks' snapshots and the replicas it keeps of peers included. "
@@ -221,6 +226,8 @@ class PecConfig:
     """The launcher's facts about this process (torchrun's environment)."""
     node_memory: Budget | None = None
     """--pec-node-memory: the node's memory budget (None: what the snapshot K needs)."""
+    copy_engine: bool = False
+    """--pec-copy-engine: (GPU) snapshots copied by the copy engine, never by the checksum kernel."""
     check_on_device: bool = False
     """Test hook (MEGATRON_PEC_CHECK_ON_DEVICE=1): a restore from node memory checks the items where they
     land, after the copy, on CPU ranks too, as on a GPU."""
@@ -288,7 +295,8 @@ class PecConfig:
             no_load_optim=bool(getattr(args, "no_load_optim", False)),
             no_load_rng=bool(getattr(args, "no_load_rng", False)),
             finetune=bool(getattr(args, "finetune", False)),
-            launch=launch, node_memory=_budget(get("pec_node_memory")), 
+            launch=launch, node_memory=_budget(get("pec_node_memory")),
+            copy_engine=bool(get("pec_copy_engine")),
             check_on_device=env.get("MEGATRON_PEC_CHECK_ON_DEVICE") == "1",
         )
 

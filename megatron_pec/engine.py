@@ -36,7 +36,7 @@ from megatron_pec.job_facts import JobFacts
 from megatron_pec.memory.layout import MemoryLayout
 from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.save.pec_book import PecBook
-from megatron_pec.common.phases import Phases
+from megatron_pec.common.phases import Phases, traced
 from megatron_pec.format.protocol import SlotHeader
 from megatron_pec.integrity.run_sums import kernel_load
 from megatron_pec.save.save_history import SaveHistory
@@ -131,7 +131,8 @@ class Engine:
             self.memory_plan = replace(plan, regions=self.files.layout.regions)
             memory_plan.report(self.memory_plan, self.job, torch.cuda.is_available())
             self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
-            self.stager = Stager(self.files, self.adapter.slot_slices, self.rank, kernel=kernel)
+            self.stager = Stager(self.files, self.adapter.slot_slices, self.rank, kernel=kernel,
+                                 kernel_copies=False if self.config.copy_engine else None)
             self.stager.pin()
             self.session.start()
         except (SlotSpaceError, AgentUnavailable) as exc:
@@ -234,7 +235,8 @@ class Engine:
 
     def _before_step(self) -> None:
         self.history.step()
-        self.handover.before_step(torch.cuda.current_stream() if torch.cuda.is_available() else None)
+        with traced("before the optimizer step"):  # (where a step waits for the last snapshot's copy enqueue)
+            self.handover.before_step(torch.cuda.current_stream() if torch.cuda.is_available() else None)
 
     def _skip(self, iteration: int, why: str) -> None:
         self.stats["skipped"] += 1

@@ -46,17 +46,34 @@ def test_the_kernel_gives_sum64_bit_for_bit_in_the_interpreter(tmp_path):
         assert set(case["fused"]) == set(case["items"])
 
 
+def test_the_kernels_copy_lands_every_selected_byte_and_nothing_else_with_the_same_sums(tmp_path):
+    """A snapshot's launch also copies (issue 41: the copy engine then carries none of it): every unit it sums
+    is stored at its destination, for runs of every alignment and unit size; items not selected are not
+    copied; the sums equal those of the launch that only sums; a destination misaligned for its run's units
+    is refused (None), nothing launched."""
+    result = interpreted("copy", str(tmp_path / "copy.json"))
+    assert result["unit_sizes"] == [0, 1, 2, 3]
+    for case in result["cases"]:
+        assert case["copied"] == case["items"], case
+        assert case["untouched"], case
+        assert case["sums"] == case["reference"], case
+    assert result["misaligned"] is None and result["misaligned_launches"] == 0
+
+
 def test_a_snapshot_enqueues_as_much_with_10_runs_as_with_10000(tmp_path):
     result = interpreted("launches", str(tmp_path / "launches.json"), str(tmp_path / "slots"))
-    few, many = result["10"], result["10000"]
-    assert few["copy_runs"] == 10 and many["copy_runs"] == 10_000, "the runs did not stay apart"
-    assert few["kernel_launches"] == many["kernel_launches"] == 1
-    for thread in ("training_thread_ops", "enqueue_thread_ops"):
-        assert few[thread] == many[thread], (thread, few[thread], many[thread])
-    # the copies (the dense state, then the experts) are issued off the training thread (one cudaMemcpyAsync
-    # per run: 1.8 ms at the example's 229 runs on an H200)
-    assert sum("_foreach_copy_" in op for op in many["enqueue_thread_ops"]) == 2
-    assert not any("_foreach_copy_" in op for op in many["training_thread_ops"])
+    for path in ("", " by kernel"):
+        few, many = result[f"10{path}"], result[f"10000{path}"]
+        assert few["copy_runs"] == 10 and many["copy_runs"] == 10_000, "the runs did not stay apart"
+        assert few["kernel_launches"] == many["kernel_launches"] == 1
+        for thread in ("training_thread_ops", "enqueue_thread_ops"):
+            assert few[thread] == many[thread], (path, thread, few[thread], many[thread])
+        assert not any("_foreach_copy_" in op for op in many["training_thread_ops"])
+    # the copy engine's copies (the dense state, then the experts) are issued off the training thread (one
+    # cudaMemcpyAsync per run: 1.8 ms at the example's 229 runs on an H200); by the kernel, none: its launch
+    # copies them
+    assert sum("_foreach_copy_" in op for op in result["10000"]["enqueue_thread_ops"]) == 2
+    assert not any("_foreach_copy_" in op for op in result["10000 by kernel"]["enqueue_thread_ops"])
 
 
 @pytest.mark.parametrize("addr,pos,log2", [(0, 0, 3), (4, 0, 2), (8, 4, 2), (2, 0, 1), (6, 4, 1), (1, 0, 0),
@@ -88,19 +105,22 @@ def test_rows_group_by_item_and_partials_add_up_per_item():
 
 
 def test_the_kernel_compiles_for_the_gpus_users_train_on():
-    """No GPU needed: Triton compiles the kernel to a cubin for an A100, an H100/H200 and a B200 (what a
-    first snapshot on those GPUs would do), so a syntax or typing error cannot wait for a GPU to show."""
+    """No GPU needed: Triton compiles the kernel, both kinds of launch, to a cubin for an A100, an H100/H200
+    and a B200 (what a first snapshot on those GPUs would do), so a syntax or typing error cannot wait for a
+    GPU to show."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from megatron_pec.integrity import sum64_kernel
 
-    source = triton.compiler.ASTSource(
-        fn=sum64_kernel.chunk_sums, signature={"table": "*i64", "partials": "*i64", "selected": "*u8",
-                                               "BLOCK": "constexpr"}, constexprs={"BLOCK": sum64_kernel.BLOCK})
-    for capability in (80, 90, 100):
-        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
-        assert compiled.asm["cubin"], capability
+    signature = {"table": "*i64", "partials": "*i64", "selected": "*u8", "deltas": "*i64", "rows": "i32",
+                 "step": "i32", "BLOCK": "constexpr", "COPY": "constexpr"}
+    for copy in (False, True):  # (the sums alone, a restore's check; the sums and a snapshot's copy)
+        source = triton.compiler.ASTSource(fn=sum64_kernel.chunk_sums, signature=signature,
+                                           constexprs={"BLOCK": sum64_kernel.BLOCK, "COPY": copy})
+        for capability in (80, 90, 100):
+            compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+            assert compiled.asm["cubin"], (copy, capability)
 
 
 def test_the_table_of_every_run_at_once_equals_the_rows_run_by_run():
@@ -220,7 +240,8 @@ def test_a_fresh_processs_restore_compiles_nothing(tmp_path):
     none, one launch each, with the right sums."""
     result = interpreted("startup", str(tmp_path / "startup.json"), str(tmp_path / "slots"))
     assert result["loads"] == [{"phase": "start", "thread": "megatron-pec kernel load"}]
-    assert result["launches"] == {"megatron-pec kernel load": 1, "restore in MainThread": 1,
+    # (the load launches each kind once: the sums, the sums with a copy)
+    assert result["launches"] == {"megatron-pec kernel load": 2, "restore in MainThread": 1,
                                   "megatron-pec copy enqueue_0": 1}  # (the save's: behind its copies)
     assert result["restored"] == result["saved"] == result["reference"]
 
@@ -250,10 +271,12 @@ def test_host_memory_is_copied_and_summed_by_the_host_and_a_mixed_snapshot_is_ex
     assert split["both_sides"] and split["kernel_read_device"] and not split["kernel_read_host"]
     for case in split["cases"]:
         assert case["mixed"] == case["reference"], case["items"]
-    snapshot = result["snapshot"]
-    assert snapshot["host_runs"] == {"dense": 2, "L1.E0": 2, "L1.E1": 2}  # (each item's two moments)
-    assert snapshot["landed"] and snapshot["sums"] == snapshot["reference"]
-    assert snapshot["launches"] == 1 and snapshot["kernel_read_device"] and not snapshot["kernel_read_host"]
+    for key, by_kernel in (("snapshot", False), ("snapshot_by_kernel", True)):
+        snapshot = result[key]
+        assert snapshot["by_kernel"] is by_kernel
+        assert snapshot["host_runs"] == {"dense": 2, "L1.E0": 2, "L1.E1": 2}  # (each item's two moments)
+        assert snapshot["landed"] and snapshot["sums"] == snapshot["reference"], key
+        assert snapshot["launches"] == 1 and snapshot["kernel_read_device"] and not snapshot["kernel_read_host"]
 
 
 class _Recorder:

@@ -45,3 +45,20 @@ def test_a_phase_that_raises_is_still_timed_and_closed():
     with phases("after"):
         clock.now += 2
     assert phases.seconds == pytest.approx({"failing": 1, "outer": 0, "after": 2})
+
+
+def test_each_phase_is_a_range_in_the_profilers_trace_while_it_records():
+    """Issue 41: a trace of a training step (the example's --profile) shows the save's phases beside the step's
+    operators; without the profiler the blocks add nothing to it."""
+    import torch
+
+    phases = Phases()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with phases("copy"):
+            with phases("plan"):
+                torch.ones(4).sum()
+    names = [e.name for e in prof.events()]
+    assert "megatron-pec copy" in names and "megatron-pec plan" in names
+    with phases("metadata"):
+        pass
+    assert set(phases.seconds) == {"copy", "plan", "metadata"}

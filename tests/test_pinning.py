@@ -83,6 +83,35 @@ def test_a_large_mapping_is_registered_in_chunks(monkeypatch):
         ("unregister", (1 << 40) + offset) for offset in (0, 1000, 2000)]
 
 
+def test_the_kernel_stores_into_the_slots_only_where_the_gpu_addresses_them_as_the_host_does(slots, monkeypatch):
+    """Issue 41: a snapshot's copy by the checksum kernel stores at the slots' host addresses; it is chosen
+    only where the driver gives every pinned piece the same address on the device (CUDA's
+    canUseHostPointerForRegisteredMem), not where it gives another, cannot be asked, or pinning failed."""
+    monkeypatch.setattr(pinning, "_REGISTERED", set())
+    monkeypatch.setattr(pinning, "CHUNK", 4096)  # (several pieces per slot: each is asked)
+    ranges = pinning.slot_ranges(slots.maps)
+    asked = []
+
+    def same(address):
+        asked.append(address)
+        return address
+
+    for device_pointer, want in ((same, True), (lambda a: a + (1 << 40), False), (lambda a: None, False)):
+        runtime = Runtime()
+        runtime.device_pointer = device_pointer
+        pins = pinning.SlotPinning(runtime)
+        assert pins.pin(ranges)
+        assert pins.device_addressable() is want
+        pins.unpin_all()
+    assert sorted(asked) == sorted(start for address, length in ranges
+                                   for start in range(address, address + length, 4096))
+    assert not pinning.SlotPinning(Runtime()).device_addressable()  # (a runtime that cannot be asked)
+    failed = Runtime(fail_register=2)
+    failed.device_pointer = same
+    pins = pinning.SlotPinning(failed)
+    assert not pins.pin(ranges) and not pins.device_addressable()
+
+
 def test_preflight_counts_node_memory_against_the_containers_memory_limit(tmp_path, monkeypatch):
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()

@@ -84,8 +84,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="resume as if the loaded checkpoint were this iteration (consumed samples recomputed)")
     g.add_argument("--pretrained-checkpoint", default=None,
                    help="fine-tune from this checkpoint when --load holds none (as Megatron does)")
+    g = p.add_argument_group("profiling (Megatron flag names; the PyTorch profiler)")
+    g.add_argument("--profile", action="store_true",
+                   help="trace iterations [--profile-step-start, --profile-step-end) with torch.profiler, the saves "
+                        "included, into --tensorboard-dir/trace_rank<r>.json.gz (Chrome trace format)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--tensorboard-dir", default=None, help="where --profile writes its traces (default: .)")
     megatron_pec.add_pec_args(p)
     args = p.parse_args(argv)
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        p.error("--profile needs 0 <= --profile-step-start < --profile-step-end")
     if args.global_batch_size % args.micro_batch_size:
         p.error("--global-batch-size must be a multiple of --micro-batch-size")
     try:
@@ -313,7 +322,9 @@ def main(argv=None) -> int:
     iteration = args.iteration
     log(args, f"training from iteration {iteration} to {args.train_iters} "
               f"(world {args.world_size}, EP {args.expert_model_parallel_size}, DP {args.data_parallel_size})")
+    profiler = Profiler(args)
     while iteration < args.train_iters:
+        profiler.before(iteration)
         start, cpu_start, device_start = time.perf_counter(), time.thread_time(), _device_mark()
         loss, grad_norm = _trained(train_step, args, model, optimizer, scheduler, data_iterator)
         iteration += 1
@@ -323,6 +334,7 @@ def main(argv=None) -> int:
         step_s, step_cpu_s = time.perf_counter() - start, time.thread_time() - cpu_start
         device_step_s = _device_seconds_since(device_start)
         save_s = checkpoint_if_due(args, iteration, model, optimizer, scheduler)
+        profiler.after(iteration)
         if metrics:
             record = {"iteration": iteration, "lm loss": loss, "save_blocking_s": save_s,
                       "plt": megatron_pec.plt_so_far(), "step_s": step_s, "step_cpu_s": step_cpu_s,
@@ -356,6 +368,39 @@ def main(argv=None) -> int:
         metrics.write(json.dumps({"iteration": iteration, "validation loss": val}) + "\n")
         metrics.close()
     return 0
+
+
+class Profiler:
+    """--profile: torch.profiler over iterations [start, end) of this run, each one a range
+    ``ProfilerStep#<iteration>`` with its save inside; the trace is written when the window closes."""
+
+    def __init__(self, args):
+        self.args, self._prof, self._step = args, None, None
+
+    def before(self, iteration: int) -> None:
+        if self.args.profile and iteration == self.args.profile_step_start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
+        if self._prof is not None:
+            self._step = torch.profiler.record_function(f"ProfilerStep#{iteration + 1}")
+            self._step.__enter__()
+
+    def after(self, iteration: int) -> None:
+        """``iteration``: the one just trained (and saved)."""
+        if self._prof is None:
+            return
+        self._step.__exit__(None, None, None)
+        if iteration < self.args.profile_step_end:
+            return
+        self._prof.__exit__(None, None, None)
+        out = Path(self.args.tensorboard_dir or ".") / f"trace_rank{self.args.rank}.json.gz"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self._prof.export_chrome_trace(str(out))
+        self._prof = None
+        log(self.args, f"profiled iterations {self.args.profile_step_start + 1} to {iteration}: {out}")
 
 
 def _device_mark():

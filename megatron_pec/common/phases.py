@@ -5,12 +5,23 @@ The engine hands a ``Phases`` to the code of a save or a restore; each part of i
 counts only for its own phase: the outer one gets the rest, so the phases add up to the whole. The
 engine keeps the latest save's and restore's (``Engine.save_phases``, ``Engine.restore_phases``)
 for its restore log line and for the benchmarks' breakdowns. Timing costs two ``perf_counter``
-calls per block.
+calls per block. While the PyTorch profiler records, each block is also a range in its trace
+(``megatron-pec <phase>``), so a trace shows where a save's time goes beside the training step's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+
+import torch
+
+
+def traced(name: str):
+    """A range named ``megatron-pec <name>`` in the PyTorch profiler's trace while it records; else nothing."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"megatron-pec {name}")
+    return contextlib.nullcontext()
 
 
 class Phases:
@@ -22,15 +33,21 @@ class Phases:
     # A context manager of its own, not @contextmanager: a save times nine blocks, each of which
     # would allocate a generator.
     def __call__(self, name: str) -> "Phases":
-        self._open.append([name, 0.0, 0.0])
+        self._open.append([name, 0.0, 0.0, None])
         return self
 
     def __enter__(self) -> "Phases":
-        self._open[-1][1] = self._clock()
+        block = self._open[-1]
+        if torch.autograd._profiler_enabled():
+            block[3] = traced(block[0])
+            block[3].__enter__()
+        block[1] = self._clock()
         return self
 
     def __exit__(self, *exc) -> None:
-        name, started, inner = self._open.pop()
+        name, started, inner, trace = self._open.pop()
+        if trace is not None:
+            trace.__exit__(*exc)
         elapsed = self._clock() - started
         self.add(name, elapsed - inner)
         if self._open:
@@ -50,4 +67,4 @@ class Phases:
         return ", ".join(shown + ([f"the rest {rest:.3f} s"] if len(shown) < len(self.seconds) else []))
 
 
-__all__ = ["Phases"]
+__all__ = ["Phases", "traced"]

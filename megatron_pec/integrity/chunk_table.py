@@ -42,9 +42,8 @@ def run_rows(addr: int, nbytes: int, pos: int, item: int) -> list[tuple[int, int
     return rows
 
 
-def table_rows(addrs, sizes, positions, owners) -> numpy.ndarray:
-    """[rows, ROW] int64: ``run_rows`` of every run (int64 arrays, one entry per run, non-empty runs) one
-    after the other, computed with numpy: a binding of 10^5 runs costs milliseconds, not a second."""
+def _cut(addrs, sizes, positions):
+    """Per run: (unit log2, head bytes, body bytes, tail bytes, body chunks, has a head, has a tail, rows)."""
     log2 = _LOG2[(addrs - positions) % 8]
     unit = numpy.left_shift(1, log2)
     head = numpy.minimum((-positions) % unit, sizes)
@@ -52,7 +51,13 @@ def table_rows(addrs, sizes, positions, owners) -> numpy.ndarray:
     tail = sizes - head - body
     chunks = -(-body // CHUNK_BYTES)
     has_head, has_tail = (head > 0).astype(numpy.int64), (tail > 0).astype(numpy.int64)
-    counts = has_head + chunks + has_tail
+    return log2, head, body, tail, chunks, has_head, has_tail, has_head + chunks + has_tail
+
+
+def table_rows(addrs, sizes, positions, owners) -> numpy.ndarray:
+    """[rows, ROW] int64: ``run_rows`` of every run (int64 arrays, one entry per run, non-empty runs) one
+    after the other, computed with numpy: a binding of 10^5 runs costs milliseconds, not a second."""
+    log2, head, body, tail, chunks, has_head, has_tail, counts = _cut(addrs, sizes, positions)
     first = numpy.cumsum(counts) - counts  # each run's first row
     rows = numpy.empty((int(counts.sum()), ROW), dtype=numpy.int64)
     at = first[has_head > 0]
@@ -81,21 +86,44 @@ class ChunkTable:
         self.items = list(runs)
         self.index = {item: i for i, item in enumerate(self.items)}
         addrs, sizes, positions, owners = [], [], [], []
+        self._kept: dict[str, list[int]] = {}  # item -> its runs that have rows (the non-empty ones)
         for i, item in enumerate(self.items):
-            for tensor, offset in runs[item]:
+            kept = self._kept[item] = []
+            for r, (tensor, offset) in enumerate(runs[item]):
                 nbytes = tensor.numel() * tensor.element_size()
                 if nbytes:
+                    kept.append(r)
                     addrs.append(tensor.data_ptr())
                     sizes.append(nbytes)
                     positions.append(offset)
                     owners.append(i)
-        self.rows = table_rows(*(numpy.asarray(v, dtype=numpy.int64) for v in (addrs, sizes, positions, owners)))
+        columns = [numpy.asarray(v, dtype=numpy.int64) for v in (addrs, sizes, positions, owners)]
+        self.rows = table_rows(*columns)
+        cut = _cut(*columns[:3])
+        self._addrs, self._units, self._row_counts = columns[0], numpy.left_shift(1, cut[0]), cut[-1]
+        first_run = numpy.cumsum([0] + [len(self._kept[item]) for item in self.items]).tolist()
+        self._first_run = dict(zip(self.items, first_run))  # item -> its first non-empty run's number
         # (rows are grouped by item: each item's first row, and one past the last item's)
         self.first_row = numpy.searchsorted(self.rows[:, 4], numpy.arange(len(self.items) + 1)).tolist()
         self.sources = [t for item in self.items for t, _ in runs[item]]  # (kept alive while the table is)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def deltas(self, destinations: dict[str, list[int]]) -> numpy.ndarray | None:
+        """int64 per row: where its bytes go, as an offset from where they are (0 for items not given);
+        ``destinations``: item -> the address of each of its runs' copy (every run, in order). None where a
+        destination is not aligned as its source for the units its run is read in (a store would be misaligned:
+        none is where the items of a slot start 8-aligned, as they do)."""
+        per_run = numpy.zeros(len(self._addrs), dtype=numpy.int64)
+        for item, addresses in destinations.items():
+            kept, first = self._kept[item], self._first_run[item]
+            if kept:
+                span = slice(first, first + len(kept))
+                per_run[span] = numpy.asarray(addresses, dtype=numpy.int64)[kept] - self._addrs[span]
+        if (per_run % self._units).any():
+            return None
+        return numpy.repeat(per_run, self._row_counts)
 
     def item_totals(self, partials: numpy.ndarray) -> numpy.ndarray:
         """[items, 2] int64: the partial sums of each item's rows added up (wrapping mod 2**64)."""

@@ -126,6 +126,8 @@ def _load_triton(device):
 
 
 class RunSums:
+    copies = False  # whether ``start`` can also copy the runs (``destinations``)
+
     def __init__(self, runs: Runs, device):
         self.runs, self.device = runs, device
 
@@ -144,17 +146,22 @@ class RunSums:
             parts.append(HostRunSums(host_runs, "cpu"))
         return parts[0] if len(parts) == 1 else SplitRunSums(runs, parts)
 
-    def start(self, items, landed: Runs | None = None) -> PendingSums:
+    def start(self, items, landed: Runs | None = None, destinations: dict | None = None) -> PendingSums | None:
         """The sums of ``items``; ``landed``: item -> host runs to sum instead of this binding's (a snapshot's
-        copies of them in node memory, which stay as they are until handed over)."""
+        copies of them in node memory, which stay as they are until handed over); ``destinations`` (where
+        ``copies``): item -> the address of each of its device runs' copy, copied by the same launch (None
+        returned, nothing started, where the kernel cannot store there: misaligned)."""
         raise NotImplementedError
 
 
 class FusedRunSums(RunSums):
     """One launch per call (``kernel``: the compiled kernel, or ``sum64_kernel.chunk_sums`` interpreted on
-    CPU). The table is built and uploaded once, from page-locked memory without waiting, on the stream
-    current at construction (a later call's stream orders after it: the copy stream waits for the
-    training stream before the first copy of a save)."""
+    CPU), which also copies the runs where given ``destinations``. The table is built and uploaded once,
+    from page-locked memory without waiting, on the stream current at construction (a later call's stream
+    orders after it: the copy stream waits for the training stream before the first copy of a save); a
+    copy's offsets (a few bytes per chunk) are uploaded by the call, from page-locked memory."""
+
+    copies = True
 
     def __init__(self, runs, device, kernel):
         super().__init__(runs, device)
@@ -166,16 +173,23 @@ class FusedRunSums(RunSums):
         self._rows = torch.empty(rows.shape, dtype=torch.int64, device=device)
         self._rows.copy_(self._staged, non_blocking=True)
 
-    def start(self, items, landed=None) -> PendingSums:
+    def start(self, items, landed=None, destinations=None) -> PendingSums | None:
         from megatron_pec.integrity.sum64_kernel import launch
 
         index, wanted = self.table.index, list(items)
+        deltas = None
+        if destinations is not None:
+            offsets = self.table.deltas(destinations)
+            if offsets is None:
+                return None
+            offsets = torch.from_numpy(offsets)
+            deltas = (offsets.pin_memory() if self._pin else offsets).to(self.device, non_blocking=True)
         # (page-locked from torch's caching host allocator: reused only once the upload reading it is done)
         selected = torch.zeros(len(index), dtype=torch.uint8, pin_memory=self._pin)
         selected.numpy()[[index[item] for item in wanted]] = 1
         partials = torch.empty((len(self.table), 2), dtype=torch.int64, device=self.device)
         if len(self.table):
-            launch(self.kernel, self._rows, partials, selected.to(self.device, non_blocking=True))
+            launch(self.kernel, self._rows, partials, selected.to(self.device, non_blocking=True), deltas)
         host = torch.empty(partials.shape, dtype=torch.int64, pin_memory=self._pin)
         host.copy_(partials, non_blocking=True)
         table = self.table
@@ -196,7 +210,7 @@ class StockRunSums(RunSums):
         super().__init__(runs, device)
         self._constants = DeviceSums.constants(device)
 
-    def start(self, items, landed=None) -> PendingSums:
+    def start(self, items, landed=None, destinations=None) -> PendingSums:
         wanted = list(items)
         sums = DeviceSums(self.device, self._constants)
         for item in wanted:
@@ -219,7 +233,7 @@ class HostRunSums(RunSums):
     """numpy over host tensors, computed by whoever reads the digests (the tensors must not change before:
     a snapshot passes its copies in node memory as ``landed``)."""
 
-    def start(self, items, landed=None) -> PendingSums:
+    def start(self, items, landed=None, destinations=None) -> PendingSums:
         wanted = list(items)
         runs = {**self.runs, **(landed or {})}
 
@@ -244,10 +258,13 @@ class SplitRunSums(RunSums):
     def __init__(self, runs, parts: list[RunSums]):
         super().__init__(runs, None)
         self.parts = parts
+        self.copies = any(part.copies for part in parts)  # (the device part's: host runs are the host's to copy)
 
-    def start(self, items, landed=None) -> PendingSums:
+    def start(self, items, landed=None, destinations=None) -> PendingSums | None:
         wanted = list(items)
-        pending = [part.start(wanted, landed) for part in self.parts]
+        pending = [part.start(wanted, landed, destinations if part.copies else None) for part in self.parts]
+        if None in pending:
+            return None
 
         def totals() -> dict[str, tuple[int, int]]:
             out = dict.fromkeys(wanted, (0, 0))

@@ -24,10 +24,12 @@ class SlotPinning:
         self.cudart, self.rank = cudart, rank
         self.pinned: list[int] = []
         self.failed: str | None = None
+        self._ranges: list[tuple[int, int]] = []
 
     def pin(self, buffers: list[tuple[int, int]]) -> bool:
         """Register ``(address, length)`` ranges, each in pieces of at most ``CHUNK`` bytes; True
         when all are page-locked."""
+        self._ranges = list(buffers)
         for address, length in buffers:
             for start in range(address, address + length, CHUNK):
                 if start in _REGISTERED:
@@ -43,6 +45,16 @@ class SlotPinning:
                 _REGISTERED.add(start)
                 self.pinned.append(start)
         return True
+
+    def device_addressable(self) -> bool:
+        """Whether the GPU addresses every pinned range at its host address (CUDA's
+        ``canUseHostPointerForRegisteredMem``: so on current x86 Linux systems), so that a kernel can store
+        into them; False where the runtime cannot tell."""
+        query = getattr(self.cudart, "device_pointer", None)
+        if query is None or self.failed is not None:
+            return False
+        return all(query(start) == start for address, length in self._ranges
+                   for start in range(address, address + length, CHUNK))
 
     def unpin_all(self) -> None:
         """Unregister what this object registered (before the mappings are closed)."""
@@ -90,6 +102,21 @@ class TorchCudart:
         self.cudaHostUnregister = self._rt.cudaHostUnregister
         self.cudaGetErrorString = getattr(self._rt, "cudaGetErrorString", None)
         self.cudaGetLastError = _libcudart_get_last_error()
+
+    @staticmethod
+    def device_pointer(address: int) -> int | None:
+        """The device's address of page-locked host memory at ``address`` (the driver's
+        ``cuMemHostGetDevicePointer``), or None where it cannot be asked."""
+        import ctypes
+
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return None
+        out = ctypes.c_uint64()
+        if driver.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(address), 0) != 0:
+            return None
+        return out.value
 
 
 def _libcudart_get_last_error():

@@ -8,23 +8,31 @@ items into the regions chosen for them, ``copy`` of more, ``finish``), and ``fin
 ``AsyncStager``: "copy started" is the return, "copy safe" is ``done()`` / ``wait()``) that also
 yields the items' checksums (``sums()``).
 
-Checksums are computed where the bytes come from: on the GPU, by the copy stream, over the live
-tensors it copies, all items of a snapshot in one kernel launch (``run_sums``; the kernel compiled and
-loaded at start-up by ``run_sums.KernelLoad``); two int64 partial sums per chunk travel to the host with
-the snapshot. Only device memory goes to the device: runs whose live tensors are in host memory (the
-stateless views before the first optimizer step, CPU-offloaded optimizer state) are copied synchronously
-and summed over their copies in node memory. On CPU ranks every copy is a synchronous memcpy and the sums
-are computed over node memory once the copies are done (``sum64.item_sums``), by whoever asks (the
-hand-over thread, off the training thread).
+Checksums are computed where the bytes come from: on the GPU, over the live tensors, all items of a
+snapshot in one kernel launch (``run_sums``; the kernel compiled and loaded at start-up by
+``run_sums.KernelLoad``); two int64 partial sums per chunk travel to the host with the snapshot. Only device
+memory goes to the device: runs whose live tensors are in host memory (the stateless views before the first
+optimizer step, CPU-offloaded optimizer state) are copied synchronously and summed over their copies in node
+memory. On CPU ranks every copy is a synchronous memcpy and the sums are computed over node memory once the
+copies are done (``sum64.item_sums``), by whoever asks (the hand-over thread, off the training thread).
+
+On the GPU the same launch also copies (``kernel_copies``, where the slots are page-locked and the GPU
+addresses them as the host does): a few of the GPU's cores store every unit they sum into node memory, and
+the copy engine carries nothing of a snapshot. Why: a copy engine runs what is queued on it in order, and a
+training step makes small device-to-host copies of its own (Megatron's MoE layers read their token counts
+on the host, ``nonzero``, ``.item()``): on an H200 each waited behind a K=all snapshot's 1.8 GB (33 ms),
+every step, also with the copies issued in waves by a thread, which the training thread's hold on the GIL
+starves (``scripts/gpu_copy_probe.py``, the traces of ``scripts/gpu_overhead_probe.py``). Without the kernel
+(Triton cannot compile, the slots are not page-locked) the copy engine copies, in waves (``copy_waves.py``).
 
 The training thread enqueues a fixed number of operations per snapshot whatever the number of items
 and runs. On the GPU it only records an event on its stream: the stager's enqueue thread makes the copy
-stream wait for it and issues the copies (one ``_foreach_copy_`` per wave of ~32 MB, at most two waves
-queued: ``copy_waves.py``; one ``cudaMemcpyAsync`` per run, ~8 us each on an H200) and, at ``finish``,
-the sums' launch and their copy to the host, in order, off the training thread. The training thread
-never waits for the device on that path: the sums' tables are uploaded once, from page-locked memory,
-when a binding is made; every wait for a copy (the hand-over, ``synchronize``, ``close``, the next
-optimizer step's stream) first waits for its enqueue, then blocks on an event without spinning a core.
+stream wait for it and launches the copy and its sums (or issues the copy engine's copies, one
+``cudaMemcpyAsync`` per run, ~8 us each on an H200, then the sums' launch) and their copy to the host, in
+order, off the training thread. The training thread never waits for the device on that path: the sums'
+tables are uploaded once, from page-locked memory, when a binding is made; every wait for a copy (the
+hand-over, ``synchronize``, ``close``, the next optimizer step's stream) first waits for its enqueue, then
+blocks on an event without spinning a core.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from megatron_pec.common import log
 from megatron_pec.common.coalesce import coalesced_with_starts, run_view
 from megatron_pec.common.phases import Phases
 from megatron_pec.integrity.checksum import mismatch
@@ -81,32 +90,23 @@ class StagedCopy:
 
 
 class Staging:
-    """One snapshot being copied: ``copy`` items (several times), then ``finish``."""
+    """One snapshot being copied: ``copy`` items (several times), then ``finish``. On the GPU its device runs
+    are copied by the launch that sums them, at ``finish`` (``by_kernel``), or else by the copy engine."""
 
     def __init__(self, stager: "Stager", live: dict):
         self.stager, self.live = stager, live
         self.placed: dict[str, int] = {}  # item -> the slot it was copied into
+        # (a new binding's table uploads on the training stream here, before the event its copy waits for)
+        self.by_kernel = bool(stager.stream is not None and stager.kernel_copies and stager.sums(live).copies)
+        self._produced = None  # (GPU) an event on the training stream after the state copied was produced
 
     def copy(self, placement: dict[str, int]) -> None:
-        """Start copying the slices of each item of ``placement`` into the slot it names."""
+        """Start copying the slices of each item of ``placement`` into the slot it names (on the GPU by the
+        kernel: at ``finish``)."""
         stager = self.stager
-        dst, src, host_dst, host_src = [], [], [], []
-        for item, slot in placement.items():
-            runs = stager.runs(slot, item, self.live)
-            if runs is not None:
-                host = stager.host_runs(item) if stager.stream is not None else ()
-                if host:  # (in host memory: copied here, by the host, never by a device kernel)
-                    host_dst += [runs[0][i] for i in host]
-                    host_src += [runs[1][i] for i in host]
-                    skip = set(host)
-                    kept = [i for i in range(len(runs[0])) if i not in skip]
-                    dst += [runs[0][i] for i in kept]
-                    src += [runs[1][i] for i in kept]
-                else:
-                    dst += runs[0]
-                    src += runs[1]
-                self.placed[item] = slot
-        if host_dst:
+        dst, src, host_dst, host_src = stager.pairs(placement, self.live)
+        self.placed.update({item: slot for item, slot in placement.items() if item in stager.bound_items})
+        if host_dst:  # (in host memory: copied here, by the host, never by a device kernel)
             with torch.no_grad():
                 torch._foreach_copy_(host_dst, host_src)
         if not dst:
@@ -115,8 +115,12 @@ class Staging:
             with torch.no_grad():  # (main params require grad, and autograd would record every copy)
                 torch._foreach_copy_(dst, src)
             return
-        produced = torch.cuda.Event()
-        produced.record()  # (on the training stream, after the optimizer step that produced the state)
+        if self._produced is None:
+            self._produced = torch.cuda.Event()
+            self._produced.record()  # (on the training stream, after the optimizer step that produced the state)
+        if self.by_kernel:
+            return
+        produced = self._produced
 
         def copy():
             stager.stream.wait_event(produced)
@@ -125,12 +129,14 @@ class Staging:
         stager.enqueue(copy)  # (a save skipped after this copy still has it in flight: ``Stager.close`` waits)
 
     def drop(self, placement: dict[str, int]) -> None:
-        """These items were copied for nothing (the save's agreement left them out): not part of it."""
+        """These items were copied for nothing (the save's agreement left them out): not part of it (on the
+        GPU with the kernel, never copied)."""
         for item in placement:
             self.placed.pop(item, None)
 
     def finish(self) -> StagedCopy:
-        """The copies started; on the GPU also the sums of every item copied, in one launch behind them."""
+        """The copies started; on the GPU also the sums of every item copied, in one launch behind them (with
+        the kernel: the launch that copies them)."""
         stager = self.stager
         if stager.stream is None:
             files = stager.files
@@ -139,8 +145,20 @@ class Staging:
         landed = stager.landed(self.placed, self.live)  # (host runs: summed over their copies in node memory)
         with torch.no_grad(), torch.cuda.stream(stager.stream):  # (a new binding's table uploads on it, first)
             sums = stager.sums(self.live)
-        placed = dict(self.placed)
-        return StagedCopy(stager.enqueue(lambda: sums.start(placed, landed) if landed else sums.start(placed)))
+        placed, live, produced = dict(self.placed), self.live, self._produced
+        if not self.by_kernel or produced is None:
+            return StagedCopy(stager.enqueue(lambda: sums.start(placed, landed or None)))
+
+        def copy_and_sum():
+            stager.stream.wait_event(produced)
+            destinations = {item: stager.device_destinations(slot, item, live) for item, slot in placed.items()}
+            pending = sums.start(placed, landed or None, destinations)
+            if pending is None:  # (a destination the kernel cannot store to aligned: the copy engine, once)
+                copy_in_waves(*stager.pairs(placed, live)[:2], record=stager.record)
+                pending = sums.start(placed, landed or None)
+            return pending
+
+        return StagedCopy(stager.enqueue(copy_and_sum))
 
 
 class Stager:
@@ -151,7 +169,7 @@ class Stager:
     (default ``run_sums.on_device``; the CPU tests mark some CPU tensors as device memory)."""
 
     def __init__(self, files: SlotFiles, slot_slices, rank: int, asynchronous: bool | None = None,
-                 sums_for=None, kernel: KernelLoad | None = None, is_device=None):
+                 sums_for=None, kernel: KernelLoad | None = None, is_device=None, kernel_copies: bool | None = None):
         self.files, self.slot_slices, self.rank = files, slot_slices, rank
         if asynchronous is None:
             asynchronous = torch.cuda.is_available()
@@ -166,8 +184,12 @@ class Stager:
         self._enqueuer = ThreadPoolExecutor(1, "megatron-pec copy enqueue") if asynchronous else None
         self._closed = False
         self.pinning = None
+        # whether the checksum kernel also copies (None: ``pin`` decides, where the GPU addresses the
+        # page-locked slots as the host does; False: --pec-copy-engine): the copy engine then carries none
+        self.kernel_copies = kernel_copies
         self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
         self._runs: dict[tuple[int, str], list] = {}  # (slot, item) -> views of its runs there (kept: a few per item)
+        self._destinations: dict[tuple[int, str], list[int]] = {}  # (slot, item) -> its device runs' copy addresses
         self._runs_of = None     # the live views the runs read
         self._run_starts = None  # item -> (first slice name and size of each run, live views of the runs)
         self._host_runs: dict[str, tuple[int, ...]] = {}  # item -> its runs whose live views are host memory
@@ -181,7 +203,12 @@ class Stager:
         from megatron_pec.memory.pinning import SlotPinning, TorchCudart, slot_ranges
 
         self.pinning = SlotPinning(TorchCudart(), self.rank)
-        self.pinning.pin(slot_ranges(self.files.maps))
+        pinned = self.pinning.pin(slot_ranges(self.files.maps))
+        if self.kernel_copies is None or not pinned:  # (the kernel stores only into page-locked memory)
+            self.kernel_copies = pinned and self.pinning.device_addressable()
+        how = ("the checksum kernel (on a few of the GPU's cores, the copy engine left to training)"
+               if self.kernel_copies else "the GPU's copy engine")
+        log.info(f"snapshots are copied to node memory by {how}", rank0=True, once=True)
 
     def begin(self, live: dict) -> Staging:
         """A snapshot from the live views ``live``."""
@@ -236,6 +263,35 @@ class Stager:
         self._bind(live)
         self.sums(live)
 
+    @property
+    def bound_items(self):
+        """The items this rank holds (once bound)."""
+        return self._run_starts or {}
+
+    def pairs(self, placement: dict[str, int], live: dict) -> tuple[list, list, list, list]:
+        """(destinations, sources) of the runs of ``placement``'s items in device memory, then those in host
+        memory (on CPU ranks all are the first)."""
+        dst, src, host_dst, host_src = [], [], [], []
+        for item, slot in placement.items():
+            runs = self.runs(slot, item, live)
+            if runs is None:
+                continue
+            host = self.host_runs(item) if self.stream is not None else ()
+            for i, (d, s) in enumerate(zip(*runs)):
+                (host_dst if i in host else dst).append(d)
+                (host_src if i in host else src).append(s)
+        return dst, src, host_dst, host_src
+
+    def device_destinations(self, slot: int, item: str, live: dict) -> list[int]:
+        """The address of each of ``item``'s device runs' copy in ``slot`` (what the kernel stores to)."""
+        key = (slot, item)
+        addresses = self._destinations.get(key)
+        if addresses is None:
+            dst = self.runs(slot, item, live)[0]
+            host = self.host_runs(item)
+            addresses = self._destinations[key] = [t.data_ptr() for i, t in enumerate(dst) if i not in host]
+        return addresses
+
     def host_runs(self, item: str) -> tuple[int, ...]:
         """Indices of ``item``'s runs whose live tensors are in host memory (once bound; mostly none)."""
         return self._host_runs.get(item, ())
@@ -262,6 +318,7 @@ class Stager:
         if dst is None:
             if len(self._runs) > 4 * len(self._run_starts):
                 self._runs.clear()  # (regions move between items: keep the recent pairs only)
+                self._destinations.clear()
             views = self.files.item_views(slot, item)
             names, numels, _ = starts
             dst = self._runs[key] = [run_view(views[name], numel) for name, numel in zip(names, numels)]
@@ -273,7 +330,7 @@ class Stager:
         be in (its bytes are laid out alike everywhere): coalesced in one, viewed in any."""
         if self._runs_of is live:
             return
-        self._runs, self._runs_of, self._sums = {}, live, None
+        self._runs, self._destinations, self._runs_of, self._sums = {}, {}, live, None
         first_region = {}
         pairs: dict[str, tuple[list, list, list]] = {}
         for s in self.slot_slices:
@@ -297,7 +354,8 @@ class Stager:
             self.run_offsets[item] = offsets
 
     def sums(self, live: dict) -> RunSums:
-        """The item sums over the runs of ``live`` (built once per binding, as the runs)."""
+        """The item sums over the runs of ``live`` (built once per binding, as the runs; a new binding's table
+        uploads on the current stream)."""
         self._bind(live)
         if self._sums is None:
             self._sums = self._sums_for({item: list(zip(src, self.run_offsets[item]))
@@ -331,7 +389,7 @@ class Stager:
             self._enqueuer.shutdown()
             self._enqueuer = None
         self._closed = True
-        self._runs, self._runs_of, self._run_starts, self._sums = {}, None, None, None
+        self._runs, self._destinations, self._runs_of, self._run_starts, self._sums = {}, {}, None, None, None
         if self.pinning is not None:
             self.pinning.unpin_all()
             self.pinning = None

@@ -83,12 +83,14 @@ def _landed_sums(files, placed):
     return out
 
 
+@pytest.mark.parametrize("path", ["kernel", "copy engine"])
 @pytest.mark.parametrize("moments", ["cuda", "cpu"])
-def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(shm_dir, moments):
-    """The dense state to home slot 1, an expert to a pool region, copied on the copy stream into page-locked
-    node memory with the device's sums; with the moments in host memory (before the first optimizer step:
-    ``collect.stateless_views``), those are copied and summed by the host and the kernel reads device memory
-    only. Nothing on the path synchronizes with the device (a new binding's table included)."""
+def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(shm_dir, moments, path):
+    """The dense state to home slot 1, an expert to a pool region, copied into page-locked node memory with
+    the device's sums, by the checksum kernel's launch (where the GPU addresses the slots as the host does:
+    this machine must) or by the copy engine; with the moments in host memory (before the first optimizer
+    step: ``collect.stateless_views``), those are copied and summed by the host and the kernel reads device
+    memory only. Nothing on the path synchronizes with the device (a new binding's table included)."""
     from megatron_pec.memory.layout import POOL
     from megatron_pec.save.stager import Stager
 
@@ -102,6 +104,8 @@ def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(shm_dir, 
         stager = Stager(files, slices, 0)
         stager.pin()
         assert stager.pinning is not None and not stager.pinning.failed
+        assert stager.kernel_copies, "the GPU does not address the page-locked slots at their host addresses"
+        stager.kernel_copies = path == "kernel"
         assert stager.kernel.kernel() is not None, stager.kernel.failure  # (loaded at start-up)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # (any synchronizing call on the path raises)
@@ -119,10 +123,13 @@ def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(shm_dir, 
         for e in entries:
             slot = 1 if e.item == "dense" else POOL
             assert torch.equal(files.item_views(slot, e.item)[e.name], live[e.name].cpu()), e.name
+        assert staging.by_kernel is (path == "kernel")
         skipped = stager.begin(live)
         skipped.copy({"dense": 0})  # (a save skipped after its dense copy: close waits for it)
         stager.close()
-        assert torch.equal(files.views[0]["dense/w.param"], live["dense/w.param"].cpu())
+        # (the kernel copies at the save's finish: a skipped save copied nothing)
+        landed = torch.equal(files.views[0]["dense/w.param"], live["dense/w.param"].cpu())
+        assert landed is (path == "copy engine")
     finally:
         files.close()
 

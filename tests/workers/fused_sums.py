@@ -5,11 +5,12 @@ TRITON_INTERPRET=1 before anything imports Triton). argv: MODE OUT_JSON [SLOT_DI
   within the item, odd byte counts, runs longer than a chunk, empty items, subsets of items) by the
   kernel, by ``Sum64`` over the bytes (the reference) and by stock torch operations (``DeviceSums``);
 * ``launches``: what one snapshot enqueues through the stager's device path (the CPU stand-ins for the
-  streams), with 10 and with 10,000 runs: torch operations dispatched and kernel launches;
+  streams), with 10 and with 10,000 runs, copied by the copy engine and by the kernel: torch operations
+  dispatched and kernel launches;
 * ``mixed``:    runs of "device" tensors (CPU tensors the test marks as device memory) and of host tensors:
   the partition by each tensor, the digests of a mixed binding, and a staged snapshot of a mix (params on
   the "device", moments on the host, as before the first optimizer step) in node memory, bit for bit, with
-  the device kernel reading device memory only;
+  the device kernel reading device memory only, copied by the copy engine's path and by the kernel;
 * ``startup``:  a fresh process: the stager starts the kernel's load (its compile) at start-up, in a
   thread; a restore's check and a save after it load nothing;
 * ``nocompile``: the kernel's load raises as a Triton without a C compiler does: the stock-operation sums,
@@ -79,6 +80,46 @@ def exact(out: str) -> None:
         json.dump(result, f)
 
 
+def copy(out: str) -> None:
+    """The kernel's copy: each item of ``mixed_items`` gets a destination in one byte buffer (8-aligned, as the
+    items of a slot are), the launch copies the selected ones there; the bytes, the untouched rest and the
+    sums are checked here against the sources and the sums-only launch."""
+    items = mixed_items(11)
+    fused = FusedRunSums(items, "cpu", sum64_kernel.chunk_sums)
+    sizes = {item: sum(t.numel() * t.element_size() for t, _ in runs) + (runs[0][1] if runs else 0)
+             for item, runs in items.items()}
+    starts, at = {}, 0
+    for item, size in sizes.items():
+        starts[item], at = at, at + -(-size // 64) * 64
+    result = {"unit_sizes": sorted({int(r[3]) for r in fused.table.rows}), "cases": []}
+    for chosen in (list(items), ["L1.E3"], ["L1.E0", "empty", "L1.E5"]):
+        buffer = torch.full((at + 64,), 0xA5, dtype=torch.uint8)
+        base = buffer.data_ptr() + (-buffer.data_ptr()) % 64
+        destinations = {item: [base + starts[item] + offset for _, offset in items[item]] for item in chosen}
+        sums = fused.start(chosen, destinations=destinations).digests()
+        view = buffer.numpy()[(base - buffer.data_ptr()):]
+        copied, untouched = [], True
+        for item, runs in items.items():
+            expect = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t, _ in runs)
+            first = runs[0][1] if runs else 0
+            got = view[starts[item] + first:starts[item] + first + len(expect)].tobytes()
+            if item in chosen and got == expect:
+                copied.append(item)
+            if item not in chosen and set(got) - {0xA5}:
+                untouched = False
+        result["cases"].append({"items": sorted(chosen), "copied": sorted(copied), "untouched": untouched,
+                                "sums": sums, "reference": fused.start(chosen).digests()})
+    launched = []
+    original = sum64_kernel.launch
+    sum64_kernel.launch = lambda *args: launched.append(args)
+    misaligned = {"L1.E0": [t.data_ptr() + 1 for t, _ in items["L1.E0"]]}  # (one byte off its runs of 2-8 byte units)
+    result["misaligned"] = fused.start(["L1.E0"], destinations=misaligned)
+    result["misaligned_launches"] = len(launched)
+    sum64_kernel.launch = original
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
 def launches(out: str, slot_dir: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -102,17 +143,17 @@ def launches(out: str, slot_dir: str) -> None:
             return func(*args, **(kwargs or {}))
 
     result = {}
-    for runs in (10, 10_000):
+    for runs, by_kernel in ((10, False), (10_000, False), (10, True), (10_000, True)):
         # ``runs`` slices of one dense item and one expert, each apart from the next in memory: none coalesce
         half = runs // 2
         specs = [(f"dense/p{i}.param", torch.float32, 3) for i in range(half)] + \
                 [(f"L1.E0/p{i}.param", torch.float32, 3) for i in range(runs - half)]
         entries = layout(specs)
-        files = SlotFiles(os.path.join(slot_dir, str(runs)), 0, MemoryLayout.of(entries, 2), 1)
+        files = SlotFiles(os.path.join(slot_dir, f"{runs}{by_kernel}"), 0, MemoryLayout.of(entries, 2), 1)
         source = torch.randn(runs * 4)
         live = {e.name: source[4 * i:4 * i + 3] for i, e in enumerate(entries)}
         slices = [type("Slice", (), {"name": e.name, "item": e.item})() for e in entries]
-        stager = Stager(files, slices, 0, asynchronous=True, is_device=lambda t: True,
+        stager = Stager(files, slices, 0, asynchronous=True, is_device=lambda t: True, kernel_copies=by_kernel,
                         sums_for=lambda r: FusedRunSums(r, "cpu", sum64_kernel.chunk_sums))
         stager.prepare(live)  # (what the engine does once, after the first optimizer step)
         stager.runs(1, "dense", live), stager.runs(POOL, "L1.E0", live)
@@ -131,7 +172,7 @@ def launches(out: str, slot_dir: str) -> None:
             staging.copy({"L1.E0": POOL})
             staging.finish()
         stager.synchronize()
-        result[str(runs)] = {"training_thread_ops": count.ops, "enqueue_thread_ops": enqueued.ops,
+        result[f"{runs}{' by kernel' if by_kernel else ''}"] = {"training_thread_ops": count.ops, "enqueue_thread_ops": enqueued.ops,
                              "kernel_launches": len(kernel_launches) - before,
                              "copy_runs": len(stager.runs_of("dense")) + len(stager.runs_of("L1.E0"))}
         stager.close()
@@ -158,10 +199,10 @@ def mixed(out: str, slot_dir: str) -> None:
     launched = []  # the [start, end) byte ranges each kernel launch's table reads
     original = sum64_kernel.launch
 
-    def launch(kernel, table, partials, selected):
+    def launch(kernel, table, partials, selected, deltas=None):
         if threading.current_thread().name != "megatron-pec kernel load":  # (not the start-up load's own launch)
             launched.append([(r[0], r[0] + r[1]) for r in table.tolist()])
-        original(kernel, table, partials, selected)
+        original(kernel, table, partials, selected, deltas)
 
     sum64_kernel.launch = launch
     result = {}
@@ -186,27 +227,30 @@ def mixed(out: str, slot_dir: str) -> None:
     result["split"]["kernel_read_host"] = _reads_any(launched, [t for runs in host_runs.values() for t, _ in runs])
     result["split"]["kernel_read_device"] = _reads_any(launched, device_tensors)
     launched.clear()
-    # 2. A staged snapshot of a mix: params in "device" memory, moments host zeros (collect.stateless_views).
-    files, slices, live, device_base = _mixed_state(slot_dir)
-    marked = Marked(device_base)
-    stager = Stager_(files, slices, marked)
-    stager.prepare(live)
-    staging = stager.begin(live)
-    staging.copy({"dense": 1})
-    staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
-    staged = staging.finish()
-    got = staged.sums()
-    want = landed_sums(files, staging)
-    landed = all(bytes(files.item_views(slot, name.split("/", 1)[0])[name].numpy().tobytes())
-                 == live[name].numpy().tobytes() for name in live
-                 for slot in [staging.placed[name.split("/", 1)[0]]])
-    host_live = [t for name, t in live.items() if not marked(t)]
-    result["snapshot"] = {"sums": got, "reference": want, "landed": landed,
-                          "host_runs": {item: len(stager.host_runs(item)) for item in staging.placed},
-                          "launches": len(launched), "kernel_read_host": _reads_any(launched, host_live),
-                          "kernel_read_device": _reads_any(launched, [device_base])}
-    stager.close()
-    files.close()
+    # 2. A staged snapshot of a mix: params in "device" memory, moments host zeros (collect.stateless_views),
+    # copied by the copy engine's path and by the kernel's (``kernel_copies``)
+    for key, by_kernel in (("snapshot", False), ("snapshot_by_kernel", True)):
+        files, slices, live, device_base = _mixed_state(os.path.join(slot_dir, key))
+        marked = Marked(device_base)
+        stager = Stager_(files, slices, marked, kernel_copies=by_kernel)
+        stager.prepare(live)
+        staging = stager.begin(live)
+        staging.copy({"dense": 1})
+        staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
+        staged = staging.finish()
+        got = staged.sums()
+        want = landed_sums(files, staging)
+        landed = all(bytes(files.item_views(slot, name.split("/", 1)[0])[name].numpy().tobytes())
+                     == live[name].numpy().tobytes() for name in live
+                     for slot in [staging.placed[name.split("/", 1)[0]]])
+        host_live = [t for name, t in live.items() if not marked(t)]
+        result[key] = {"sums": got, "reference": want, "landed": landed, "by_kernel": staging.by_kernel,
+                       "host_runs": {item: len(stager.host_runs(item)) for item in staging.placed},
+                       "launches": len(launched), "kernel_read_host": _reads_any(launched, host_live),
+                       "kernel_read_device": _reads_any(launched, [device_base])}
+        launched.clear()
+        stager.close()
+        files.close()
     with open(out, "w") as f:
         json.dump(result, f)
 
@@ -330,6 +374,6 @@ def nocompile(out: str, slot_dir: str, error: str) -> None:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (CPU tensors)"
-    {"exact": lambda: exact(sys.argv[2]), "launches": lambda: launches(sys.argv[2], sys.argv[3]),
+    {"exact": lambda: exact(sys.argv[2]), "copy": lambda: copy(sys.argv[2]), "launches": lambda: launches(sys.argv[2], sys.argv[3]),
      "mixed": lambda: mixed(sys.argv[2], sys.argv[3]), "startup": lambda: startup(sys.argv[2], sys.argv[3]),
      "nocompile": lambda: nocompile(sys.argv[2], sys.argv[3], sys.argv[4])}[sys.argv[1]]()
