@@ -228,6 +228,9 @@ class PecConfig:
     """--pec-node-memory: the node's memory budget (None: what the snapshot K needs)."""
     copy_engine: bool = False
     """--pec-copy-engine: (GPU) snapshots copied by the copy engine, never by the checksum kernel."""
+    copy_programs: int | None = None
+    """Probe hook (MEGATRON_PEC_COPY_PROGRAMS=N): the programs a snapshot's copy by the checksum kernel runs
+    on (default ``sum64_kernel.COPY_PROGRAMS``), for measuring the copy's cost to training on a GPU."""
     check_on_device: bool = False
     """Test hook (MEGATRON_PEC_CHECK_ON_DEVICE=1): a restore from node memory checks the items where they
     land, after the copy, on CPU ranks too, as on a GPU."""
@@ -298,6 +301,7 @@ class PecConfig:
             launch=launch, node_memory=_budget(get("pec_node_memory")),
             copy_engine=bool(get("pec_copy_engine")),
             check_on_device=env.get("MEGATRON_PEC_CHECK_ON_DEVICE") == "1",
+            copy_programs=int(env["MEGATRON_PEC_COPY_PROGRAMS"]) if env.get("MEGATRON_PEC_COPY_PROGRAMS") else None,
         )
 
 

@@ -132,7 +132,8 @@ class Engine:
             memory_plan.report(self.memory_plan, self.job, torch.cuda.is_available())
             self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
             self.stager = Stager(self.files, self.adapter.slot_slices, self.rank, kernel=kernel,
-                                 kernel_copies=False if self.config.copy_engine else None)
+                                 kernel_copies=False if self.config.copy_engine else None,
+                                 copy_programs=self.config.copy_programs)
             self.stager.pin()
             self.session.start()
         except (SlotSpaceError, AgentUnavailable) as exc:

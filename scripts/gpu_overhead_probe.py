@@ -4,7 +4,8 @@ K=all in memory only, a snapshot every iteration, copied by the checksum kernel 
 (--pec-copy-engine), each with iterations 21-22 traced by torch.profiler (a summary per step:
 scripts/gpu_trace_summary.py; the traces in $OUT/traces.tar.gz); then a trainer killed and relaunched twice,
 printing its restore lines. ~200 s on an H200. PROBE_PARTS (default "base,kernel,engine,restore") picks the
-parts. Earlier outputs: benchmarks/results/logs/gpu_h200_overhead_diagnosis*.log
+parts; PROBE_PROGRAMS (default "16"): the kernel's programs, one run each (MEGATRON_PEC_COPY_PROGRAMS).
+Earlier outputs: benchmarks/results/logs/gpu_h200_overhead_diagnosis*.log
 
     OUT=/tmp/out python3 scripts/gpu_overhead_probe.py     # on the GPU machine, with scripts/gpu_wheels.sh's wheels
 """
@@ -59,10 +60,13 @@ if "base" in parts:
     base_row = gpu.example_row(base, None, None)
     say(f"base step {b} (thread CPU {base_row['step_cpu_s']}, GPU stream {base_row['device_step_s']}): {steps(base)}")
 memory_only = ["--non-persistent-save-interval", "1", "--save-interval", "100000"]
-runs = {"all_memonly_kernel": (memory_only, {}), "all_memonly_engine": ([*memory_only, "--pec-copy-engine"], {})}
+runs = {}
+if "kernel" in parts:
+    for programs in os.environ.get("PROBE_PROGRAMS", "16").split(","):
+        runs[f"all_memonly_kernel{programs}"] = (memory_only, {"MEGATRON_PEC_COPY_PROGRAMS": programs})
+if "engine" in parts:
+    runs["all_memonly_engine"] = ([*memory_only, "--pec-copy-engine"], {})
 for name, (extra, env_extra) in runs.items():
-    if name.rsplit("_", 1)[1] not in parts:
-        continue
     ck = ["--save", str(workdir / f"ck_{name}"), "--pec-shm-dir", str(shm), "--pec-job-id", name, *extra]
     r = traced(name, ck, env_extra)
     row = gpu.example_row(r, b, shm / name / "node0")

@@ -44,13 +44,16 @@ def test_torchrun_static_rendezvous_never_names_the_job_none(monkeypatch, tmp_pa
 def test_the_environment_is_read_once_into_the_config():
     """torchrun's facts and the test hook come from the environment ``from_args`` is given."""
     env = {"TORCHELASTIC_RUN_ID": "run7", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "2", "MASTER_ADDR": "10.0.0.1",
-           "MEGATRON_PEC_CHECK_ON_DEVICE": "1", "MEGATRON_PEC_FAILURE_DOMAIN": "rack-b"}
+           "MEGATRON_PEC_CHECK_ON_DEVICE": "1", "MEGATRON_PEC_FAILURE_DOMAIN": "rack-b",
+           "MEGATRON_PEC_COPY_PROGRAMS": "4"}
     config = PecConfig.from_args(SimpleNamespace(save="/s"), env)
     assert (config.job_id, config.failure_domain, config.check_on_device) == ("run7", "rack-b", True)
+    assert config.copy_programs == 4 and not config.copy_engine
     assert (config.launch.local_world_size, config.launch.node_rank, config.launch.agent_host) == (4, 2, "")
     plain = PecConfig.from_args(SimpleNamespace(save="/s"), {})
     assert (plain.launch.local_world_size, plain.launch.node_rank, plain.launch.agent_host) == (1, None, "127.0.0.1")
-    assert not plain.check_on_device
+    assert not plain.check_on_device and plain.copy_programs is None
+    assert PecConfig.from_args(parser().parse_args(["--pec-copy-engine"]), {}).copy_engine
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -146,11 +146,13 @@ class RunSums:
             parts.append(HostRunSums(host_runs, "cpu"))
         return parts[0] if len(parts) == 1 else SplitRunSums(runs, parts)
 
-    def start(self, items, landed: Runs | None = None, destinations: dict | None = None) -> PendingSums | None:
+    def start(self, items, landed: Runs | None = None, destinations: dict | None = None,
+              programs: int | None = None) -> PendingSums | None:
         """The sums of ``items``; ``landed``: item -> host runs to sum instead of this binding's (a snapshot's
         copies of them in node memory, which stay as they are until handed over); ``destinations`` (where
         ``copies``): item -> the address of each of its device runs' copy, copied by the same launch (None
-        returned, nothing started, where the kernel cannot store there: misaligned)."""
+        returned, nothing started, where the kernel cannot store there: misaligned), by ``programs`` of the
+        kernel (None: its default)."""
         raise NotImplementedError
 
 
@@ -173,7 +175,7 @@ class FusedRunSums(RunSums):
         self._rows = torch.empty(rows.shape, dtype=torch.int64, device=device)
         self._rows.copy_(self._staged, non_blocking=True)
 
-    def start(self, items, landed=None, destinations=None) -> PendingSums | None:
+    def start(self, items, landed=None, destinations=None, programs=None) -> PendingSums | None:
         from megatron_pec.integrity.sum64_kernel import launch
 
         index, wanted = self.table.index, list(items)
@@ -189,7 +191,7 @@ class FusedRunSums(RunSums):
         selected.numpy()[[index[item] for item in wanted]] = 1
         partials = torch.empty((len(self.table), 2), dtype=torch.int64, device=self.device)
         if len(self.table):
-            launch(self.kernel, self._rows, partials, selected.to(self.device, non_blocking=True), deltas)
+            launch(self.kernel, self._rows, partials, selected.to(self.device, non_blocking=True), deltas, programs)
         host = torch.empty(partials.shape, dtype=torch.int64, pin_memory=self._pin)
         host.copy_(partials, non_blocking=True)
         table = self.table
@@ -210,7 +212,7 @@ class StockRunSums(RunSums):
         super().__init__(runs, device)
         self._constants = DeviceSums.constants(device)
 
-    def start(self, items, landed=None, destinations=None) -> PendingSums:
+    def start(self, items, landed=None, destinations=None, programs=None) -> PendingSums:
         wanted = list(items)
         sums = DeviceSums(self.device, self._constants)
         for item in wanted:
@@ -233,7 +235,7 @@ class HostRunSums(RunSums):
     """numpy over host tensors, computed by whoever reads the digests (the tensors must not change before:
     a snapshot passes its copies in node memory as ``landed``)."""
 
-    def start(self, items, landed=None, destinations=None) -> PendingSums:
+    def start(self, items, landed=None, destinations=None, programs=None) -> PendingSums:
         wanted = list(items)
         runs = {**self.runs, **(landed or {})}
 
@@ -260,9 +262,10 @@ class SplitRunSums(RunSums):
         self.parts = parts
         self.copies = any(part.copies for part in parts)  # (the device part's: host runs are the host's to copy)
 
-    def start(self, items, landed=None, destinations=None) -> PendingSums | None:
+    def start(self, items, landed=None, destinations=None, programs=None) -> PendingSums | None:
         wanted = list(items)
-        pending = [part.start(wanted, landed, destinations if part.copies else None) for part in self.parts]
+        pending = [part.start(wanted, landed, destinations if part.copies else None, programs)
+                   for part in self.parts]
         if None in pending:
             return None
 

@@ -25,7 +25,9 @@ BLOCK = 1024  # units per step of a program
 # Programs of a copy: few, so the copy takes a few of the GPU's cores beside training and none of its copy
 # engines (the training step's own small device-to-host copies queue there behind whatever is queued: 33 ms
 # behind a K=all snapshot's on an H200). On the H200, 8 programs of 1024 units already copied at 52 GB/s
-# into page-locked node memory, the copy engine's rate (scripts/gpu_copy_probe.py).
+# into page-locked node memory, the copy engine's rate (scripts/gpu_copy_probe.py); beside the example's
+# training 16 took 50 ms, and the step's kernels ran slower meanwhile (its own copies waited 4-10 ms for
+# them): fewer may cost training less (MEGATRON_PEC_COPY_PROGRAMS, scripts/gpu_overhead_probe.py, measures).
 COPY_PROGRAMS = 16
 
 
@@ -80,15 +82,15 @@ def chunk_sums(table, partials, selected, deltas, rows, step, BLOCK: tl.constexp
         tl.store(partials + 2 * c + 1, tl.sum(b, 0))
 
 
-def launch(kernel, table, partials, selected, deltas=None) -> None:
+def launch(kernel, table, partials, selected, deltas=None, programs=None) -> None:
     """One launch over every row of ``table`` ([rows, ROW] int64, on the device of the sums): the sums alone,
     a program per row; or, given ``deltas`` (int64 per row, on that device), also the copy of each selected
-    row's bytes to its address plus its delta, by ``COPY_PROGRAMS`` programs."""
+    row's bytes to its address plus its delta, by ``programs`` programs (None: ``COPY_PROGRAMS``)."""
     rows = table.shape[0]
     if deltas is None:
         kernel[(rows,)](table, partials, selected, table, rows, rows, BLOCK=BLOCK, COPY=False)
     else:
-        programs = min(COPY_PROGRAMS, rows)
+        programs = min(programs or COPY_PROGRAMS, rows)
         kernel[(programs,)](table, partials, selected, deltas, rows, programs, BLOCK=BLOCK, COPY=True)
 
 

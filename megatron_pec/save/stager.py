@@ -152,7 +152,7 @@ class Staging:
         def copy_and_sum():
             stager.stream.wait_event(produced)
             destinations = {item: stager.device_destinations(slot, item, live) for item, slot in placed.items()}
-            pending = sums.start(placed, landed or None, destinations)
+            pending = sums.start(placed, landed or None, destinations, stager.copy_programs)
             if pending is None:  # (a destination the kernel cannot store to aligned: the copy engine, once)
                 copy_in_waves(*stager.pairs(placed, live)[:2], record=stager.record)
                 pending = sums.start(placed, landed or None)
@@ -169,7 +169,8 @@ class Stager:
     (default ``run_sums.on_device``; the CPU tests mark some CPU tensors as device memory)."""
 
     def __init__(self, files: SlotFiles, slot_slices, rank: int, asynchronous: bool | None = None,
-                 sums_for=None, kernel: KernelLoad | None = None, is_device=None, kernel_copies: bool | None = None):
+                 sums_for=None, kernel: KernelLoad | None = None, is_device=None, kernel_copies: bool | None = None,
+                 copy_programs: int | None = None):
         self.files, self.slot_slices, self.rank = files, slot_slices, rank
         if asynchronous is None:
             asynchronous = torch.cuda.is_available()
@@ -187,6 +188,7 @@ class Stager:
         # whether the checksum kernel also copies (None: ``pin`` decides, where the GPU addresses the
         # page-locked slots as the host does; False: --pec-copy-engine): the copy engine then carries none
         self.kernel_copies = kernel_copies
+        self.copy_programs = copy_programs  # (None: the kernel's default)
         self.run_offsets: dict[str, list[int]] = {}  # item -> byte offset of each run within the item
         self._runs: dict[tuple[int, str], list] = {}  # (slot, item) -> views of its runs there (kept: a few per item)
         self._destinations: dict[tuple[int, str], list[int]] = {}  # (slot, item) -> its device runs' copy addresses
