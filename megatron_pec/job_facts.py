@@ -6,7 +6,6 @@ reductions); saves and restores only read it.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from dataclasses import dataclass
 

@@ -153,7 +153,7 @@ def main() -> int:
             times.append(matmuls())
         print(f"  beside {name}: {statistics.median(times):.1f} ms", flush=True)
     torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
-    del dst64, host
+
     return 0 if ok else 1
 
 

@@ -15,6 +15,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+from megatron_pec.common import log
 from megatron_pec.memory.node_files import replace_node_file
 
 FILE = "agent_cpu.json"
@@ -37,10 +38,14 @@ class CpuLedger:
                 self.seconds[name] = self.seconds.get(name, 0.0) + spent
 
     def write(self) -> None:
-        """The ledger and the process's CPU seconds so far, replaced atomically (node memory is tmpfs)."""
+        """The ledger and the process's CPU seconds so far, replaced atomically (node memory is tmpfs); a
+        failure is one log line (only the benchmarks read it)."""
         with self._lock:
             phases = dict(self.seconds)
-        replace_node_file(self.path, json.dumps({"phases": phases, "process_s": time.process_time()}))
+        try:
+            replace_node_file(self.path, json.dumps({"phases": phases, "process_s": time.process_time()}))
+        except OSError as exc:
+            log.info(f"cannot write {self.path}: {exc}")
 
 
 def read_ledger(directory: str) -> dict | None:

@@ -49,7 +49,8 @@ from megatron_pec.agent.pins import pins, reading
 from megatron_pec.agent.replication import Replication
 from megatron_pec.agent.trainers import Link, Trainers
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.memory.node_files import PIDFILE, SOCKET, agent_lock, remove_job_files, replace_node_file
+from megatron_pec.memory.node_files import (PIDFILE, SOCKET, agent_lock, remove_job_files, remove_stale_tmp,
+                                            replace_node_file)
 from megatron_pec.format.protocol import (
     Begin,
     Begun,
@@ -72,6 +73,33 @@ from megatron_pec.memory.slots import SlotCache, slot_path
 from megatron_pec.store.storage import Storage, open_storage
 
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none
+
+
+def listening(directory: str) -> tuple[socket.socket, str]:
+    """The agent's socket in ``directory`` (one a dead agent left replaced), listening, and its path."""
+    path = os.path.join(directory, SOCKET)
+    if os.path.exists(path):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    server.settimeout(0.5)
+    return server, path
+
+
+def job_storage(storages: dict[str, Storage], spec: str) -> Storage:
+    """The job's one storage, rebuilt from the description its trainers sent (``JobInfo.storage``) once and
+    kept in ``storages``: every rank file, marker, commit, retirement and published address of the job
+    goes through it."""
+    storage = storages.get(spec)
+    if storage is None:
+        try:
+            storage = storages[spec] = open_storage(spec)
+        except ValueError as exc:
+            log.info(f"cannot build the job's storage: {exc}")
+            raise
+        log.info(f"the job's storage: {storage.spec}")
+    return storage
 
 
 class Agent:
@@ -101,14 +129,8 @@ class Agent:
     def serve(self) -> int:
         log.use_agent_prefix()
         os.makedirs(self.directory, exist_ok=True)
-        self._remove_stale_tmp()
-        sock_path = os.path.join(self.directory, SOCKET)
-        if os.path.exists(sock_path):
-            os.unlink(sock_path)
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(sock_path)
-        server.listen(64)
-        server.settimeout(0.5)
+        remove_stale_tmp(self.directory)
+        server, sock_path = listening(self.directory)
         replace_node_file(os.path.join(self.directory, PIDFILE), str(os.getpid()))
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         worker = threading.Thread(target=self._work, daemon=True)
@@ -157,11 +179,6 @@ class Agent:
             remove_job_files(self.directory)
             log.info("removed the job's node memory (all but agent.log)")
 
-    def _remove_stale_tmp(self) -> None:
-        for name in os.listdir(self.directory):
-            if name.endswith(".tmp"):
-                os.unlink(os.path.join(self.directory, name))
-
     # ---- connections: one thread each, messages through ``MESSAGES`` ----------------------------------
     def _client(self, conn: socket.socket) -> None:
         link = None
@@ -181,7 +198,7 @@ class Agent:
             conn.close()
 
     def _hello(self, conn: socket.socket, link: Link | None, msg: Hello) -> Link:
-        storage = self._storage(msg.job.storage)
+        storage = job_storage(self.storages, msg.job.storage)
         link = Link(conn, msg.rank, msg.job, CheckpointDir(msg.job.save, storage))
         self.trainers.hello(link)  # a new trainer: grants of the old one are void
         self.trainers.send(conn, Ready(os.getpid()))
@@ -193,19 +210,6 @@ class Agent:
                 self.trainers.queued(awaited_rank=msg.rank)  # a restore waits for what the pull brings
                 self.jobs.put(jobs.Pull(link))
         return link
-
-    def _storage(self, spec: str) -> Storage:
-        """The job's one storage, rebuilt from the description its trainers sent (``JobInfo.storage``):
-        every rank file, marker, commit, retirement and published address of the job goes through it."""
-        storage = self.storages.get(spec)
-        if storage is None:
-            try:
-                storage = self.storages[spec] = open_storage(spec)
-            except ValueError as exc:
-                log.info(f"cannot build the job's storage: {exc}")
-                raise
-            log.info(f"the job's storage: {storage.spec}")
-        return storage
 
     def _settle(self, conn: socket.socket, link: Link, msg: Settle) -> None:
         """A restore starts: answered at once when every snapshot announced for the rank is recorded
@@ -261,7 +265,7 @@ class Agent:
         self.writer.put(writer.Drain(job.link))  # answered once the writes before it ended
 
     def _drained(self, job: jobs.Drained) -> None:
-        self._write_cpu_ledger()
+        self.cpu.write()
         self._send(job.link, Flushed())
 
     def _settled(self, job: jobs.Settle) -> None:  # every earlier snapshot is recorded
@@ -281,17 +285,14 @@ class Agent:
         """Save step 5: check the header, record the snapshot's regions, offer it to the replicas (7);
         release it, and hand a persistent one's rank file to the writer (6; released again once written)."""
         link, msg = job.link, job.msg
-        rank, root = link.rank, link.checkpoints.root
+        rank = link.rank
         try:
             with self.cpu("checking"):
                 checked = check_snapshot(slot_path(self.directory, rank, msg.slot), msg.iteration, link.run or "",
                                          link.job.key, self.slots,
                                          self.writer.committer.locator(rank, msg.slot, msg.places))
         except Exception as exc:  # reported to the trainer; the agent keeps serving
-            if msg.persist:
-                self.writer.put(writer.Failed(root, msg.iteration, msg.generation))
-            self.trainers.recorded(rank)
-            self._release(link, msg, False, f"{type(exc).__name__}: {exc}")
+            self._refuse(link, msg, f"{type(exc).__name__}: {exc}")
             return
         try:
             with self.cpu("node-memory index"):
@@ -299,10 +300,7 @@ class Agent:
                                             link.job.key)
                 self.memory.write()
         except Exception as exc:  # e.g. node memory full: not restorable, said; training goes on
-            if msg.persist:
-                self.writer.put(writer.Failed(root, msg.iteration, msg.generation))
-            self.trainers.recorded(rank)
-            self._release(link, msg, False, f"cannot record it in node memory: {type(exc).__name__}: {exc}")
+            self._refuse(link, msg, f"cannot record it in node memory: {type(exc).__name__}: {exc}")
             return
         self.trainers.recorded(rank)
         faults.point("agent_recorded", iteration=msg.iteration)
@@ -318,6 +316,13 @@ class Agent:
         self.writing.setdefault(rank, {})[(msg.iteration, msg.generation)] = reading(msg.iteration, items, where)
         self._release(link, msg, True, None, persisting=True)
         self.writer.put(writer.Write(link, msg, checked))
+
+    def _refuse(self, link: Link, msg: SnapshotReady, why: str) -> None:
+        """A snapshot not recorded: its persist (if asked) fails, the trainer hears why."""
+        if msg.persist:
+            self.writer.put(writer.Failed(link.checkpoints.root, msg.iteration, msg.generation))
+        self.trainers.recorded(link.rank)
+        self._release(link, msg, False, why)
 
     def _progress(self, job: jobs.Progress) -> None:
         writing = self.writing.get(job.rank, {})
@@ -384,12 +389,6 @@ class Agent:
             now = self._pins(link)
             if now != link.pins:
                 self._send(link, Granted(*link.told(now)))
-
-    def _write_cpu_ledger(self) -> None:
-        try:
-            self.cpu.write()
-        except OSError as exc:  # (only the benchmarks read it)
-            log.info(f"cannot write {self.cpu.path}: {exc}")
 
     HANDLERS = {jobs.RecordSnapshot: _record, jobs.Written: _written, jobs.Progress: _progress, jobs.Resume: _resume,
                 jobs.Flush: _flush, jobs.Drained: _drained, jobs.Settle: _settled, jobs.Pull: _pull,

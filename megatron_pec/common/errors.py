@@ -20,6 +20,10 @@ class CheckpointError(SystemExit):
         return self.message
 
 
+class ManifestError(ValueError):
+    """A manifest or marker that is unreadable or inconsistent (``store/checkpoint_dir.py``)."""
+
+
 class StorageUnreachable(OSError):
     """The storage cannot be reached now (an object store's endpoint refuses connections or times out): an
     outage that passes, not a refusal of the path. Training goes on from node memory meanwhile; what needs

@@ -1,10 +1,17 @@
 """Checkpoint paths (--save, --load, a command's DIR): a local or shared file system's, or a storage URL
-(``scheme://...``, Megatron's ``msc://<profile>/<path>`` among them), which is no local path. Pure:
-configuration and storage read them alike."""
+(``scheme://...``, Megatron's ``msc://<profile>/<path>`` among them), which is no local path; and the
+names inside a checkpoint directory (``store/checkpoint_dir.py`` lays them out). Pure: configuration and
+storage read them alike."""
 
 from __future__ import annotations
 
 import os
+import re
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker
+MANIFEST = "manifest.json"  # an iteration's commit marker
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
+NODE_MARKER = re.compile(r"^node_\d{4}(\.[0-9A-Za-z._-]+)?\.json$")
 
 
 def is_url(path: str) -> bool:
@@ -30,4 +37,4 @@ def storage_spec_for(explicit: str, *paths: str | None) -> str:
     return ""
 
 
-__all__ = ["absolute", "is_url", "storage_spec_for"]
+__all__ = ["ITER_DIR", "MANIFEST", "NODE_MARKER", "TRACKER", "absolute", "is_url", "storage_spec_for"]

@@ -83,6 +83,13 @@ def _is_in_place(opened, path: str) -> bool:
         return False
 
 
+def remove_stale_tmp(directory: str) -> None:
+    """Half-written node files (``*.tmp``) a killed agent left behind (``replace_node_file``'s)."""
+    for name in os.listdir(directory):
+        if name.endswith(".tmp"):
+            os.unlink(os.path.join(directory, name))
+
+
 def remove_job_files(directory: str) -> None:
     """Everything a job created in its node directory but the agent's log (called with ``agent_lock`` held,
     by the agent at its exit: the lock file goes last, unlocked by the exit)."""
@@ -97,4 +104,4 @@ def remove_job_files(directory: str) -> None:
 
 
 __all__ = ["SOCKET", "PIDFILE", "LOCKFILE", "AGENT_LOG", "REPLICAS", "RANK_FILE", "map_node_file", "home_slot_name", "pool_name",
-           "memory_plan_name", "agent_lock", "remove_job_files"]
+           "memory_plan_name", "agent_lock", "remove_job_files", "remove_stale_tmp"]

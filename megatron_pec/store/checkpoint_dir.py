@@ -1,5 +1,5 @@
 """A checkpoint directory (--save, --load): its layout, the commit and validity - node markers, the
-iteration manifests, the tracker, retention and retirement.
+iteration manifests, the tracker; retention and retirement through it (``store/retention.py``).
 
 One ``CheckpointDir(root, storage)`` per directory, built where the storage is injected (the engine,
 the node agent per job, the command line) and handed to whoever reads or writes the directory; every
@@ -34,23 +34,15 @@ go once no manifest references them.
 from __future__ import annotations
 
 import os
-import re
 from typing import Callable
 
 from megatron_pec.common import faults
+from megatron_pec.common.errors import ManifestError
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Manifest, NodeMarker, ProtocolError, RankFile, RankLayout
-from megatron_pec.format.checkpoint_paths import absolute
+from megatron_pec.format.checkpoint_paths import ITER_DIR, MANIFEST, NODE_MARKER, TRACKER, absolute
+from megatron_pec.store import retention
 from megatron_pec.store.storage import Storage
-
-TRACKER = "latest_checkpointed_iteration.txt"
-MANIFEST = "manifest.json"
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
-_NODE_MARKER = re.compile(r"^node_\d{4}(\.[0-9A-Za-z._-]+)?\.json$")
-
-
-class ManifestError(ValueError):
-    """A manifest or marker that is unreadable or inconsistent."""
 
 
 class CheckpointDir:
@@ -103,7 +95,7 @@ class CheckpointDir:
 
     # ---- reading ---------------------------------------------------------------------------------
     def iterations_on_disk(self) -> list[int]:
-        return sorted(int(m.group(1)) for name in self.storage.list(self.root) if (m := _ITER_DIR.match(name)))
+        return sorted(int(m.group(1)) for name in self.storage.list(self.root) if (m := ITER_DIR.match(name)))
 
     def committed_iterations(self) -> list[int]:
         """Iterations whose manifest exists, newest first."""
@@ -127,7 +119,7 @@ class CheckpointDir:
     def node_markers(self, iteration: int) -> list[str]:
         """Every node marker of ``iteration``, of every save."""
         directory = self.pec_dir(iteration)
-        return [os.path.join(directory, n) for n in self.storage.list(directory) if _NODE_MARKER.match(n)]
+        return [os.path.join(directory, n) for n in self.storage.list(directory) if NODE_MARKER.match(n)]
 
     def persisted_nodes(self, iteration: int, generation: str) -> set[int]:
         """The nodes whose marker of save ``generation`` of ``iteration`` exists."""
@@ -161,7 +153,8 @@ class CheckpointDir:
         except ProtocolError as exc:
             raise ManifestError(f"{path}: {exc}") from None
 
-    def _generation_of(self, path: str) -> str | None:
+    def generation_of(self, path: str) -> str | None:
+        """The save generation a node marker belongs to (None: unreadable, never this save's)."""
         try:
             return self._read_record(path, NodeMarker).generation
         except ManifestError:
@@ -190,7 +183,7 @@ class CheckpointDir:
         has it, else named after its generation."""
         faults.point("before_node_marker", iteration=marker.iteration)
         path = self.node_marker(marker.iteration, marker.node)
-        if self.storage.exists(path) and self._generation_of(path) != marker.generation:
+        if self.storage.exists(path) and self.generation_of(path) != marker.generation:
             path = self.node_marker(marker.iteration, marker.node, marker.generation or "again")
         self.storage.write(path, [marker.dumps().encode()])
 
@@ -230,7 +223,7 @@ class CheckpointDir:
                 # every rank's part of this save is the committed file (a persist from node memory that found
                 # storage complete): the commit stands as it is; this save's markers go
                 for marker in self.node_markers(iteration):
-                    if self._generation_of(marker) == generation:
+                    if self.generation_of(marker) == generation:
                         storage.delete(marker)
                 return True
             first = nodes[0]
@@ -268,7 +261,7 @@ class CheckpointDir:
 
     def _tidy(self, iteration: int, replaced: Manifest | None, keep: int) -> None:
         if replaced is not None:
-            self._drop_unreferenced(iteration, replaced)
+            retention.drop_unreferenced(self, iteration, replaced)
         if keep:
             self.apply_retention(keep)
 
@@ -292,95 +285,15 @@ class CheckpointDir:
         needed = set(experts.values()) - {iteration}
         return experts, {str(i): sources[i] for i in sorted(needed) if i in sources}
 
-    def _drop_unreferenced(self, iteration: int, replaced: Manifest) -> None:
-        """Once another save's commit replaced ``replaced``: its rank files and node markers that no
-        committed manifest references any more."""
-        referenced = set()
-        for i in self.committed_iterations():
-            try:
-                m = self.read_manifest(i)
-            except ManifestError:
-                continue
-            referenced.update(e.file for e in m.ranks.values())
-            referenced.update(e.file for files in m.sources.values() for e in files.values())
-        for entry in replaced.ranks.values():
-            if entry.file not in referenced:
-                self.storage.delete(self.path(entry.file))
-        for path in self.node_markers(iteration):
-            if self._generation_of(path) == replaced.generation:
-                self.storage.delete(path)
-
     # ---- retention and retirement ----------------------------------------------------------------------
     def apply_retention(self, keep: int) -> list[int]:
-        """Keep the newest ``keep`` committed iterations. An older one whose rank files a retained
-        manifest still references for expert versions keeps those files but stops being committed (its
-        own references may go); every other older one is deleted. Returns the iterations deleted."""
-        committed = self.committed_iterations()
-        if len(committed) <= keep:
-            return []
-        retained = committed[:keep]
-        referenced: set[int] = set(retained)
-        for i in retained:
-            referenced.update(int(k) for k in self.read_manifest(i).sources)
-        removed = []
-        oldest_retained = retained[-1]
-        for i in self.iterations_on_disk():
-            if i >= oldest_retained:
-                continue
-            directory = self.pec_dir(i)
-            names = self.storage.list(directory)
-            # The manifest goes first: the iteration stops being valid before its files vanish.
-            doomed = [MANIFEST] + [n for n in names if i not in referenced or _NODE_MARKER.match(n)]
-            for name in doomed:
-                self.storage.delete(os.path.join(directory, name))
-            if i not in referenced:
-                self.storage.delete_prefix(directory)  # what is left there: partial writes
-                if not self.storage.list(self.iter_dir(i)):  # (anything else in the iteration stays)
-                    self.storage.delete_prefix(self.iter_dir(i))
-                removed.append(i)
-        return removed
+        """``retention.apply_retention``: keep the newest ``keep`` committed iterations."""
+        return retention.apply_retention(self, keep)
 
     def retire_after(self, iteration: int) -> list[int]:
-        """De-commit every iteration after ``iteration``, where training resumes and will write them again.
+        """``retention.retire_after``: de-commit every iteration after ``iteration``. Raises OSError."""
+        return retention.retire_after(self, iteration)
 
-        An abandoned run may have left manifests and node markers there; a stale
-        marker would otherwise be combined with the new run's rank files into a
-        manifest whose checksums no longer match (and a stale manifest would feed
-        the next commit's expert versions). The manifest goes first, then the node
-        markers; the tracker moves back to the newest committed iteration <= ``iteration``.
-        Partial writes are discarded where their writer is gone (a killed agent's: the storage
-        tells), and in the retired iterations whoever writes them; an agent of this host still
-        persisting an earlier iteration while its trainer restarts keeps its file.
-        Returns the iterations that lost a manifest or marker. Raises OSError.
-        """
-        retired = []
-        if not self.storage.exists(self.root):
-            return retired  # nothing saved yet (the first save creates the directory)
-        for i in self.iterations_on_disk():
-            directory = self.pec_dir(i)
-            self.storage.discard_partial(directory, live_too=i > iteration)
-            if i > iteration:
-                names = self.storage.list(directory)
-                stale = [n for n in names if n == MANIFEST] + [n for n in names if _NODE_MARKER.match(n)]
-                for name in stale:
-                    self.storage.delete(os.path.join(directory, name))
-                if stale:
-                    retired.append(i)
-        for _ in range(16):
-            try:
-                current = self.storage.read(self.tracker_path)
-            except FileNotFoundError:
-                return retired
-            text = current.decode(errors="replace").strip()
-            if not text.isdigit() or int(text) <= iteration:
-                return retired
-            previous = [i for i in self.committed_iterations() if i <= iteration]
-            if not previous:
-                self.storage.delete(self.tracker_path)
-                return retired
-            if self.storage.commit(self.tracker_path, str(previous[0]).encode(), expected=current):
-                return retired
-        raise OSError(f"{self.tracker_path}: other commits kept replacing it")
 
 
 def _files(ranks: dict[str, RankFile]) -> dict[str, str]:
