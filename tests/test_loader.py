@@ -1,5 +1,5 @@
-"""The loader on its own (and the engine's load without Megatron, ``workers/loader_alone.py``: one real
-gloo process, a checkpoint directory made by hand)."""
+"""The loader on its own (and the restore built from stand-in parts, without an engine or Megatron,
+``workers/loader_alone.py``: one real gloo process, a checkpoint directory made by hand)."""
 
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from conftest import REPO, WORKERS, checkpoints
 def test_training_from_scratch_retires_node_markers_of_an_abandoned_run(tmp_path):
     """A restart that finds nothing committed trains from scratch and saves iteration 2 again: the dead
     run's node marker of 2 must be gone first, or the next commit of 2 would combine it (and its sizes and
-    checksums) with the new run's files. The loader only decides; the engine retires, after deciding."""
+    checksums) with the new run's files. The loader only decides; the restore retires, after deciding."""
     worker = [sys.executable, str(WORKERS / "loader_alone.py"), str(tmp_path / "ckpt"), str(free_port())]
     result = subprocess.run(worker, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -99,7 +99,7 @@ def plan_on_two_ranks(tmp_path, slots_of_rank: dict[int, list[RecordingSource]])
 
 
 def planned_until_one_sticks(ld: Loader):
-    """What the engine's fallback loop asks of the loader (``Engine._restore``, without applying):
+    """What the engine's fallback loop asks of the loader (``Restore.run``, without applying):
     (the plan that stuck, the refusals before it)."""
     found, excluded, refused = ld.candidates(), set(), []
     while isinstance(plan := ld.plan(found, excluded), Refused):

@@ -289,8 +289,7 @@ def test_the_agent_starts_without_torch_or_megatron():
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
 # Classes still over the limit (issue 40, item 7), each held at its size today: it may shrink, never grow,
 # and no other class may join it.
-OVERSIZED_CLASSES = {"megatron_pec/testing/campaign.py:Campaign": 524, "megatron_pec/engine.py:Engine": 365,
-                     "megatron_pec/restore/loader.py:Loader": 329}
+OVERSIZED_CLASSES = {"megatron_pec/testing/campaign.py:Campaign": 524}
 
 
 def definition_sizes(roots, base=REPO) -> tuple[dict[str, int], dict[str, int]]:

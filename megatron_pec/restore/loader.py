@@ -1,5 +1,5 @@
 """Load steps 3-5: what every rank restores, decided without side effects - a ``RestorePlan``. The
-engine acts on it (``Engine.load``: load steps 6-7, the fallback loop, the retirement after success).
+restore acts on it (``restore/restore.py``: load steps 6-7, the fallback loop, the retirement after success).
 
 Runs on every rank (collective). Communication is limited to a few small
 all-gathers/all-reduces (``Collectives``): every rank reads its own shard back,
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from megatron_pec.common import log
 from megatron_pec.pec import lost_tokens
 from megatron_pec.restore import reshard
+from megatron_pec.restore.accounting import ACCOUNT_VECTORS, account, accounting_columns, choose_k, stage_experts
 from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
 from megatron_pec.common.collectives import ANOTHER_RANK_FAILED, Collectives
 from megatron_pec.config import PecConfig
@@ -31,7 +32,7 @@ from megatron_pec.job_facts import JobFacts
 from megatron_pec.memory.slots import SlotFiles
 from megatron_pec.common.errors import CheckpointError, StorageUnreachable
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
-from megatron_pec.pec.state import PecState, flag_k
+from megatron_pec.pec.state import PecState
 from megatron_pec.common.phases import Phases
 from megatron_pec.format import reduced_record
 from megatron_pec.format.protocol import JobKey, Manifest
@@ -42,7 +43,6 @@ from megatron_pec.restore.sources import Source, SourceError, expert_source_for,
 MAX_CANDIDATES = 32
 LIST_OLDER = 64  # a restore log line names at most this many experts restored from older versions
 NONE = 2**62  # "no version" in MIN reductions
-ACCOUNT_VECTORS = 7  # per expert: restored version, tokens there, tokens at the target, 2 levels x 2
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Candidates:
 @dataclass(frozen=True)
 class Refused:
     """The ranks agreed on ``iteration`` and some rank cannot restore it: every rank excludes it and plans
-    again (``Engine.load``)."""
+    again (``Restore.run``)."""
 
     iteration: int
     why: str | None  # this rank's reason (None: another rank's)
@@ -207,7 +207,7 @@ class Loader:
     """Plans a restore from one checkpoint directory (and this rank's node memory): load steps 3-5.
 
     The engine calls ``candidates`` once per load, then ``plan`` until a plan sticks, excluding each
-    iteration some rank could not restore (``Engine.load``, the one fallback loop). Both are collective
+    iteration some rank could not restore (``Restore.run``, the one fallback loop). Both are collective
     (every rank calls them, in the same order); they read and verify bytes, log what they find, and
     change nothing outside this object: no file is written or removed, no configuration changed."""
 
@@ -321,12 +321,12 @@ class Loader:
             error = f"{where} was saved with another configuration ({reshard.change(m.topology, topology)}): {why}"
         else:
             try:
-                done = reshard.Resharder(self.directory, m, layout, self.rank, self._stage_experts()).restore()
+                done = reshard.Resharder(self.directory, m, layout, self.rank, stage_experts(self.ctx)).restore()
             except (reshard.ReshardError, SourceError) as exc:
                 error = f"cannot restore {where} onto this layout: {exc}"
         self.coll.raise_if_any(error)
         if done.pec is not None:
-            self._choose_k(done.pec)
+            choose_k(self.ctx.config, self.ctx.num_experts, done.pec)
         return RestorePlan(m.iteration, f"storage (resharded: {reshard.change(m.topology, topology)})",
                            done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
                            resharded=True)
@@ -420,7 +420,7 @@ class Loader:
         version)."""
         n = len(self.names)
         state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and n else None
-        accounting = self._accounting(plan, state) if state is not None else [[-1] * n] * ACCOUNT_VECTORS
+        accounting = accounting_columns(plan, state, self.names) if state is not None else [[-1] * n] * ACCOUNT_VECTORS
         iteration = -1 if target is None else target
         versions = [None] * 3
         if planned is not None:
@@ -475,65 +475,8 @@ class Loader:
         versions = {item: source.items[item] for item, source in plan.items()}
         after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
                       if source.kind == "memory" and source.checked_after_copy}
-        pec, report, tokens_at_target = self._account(target, state, accounted)
+        pec, report, tokens_at_target = account(self.ctx, target, state, accounted)
         return RestorePlan(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
                              tokens_at_target, report, check_after_copy=after_copy, newest=newest)
 
-    def _accounting(self, plan: dict[str, Source], state: PecState) -> list[list[int]]:
-        """This rank's part of the PLT accounting, one int per expert of the model in each of
-        ``ACCOUNT_VECTORS`` columns (-1: unknown here): the version each expert is restored from, its
-        tokens at that version, at the dense source's iteration, and both PEC levels' versions and
-        tokens. Each rank's file knows the experts it holds; the MAX over ranks completes them."""
-        dense = plan[NON_EXPERT]
-        known = [{item_name(x): v for x, v in level.items()} for level in _levels(state)]
-        version, at_version = {}, {}
-        for name in self.names:
-            source = plan.get(name)
-            if source is not None:
-                version[name] = source.items[name]
-                at_version[name] = source.tokens_at_version(name)
-        return [self._expert_vector(values, -1) for values in (version, at_version, dense.header.tokens, *known)]
 
-    def _account(self, target: int, state: PecState | None,
-                 accounted: list[list[int]]) -> tuple[PecState | None, lost_tokens.PltReport | None, dict[ExpertId, int]]:
-        """PLT of this restore over every expert of the model (identical on every rank), folded
-        into the dense source's PEC ``state`` (None without MoE); and the cumulative token counts at
-        ``target`` of this stage's experts. ``accounted``: the columns of ``_accounting``, completed
-        over all ranks."""
-        if state is None:
-            return None, None, {}
-        columns = [dict(zip(self.ctx.all_experts, column)) for column in accounted]
-        version_of, tokens_at_version, tokens_at_target = columns[:3]
-        stage = self._stage_experts()
-        for level, column in zip(_levels(state), columns[3:]):
-            level.update({x: v for x, v in column.items() if v >= 0 and x in stage})
-        report = lost_tokens.lost_tokens(tokens_at_target, tokens_at_version, version_of, target)
-        state.recovered(report, version_of, tokens_at_version, stage)
-        self._choose_k(state)
-        return state, report, {x: tokens_at_target[x] for x in stage}
-
-    def _stage_experts(self) -> set[ExpertId]:
-        """Every expert of the MoE layers this pipeline stage holds (all ranks of the stage, not just this one)."""
-        layers = {x.layer for x in self.ctx.experts_held}
-        return {x for x in self.ctx.all_experts if x.layer in layers}
-
-    def _choose_k(self, state: PecState) -> None:
-        """K from here on, decided here only: Dynamic-K raises it when the accumulated PLT passed the
-        threshold; without Dynamic-K the flags win over the restored K."""
-        config, n = self.ctx.config, self.ctx.num_experts
-        if not n:
-            return
-        if not config.dynamic_k:
-            state.set_k(*flag_k(config.snapshot_k, config.persist_k, n))
-            return
-        k = lost_tokens.next_k(state.snapshot.k, state.plt, config.plt_threshold, n)
-        if k != state.snapshot.k:
-            persist_k = min(k, 2 * state.persist.k)
-            log.info(f"accumulated PLT {state.plt:.2%} exceeds {config.plt_threshold:.2%}: Dynamic-K raises snapshot "
-                     f"K {state.snapshot.k} -> {k}, persist K {state.persist.k} -> {persist_k}", rank0=True)
-            state.set_k(k, persist_k)
-
-
-def _levels(state: PecState) -> tuple[dict, dict, dict, dict]:
-    """The PEC state's per-expert dicts, in the order of the accounting's last four columns."""
-    return state.snapshot.saved_at, state.snapshot.tokens_at, state.persist.saved_at, state.persist.tokens_at

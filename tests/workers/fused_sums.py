@@ -294,7 +294,7 @@ def Stager_(files, slices, marked, **kwargs):
 
 def startup(out: str, slot_dir: str) -> None:
     """What a relaunched trainer does: the engine starts (the stager, the kernel's load in a thread), then a
-    restore checks what it copied (``Engine._checked_after_copy``), then saves. Every load of the kernel
+    restore checks what it copied (``Stager.checked``), then saves. Every load of the kernel
     (its compile, on a GPU) is recorded with the phase it started in and its thread."""
     from megatron_pec.testing import cpu
 
@@ -318,7 +318,7 @@ def startup(out: str, slot_dir: str) -> None:
     stager = Stager_(files, slices, marked)  # (``Engine._start_memory_tier``)
     phase[0] = "restore"
     items = ["dense", "L1.E0", "L1.E1"]
-    restored = stager.sums(live).start(items).digests()  # (``Engine._checked_after_copy``)
+    restored = stager.sums(live).start(items).digests()  # (``Stager.checked``)
     phase[0] = "save"
     staging = stager.begin(live)
     staging.copy({"dense": 1})

@@ -1,7 +1,7 @@
-"""The loader on its own, then the engine's load without Megatron (tests/test_loader.py): one real gloo
-process, a checkpoint directory made by hand - a run that died at iteration 2, one node's marker written,
-the other's never, nothing committed. The loader decides and leaves the directory as it is; the engine
-acts. Prints whether the stale marker was retired. argv: ROOT PORT."""
+"""The loader on its own, then the restore built from stand-in parts, without an engine or Megatron
+(tests/test_loader.py): one real gloo process, a checkpoint directory made by hand - a run that died at
+iteration 2, one node's marker written, the other's never, nothing committed. The loader decides and leaves
+the directory as it is; the restore acts. Prints whether the stale marker was retired. argv: ROOT PORT."""
 
 import argparse
 import os
@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from megatron_pec.common.collectives import Collectives
+from megatron_pec.common.phases import Phases
 from megatron_pec.config import PecConfig
-from megatron_pec.engine import Engine
 from megatron_pec.format.protocol import NodeMarker
 from megatron_pec.restore.loader import LoadContext, Loader
+from megatron_pec.restore.restore import Restore, RestoreParts
 from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import PosixStorage
 
@@ -34,14 +35,11 @@ def main():
     loader = Loader(LoadContext(job=job, config=config, collectives=collectives, slice_items={}), checkpoints)
     assert loader.plan(loader.candidates(), set()) is None
     assert os.path.exists(checkpoints.node_marker(2, 1)), "the loader removed a file"
-    # ... the engine acts: an engine without Megatron, only what a load that finds nothing touches
-    engine, began = Engine.__new__(Engine), []
-    engine.config, engine.storage, engine.job, engine.rank = config, PosixStorage(), job, 0
-    engine.files, engine.stager, engine.check_on_device = None, None, False
-    engine.adapter = SimpleNamespace(collectives=collectives, slices=[], exit_if_missing_checkpoint=lambda where: None)
-    engine.handover = SimpleNamespace(wait=lambda: None)
-    engine.session = SimpleNamespace(settle=lambda: None, begin=began.append)
-    assert engine.load(root, scheduler=None) == (0, 0) and began == [None]
+    # ... the restore acts: built from stand-ins, only what a load that finds nothing touches
+    adapter = SimpleNamespace(collectives=collectives, slices=[])
+    parts = RestoreParts(job=job, config=config, adapter=adapter, book=None, history=None, session=None,
+                         stager=None, files=None, check_on_device=False)
+    assert Restore(parts).run(checkpoints, finetune=False, scheduler=None, rng_key_prefix="", phases=Phases()) is None
     print("stale marker left" if os.path.exists(checkpoints.node_marker(2, 1)) else "stale marker retired")
     dist.destroy_process_group()
 

@@ -1,0 +1,133 @@
+"""Load steps 3-7 from one checkpoint directory: the loader plans (``restore/loader.py``: lists, reads,
+verifies, agrees, decides; no side effects), ``Restore`` acts - the plan into Megatron through the adapter
+and into the PEC bookkeeping (6), checked where it landed, then retire and begin (7) - and falls back to an
+older iteration where some rank cannot restore the one planned.
+
+Built from its parts (``RestoreParts``), not from the engine: a restore can run with stand-ins for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_pec.common import log
+from megatron_pec.common.phases import Phases
+from megatron_pec.config import PecConfig
+from megatron_pec.job_facts import JobFacts
+from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
+from megatron_pec.store.checkpoint_dir import CheckpointDir
+
+
+@dataclass(frozen=True)
+class RestoreParts:
+    """What a restore works with: the engine's collaborators, not the engine."""
+
+    job: JobFacts
+    config: PecConfig
+    adapter: object          # ``megatron.adapter.MegatronAdapter``: the restore goes into Megatron through it
+    book: object             # ``save.pec_book.PecBook``: the PEC bookkeeping adopts the restored state
+    history: object          # ``save.save_history.SaveHistory``: what was restored, for the next saves
+    session: object          # ``agent.session.AgentSession``: the new timeline, told to the agent
+    stager: object | None    # ``save.stager.Stager``: checks items where they landed (None: no --save)
+    files: object | None     # ``memory.slots.SlotFiles``: node memory's slots the loader reads
+    check_on_device: bool    # items from node memory checked where they land, not before the copy
+
+    @property
+    def rank(self) -> int:
+        return self.job.rank
+
+
+class Restore:
+    def __init__(self, parts: RestoreParts):
+        self.parts = parts
+        self.config, self.adapter, self.rank = parts.config, parts.adapter, parts.rank
+
+    def run(self, directory: CheckpointDir, finetune: bool, scheduler, rng_key_prefix: str,
+            phases: Phases) -> tuple[int, float] | None:
+        """Load steps 3-7 from ``directory``, the one fallback loop: the loader lists what each rank can
+        read once and plans (reads, verifies, agrees, decides; no side effects); this applies the plan and
+        checks it where it landed; an iteration some rank cannot restore is excluded and the loader plans
+        again. Only once a restore succeeded is what an abandoned run left after it retired.
+
+        ``finetune``: weights only, the iteration starts at 0 (--finetune, or --pretrained-checkpoint).
+        Returns ``(iteration, flops)``, None when ``directory`` holds nothing to restore."""
+        load_optim = not (self.config.no_load_optim or finetune)
+        loader = Loader(self._load_context(phases), directory,
+                        checked_after_copy=self.parts.check_on_device and self.parts.stager is not None and load_optim)
+        with phases("the rest of the loader"):  # (the loader's own phases inside)
+            found = loader.candidates()
+        excluded: set[int] = set()
+        while True:
+            with phases("the rest of the loader"):
+                plan = loader.plan(found, excluded)
+            if plan is None:
+                if not found.manifests:  # node markers of an abandoned run must not join a new commit
+                    self._retire_after(directory, 0, finetune, phases)
+                return None
+            if isinstance(plan, Refused):
+                problem = plan.why
+            else:
+                self._apply(plan, finetune, scheduler, rng_key_prefix, phases)
+                with phases("checking on the device"):  # (the items restored from node memory, where they landed)
+                    problem = (self.parts.stager.checked(self.adapter.live_views(), plan.check_after_copy, phases)
+                               if plan.check_after_copy else None)
+                if self.adapter.collectives.all_ok(problem is None):
+                    return self._restored(directory, plan, finetune, phases)
+            log.warning(f"cannot restore iteration {plan.iteration}: {problem or 'another rank cannot'}; "
+                        "falling back to an older checkpoint", rank=self.rank)
+            excluded.add(plan.iteration)
+
+    def _load_context(self, phases: Phases) -> LoadContext:
+        return LoadContext(job=self.parts.job, config=self.config, collectives=self.adapter.collectives,
+                           slice_items={s.name: s.item for s in self.adapter.slices}, slots=self.parts.files,
+                           phases=phases)
+
+    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases) -> None:
+        """Load step 6: the plan into Megatron (through the adapter) and into the PEC bookkeeping."""
+        config = self.config
+        self.adapter.restore(plan.small, plan.tensors, scheduler, load_optim=not (config.no_load_optim or finetune),
+                             load_rng=not (config.no_load_rng or finetune), finetune=finetune,
+                             rng_key_prefix=rng_key_prefix, phases=phases)
+        with phases("PEC state"):
+            self.parts.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
+
+    def _restored(self, directory: CheckpointDir, plan: RestorePlan, finetune: bool,
+                  phases: Phases) -> tuple[int, float]:
+        """Load step 7, retire and begin: the restore is done. Retire what an abandoned run left after it, say
+        so (where the time went included) and start the new timeline."""
+        iteration = self.adapter.iteration_after_load(plan.iteration, finetune)
+        self.parts.history.restore(iteration, here=directory.root == self.parts.job.save_root)
+        self._retire_after(directory, plan.iteration, finetune, phases)
+        plan.log(self.rank)
+        with phases("telling the agent the new timeline"):
+            self.parts.session.begin(iteration)
+        log.info(f"restore took {phases.total():.3f} s ({phases.describe()})", rank=self.rank)
+        return iteration, plan.small["num_floating_point_operations_so_far"]
+
+    def _retire_after(self, directory: CheckpointDir, iteration: int, finetune: bool, phases: Phases) -> None:
+        """Rank 0 of the job that saves into ``directory`` (it keeps the directory's books; every later save
+        needs it, so this precedes them all): de-commit what an abandoned run left there after
+        ``iteration``, where training resumes (``CheckpointDir.retire_after``). A fine-tune resumes at 0
+        beside the loaded run's commits, which stay."""
+        if self.rank != 0 or directory.root != self.parts.job.save_root:
+            return
+        if finetune:
+            if iteration:
+                log.warning(f"--finetune saves into {directory.root}, the directory it loaded iteration {iteration} "
+                            "from: the loaded run's checkpoints stay committed beside the fine-tune's, and a restart "
+                            "resumes from the newest committed iteration whichever run saved it; give the fine-tune "
+                            "its own --save")
+            return
+        with phases("listing sources"):  # (the directory's books, as its listing)
+            try:
+                retired = directory.retire_after(iteration)
+            except OSError as exc:
+                log.warning(f"cannot retire the iterations after {iteration} under {directory.root} ({exc}); until "
+                            "they are saved again their old manifests or node markers remain")
+                return
+        if retired:
+            log.info(f"iterations {retired} under {directory.root} belong to an abandoned run after the restored "
+                     f"iteration {iteration}; removed their manifests and node markers (training saves them again)")
+
+
+__all__ = ["Restore", "RestoreParts"]
