@@ -38,7 +38,7 @@ part() {  # part NAME PYTHON PYTEST-ARGS...
   summary+=("$([[ $rc == 0 ]] && echo ok || echo "FAILED (exit $rc)") | $name | $(tail -n 1 "$log") | $((SECONDS - start)) s")
   [[ $rc == 0 ]] || failed=1
 }
-part "megatron-core 0.16.1 (.venv): the whole suite" .venv/bin/python
+part "megatron-core 0.16.1 (.venv): the whole suite" .venv/bin/python --durations=25
 part "megatron-core 0.19.2 (.venv-mcore019): unit tests" .venv-mcore019/bin/python \
   -m "not multiprocess and not campaign" tests
 part "megatron-core 0.19.2 (.venv-mcore019): megatron-core model tests" .venv-mcore019/bin/python \
