@@ -235,10 +235,7 @@ def mixed(out: str, slot_dir: str) -> None:
         marked = Marked(device_base)
         stager = Stager_(files, slices, marked, kernel_copies=by_kernel)
         stager.prepare(live)
-        staging = stager.begin(live)
-        staging.copy({"dense": 1})
-        staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
-        staged = staging.finish()
+        staging, staged = staged_mixed(stager, live)
         got = staged.sums()
         want = landed_sums(files, staging)
         landed = all(bytes(files.item_views(slot, name.split("/", 1)[0])[name].numpy().tobytes())
@@ -254,6 +251,15 @@ def mixed(out: str, slot_dir: str) -> None:
         files.close()
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def staged_mixed(stager, live):
+    """A save of ``_mixed_state``'s items as the engine stages one: the dense state to home slot 1, the two
+    experts to pool regions; (the staging, its ``StagedCopy``)."""
+    staging = stager.begin(live)
+    staging.copy({"dense": 1})
+    staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
+    return staging, staging.finish()
 
 
 def _reads_any(launched, tensors) -> bool:
@@ -320,10 +326,7 @@ def startup(out: str, slot_dir: str) -> None:
     items = ["dense", "L1.E0", "L1.E1"]
     restored = stager.sums(live).start(items).digests()  # (``Stager.checked``)
     phase[0] = "save"
-    staging = stager.begin(live)
-    staging.copy({"dense": 1})
-    staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
-    staged = staging.finish()
+    staging, staged = staged_mixed(stager, live)
     saved = staged.sums()
     want = landed_sums(files, staging)
     stager.close()
@@ -356,10 +359,7 @@ def nocompile(out: str, slot_dir: str, error: str) -> None:
         sums = stager.sums(live)
         restored = sums.start(["dense", "L1.E0"]).digests()
         for _ in range(2):
-            staging = stager.begin(live)
-            staging.copy({"dense": 1})
-            staging.copy({"L1.E0": POOL, "L1.E1": POOL + 1})
-            staged = staging.finish()
+            staging, staged = staged_mixed(stager, live)
             saved = staged.sums()  # (first: it waits for the copies the reference reads)
             want = landed_sums(files, staging)
             result["saves"].append({"sums": saved, "reference": want})
