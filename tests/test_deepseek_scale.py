@@ -3,11 +3,14 @@ runs on CPU) trains with a save every iteration, restores, and ``inspect``/``ver
 Before, each rank's ~10 MB header outgrew its reserve and the first save died mid-training."""
 
 import json
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
 
 import pytest
 
 from conftest import REPO, read_jsonl, torchrun
-from megatron_pec.testing.cluster import run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,21 +44,42 @@ def test_deepseek_v3_expert_topology_saves_restores_and_exports(tmp_path, shm_di
     assert {"slot", "agreement", "copy", "plan", "metadata"} <= set(phases), phases
     assert 0.5 * resumed[0]["save_blocking_s"] < sum(phases.values()) <= resumed[0]["save_blocking_s"]
 
-    inspected = run_megatron_pec("inspect", ckpt, "--json")
+    # The four commands only read the checkpoint (each export writes its own directory) and each is one
+    # single-threaded process: run side by side, the cores share them.
+    inspected, verified, exported, exported_2 = megatron_pec_together(
+        ("inspect", ckpt, "--json"), ("verify", ckpt), ("export", ckpt, tmp_path / "hf"),
+        ("export", ckpt, tmp_path / "hf2", "--iteration", "2"))
     assert inspected.returncode == 0, inspected.stderr
     iterations = {e["iteration"]: e for e in json.loads(inspected.stdout)["iterations"]}
     assert iterations[3]["committed"] and iterations[3]["persist_k"] == 4
     assert len(iterations[3]["expert_versions"]) == 58 * 256
-    verified = run_megatron_pec("verify", ckpt)
     assert verified.returncode == 0, verified.stdout
-    exported = run_megatron_pec("export", ckpt, tmp_path / "hf", timeout=300)
     assert exported.returncode == 0, exported.stderr
     summary = json.loads((tmp_path / "hf" / "pec_export.json").read_text())
     assert summary["iteration"] == 3 and len(summary["expert_versions"]) == 58 * 256
     # Persist K = 4 of 256 per layer, but training ended at 3: the end saved every expert at 3 once more.
     assert summary["experts_older_than_iteration"] == 0
     # Iteration 2, persisted with K = 4 before the kill: most experts come from older versions, as recorded.
-    exported = run_megatron_pec("export", ckpt, tmp_path / "hf2", "--iteration", "2", timeout=300)
-    assert exported.returncode == 0, exported.stderr
+    assert exported_2.returncode == 0, exported_2.stderr
     summary = json.loads((tmp_path / "hf2" / "pec_export.json").read_text())
     assert summary["iteration"] == 2 and summary["experts_older_than_iteration"] >= 58 * (256 - 2 * 4)
+
+
+def megatron_pec_together(*commands: tuple, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """``python -m megatron_pec ARGS`` for each of ``commands``, all started at once; their results, in order
+    (output through files: a pipe nobody reads yet would stall a command that prints much)."""
+    with ExitStack() as stack:
+        started = []
+        for args in commands:
+            out, err = (stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            proc = subprocess.Popen([sys.executable, "-m", "megatron_pec", *map(str, args)], cwd=REPO, stdout=out,
+                                    stderr=err, text=True)
+            stack.callback(lambda p=proc: p.poll() is None and (p.kill(), p.wait()))  # (a failed wait: no orphans)
+            started.append((proc, out, err))
+        results = []
+        for proc, out, err in started:
+            proc.wait(timeout=timeout)
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
+        return results
