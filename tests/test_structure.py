@@ -363,3 +363,34 @@ def test_the_step_check_sees_a_drifted_name_and_a_step_that_does_not_exist():
     assert drifted_steps('"""Save step 4, notify: ...', steps) == ["save step 4-4 'notify' (design: 'describe and "
                                                                    "hand over')"]
     assert drifted_steps("(load step 9)", steps) == ["load step 9-9 None (design: None)"]
+
+
+def protocol_members(path: Path, protocol: str) -> set[str]:
+    """The attributes and methods the ``Protocol`` class ``protocol`` in ``path`` declares."""
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == protocol]
+    return {n.target.id if isinstance(n, ast.AnnAssign) else n.name for n in cls.body
+            if isinstance(n, (ast.AnnAssign, ast.FunctionDef))}
+
+
+def class_members(path: Path, name: str) -> set[str]:
+    """What instances of class ``name`` in ``path`` have: its methods and properties, and what its methods
+    assign to ``self``."""
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assigned = {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                for t in ([t] if not isinstance(t, ast.Tuple) else t.elts)
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return methods | assigned
+
+
+def test_the_megatron_adapter_is_what_a_save_and_a_restore_are_typed_by():
+    """The save and the restore each type the adapter by a protocol of what they use of it; the Megatron
+    adapter has every member of both (a new use must be declared where it is used)."""
+    adapter = class_members(PACKAGE / "megatron" / "adapter.py", "MegatronAdapter")
+    for path, protocol in ((PACKAGE / "save" / "save.py", "SaveAdapter"),
+                           (PACKAGE / "restore" / "restore.py", "RestoreAdapter")):
+        members = protocol_members(path, protocol)
+        assert members and members <= adapter, (protocol, sorted(members - adapter))

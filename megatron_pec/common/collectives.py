@@ -23,6 +23,13 @@ class Collectives:
         self.group = group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self._first = None  # what each collective waits for first (``first_wait_for``)
+
+    def first_wait_for(self, wait) -> None:
+        """Every collective calls ``wait()`` before it starts: the saver's hand-over thread makes a save's
+        all-reduce (``save/saver.py``), and every rank must make its collectives in the same order, so one
+        the training thread makes waits for the hand-over's (``wait`` returns at once on that thread)."""
+        self._first = wait
 
     @classmethod
     def over_all_ranks(cls) -> "Collectives":
@@ -37,6 +44,7 @@ class Collectives:
         """``reduce`` of non-empty ``values`` (a list, or an int64 tensor reduced in place) started in
         the background; ``result()`` (or ``reduced()``, the tensor) waits for it."""
         tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+        self._in_order()
         if self.world_size == 1:  # (nothing to agree on: one rank's values are the result)
             return PendingReduce(None, tensor)
         return PendingReduce(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True), tensor)
@@ -48,8 +56,13 @@ class Collectives:
         mine = torch.full((width,), pad, dtype=torch.int64)
         mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._in_order()
         dist.all_gather(every, mine, group=self.group)
         return [t.tolist() for t in every]
+
+    def _in_order(self) -> None:
+        if self._first is not None:
+            self._first()
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank iff ``ok`` on every rank."""

@@ -50,11 +50,34 @@ class TokenCounter:
             handle.remove()
         self._hooks = []
 
-    def take(self) -> torch.Tensor:
-        """This rank's counts since the last call, one row per layer of ``layers`` (int64, on the CPU:
-        a [0, 0] tensor without MoE layers); resets them. Two device operations whatever the layers."""
+    def take(self) -> "TakenCounts":
+        """This rank's counts since the last call, one row per layer of ``layers`` (int64; a [0, 0] tensor
+        without MoE layers), on their way to the host; resets them. A save calls it on the training thread,
+        which must not wait for the device: on a GPU the counts travel by a non-blocking copy into
+        page-locked memory, behind the step that counted them, and ``TakenCounts.wait`` (the hand-over
+        thread's, where the plan needs no counts) waits for that copy alone. Three device operations
+        whatever the layers."""
         if self._table is None:
-            return torch.zeros(0, 0, dtype=torch.int64)
-        local = self._table.cpu() if self._table.device.type != "cpu" else self._table.clone()
-        self._table.zero_()
-        return local
+            return TakenCounts(torch.zeros(0, 0, dtype=torch.int64))
+        if self._table.device.type == "cpu":
+            local = self._table.clone()
+            self._table.zero_()
+            return TakenCounts(local)
+        host = torch.empty(self._table.shape, dtype=self._table.dtype, pin_memory=True)
+        host.copy_(self._table, non_blocking=True)
+        self._table.zero_()  # (on the same stream: after the copy read it)
+        landed = torch.cuda.Event(blocking=True)  # (a wait sleeps: no spinning core)
+        landed.record()
+        return TakenCounts(host, landed)
+
+
+class TakenCounts:
+    """Token counts taken from the device (``TokenCounter.take``): ``wait()`` gives them, on the host."""
+
+    def __init__(self, host: torch.Tensor, landed=None):
+        self._host, self._landed = host, landed
+
+    def wait(self) -> torch.Tensor:
+        if self._landed is not None:
+            self._landed.synchronize()
+        return self._host

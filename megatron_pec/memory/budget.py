@@ -5,7 +5,7 @@ expert regions: one per expert the rank holds (each expert's newest version) plu
 snapshot writes. The spares follow the snapshot K: at K = all, one per expert (twice the state); at
 snapshot-K k, as many as the policy ever gives this rank in one snapshot - not three regions of every
 expert, most of them idle - but at least a quarter of its experts: a save of every expert (the first
-persist, a planned exit) goes through the spares in rounds (``engine.Save.write_in_rounds``), at most
+persist, a planned exit) goes through the spares in rounds (``save.Save.write_in_rounds``), at most
 ``ROUNDS`` of them.
 
 ``--pec-node-memory`` sets a hard budget for the node (a multiple of the node's state, ``1.5x``, or

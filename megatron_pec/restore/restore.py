@@ -9,13 +9,31 @@ Built from its parts (``RestoreParts``), not from the engine: a restore can run 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from megatron_pec.common import log
+from megatron_pec.common.collectives import Collectives
 from megatron_pec.common.phases import Phases
 from megatron_pec.config import PecConfig
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.store.checkpoint_dir import CheckpointDir
+
+
+class RestoreAdapter(Protocol):
+    """What a restore needs of the trainer (``megatron.adapter.MegatronAdapter``; the tests' stand-ins)."""
+
+    collectives: Collectives  # the loader's agreements
+    slices: list              # (``megatron.collect.Slice``) every slice this rank saves
+
+    def live_views(self) -> dict[str, torch.Tensor]: ...
+
+    def restore(self, small: dict, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
+                load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None) -> None: ...
+
+    def iteration_after_load(self, iteration: int, finetune: bool) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -24,7 +42,7 @@ class RestoreParts:
 
     job: JobFacts
     config: PecConfig
-    adapter: object          # ``megatron.adapter.MegatronAdapter``: the restore goes into Megatron through it
+    adapter: RestoreAdapter  # the restore goes into Megatron through it
     book: object             # ``save.pec_book.PecBook``: the PEC bookkeeping adopts the restored state
     history: object          # ``save.save_history.SaveHistory``: what was restored, for the next saves
     session: object          # ``agent.session.AgentSession``: the new timeline, told to the agent

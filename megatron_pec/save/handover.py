@@ -37,20 +37,38 @@ class PendingSnapshot:
     known_sums: dict = field(default_factory=dict)  # checksums of items earlier rounds wrote (every expert in rounds)
 
 
+@dataclass(frozen=True)
+class AgreedLater:
+    """A save whose copies are enqueued and whose agreement's result the hand-over reads (``Save.take``'s
+    ``agree_later``): then it is described, or skipped."""
+
+    save: object                     # ``save.Save``
+    staged: StagedCopy | None        # None: nothing was copied (this rank had no slot)
+    small: Captured
+    generation: str
+
+    @property
+    def iteration(self) -> int:
+        return self.save.iteration
+
+
 class HandOver:
     def __init__(self, complete: Callable[[PendingSnapshot], None]):
         self._complete = complete
         self._latest: PendingSnapshot | None = None  # the newest one submitted (its copies guard the next step)
         self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._watch, name="megatron-pec hand-over", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="megatron-pec hand-over", daemon=True)
+        self._thread.start()
 
     def submit(self, pending: PendingSnapshot) -> None:
         self._latest = pending
         self._queue.put(pending)
 
     def wait(self) -> None:
-        """Until every submitted snapshot is complete."""
-        self._queue.join()
+        """Until every submitted snapshot is complete (on the hand-over thread itself: at once, its work is
+        in order by construction)."""
+        if threading.current_thread() is not self._thread:
+            self._queue.join()
 
     def before_step(self, stream) -> None:
         """The optimizer step about to run (on ``stream``; None: CPU ranks) must not change what is still
@@ -59,14 +77,15 @@ class HandOver:
             return
         if stream is None:
             self.wait()
-        else:
+        elif self._latest.staged is not None:
             self._latest.staged.before(stream)
 
     def _watch(self) -> None:
         while True:
             pending = self._queue.get()
             try:
-                pending.staged.wait()  # (releases the GIL: training goes on meanwhile)
+                if pending.staged is not None:
+                    pending.staged.wait()  # (releases the GIL: training goes on meanwhile)
                 self._complete(pending)
             except Exception as exc:  # that snapshot is lost, not the ones after it
                 log.warning(f"the snapshot of iteration {pending.iteration} could not be handed to the node agent: "

@@ -39,7 +39,7 @@ class PecBook:
 
     def _clamp(self) -> None:
         # Only the snapshot K: a persistent save keeps the asked persist-K (every expert at K = all), whatever
-        # node memory takes at once - it goes through the spares in rounds (``engine.Save.write_in_rounds``).
+        # node memory takes at once - it goes through the spares in rounds (``save.Save.write_in_rounds``).
         if self.max_k is not None and self.state.snapshot.k > self.max_k:
             self.state.set_k(self.max_k, self.state.persist.k)
 

@@ -60,7 +60,8 @@ class StagedCopy:
 
     def __init__(self, enqueued: Future | None = None, over_regions=None):
         self._enqueued = enqueued
-        self._over_regions = over_regions  # (CPU) [(mapping, header, item)]: sums computed over node memory
+        # (CPU) a function giving [(mapping, header, item)]: sums computed over node memory, by whoever asks
+        self._over_regions = over_regions
 
     def _event(self):
         return None if self._enqueued is None else self._enqueued.result()[0]
@@ -84,7 +85,7 @@ class StagedCopy:
         if self._enqueued is not None:
             return self._enqueued.result()[1].digests()
         out = {}
-        for mapping, header, item in self._over_regions or ():
+        for mapping, header, item in self._over_regions() if self._over_regions else ():
             out.update(item_sums(mapping, header, {item}))
         return out
 
@@ -138,10 +139,10 @@ class Staging:
         """The copies started; on the GPU also the sums of every item copied, in one launch behind them (with
         the kernel: the launch that copies them)."""
         stager = self.stager
-        if stager.stream is None:
-            files = stager.files
-            return StagedCopy(over_regions=[(files.mapping(slot), files.item_header(slot, item), item)
-                                            for item, slot in self.placed.items()])
+        if stager.stream is None:  # (the items' headers read by the hand-over thread, not the training thread)
+            files, placed = stager.files, dict(self.placed)
+            return StagedCopy(over_regions=lambda: [(files.mapping(slot), files.item_header(slot, item), item)
+                                                    for item, slot in placed.items()])
         landed = stager.landed(self.placed, self.live)  # (host runs: summed over their copies in node memory)
         with torch.no_grad(), torch.cuda.stream(stager.stream):  # (a new binding's table uploads on it, first)
             sums = stager.sums(self.live)

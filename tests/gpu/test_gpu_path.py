@@ -171,3 +171,19 @@ def test_the_example_snapshots_every_iteration_and_restores_from_memory_on_the_g
     assert "restored iteration 10 from memory" in out and "checked where they landed" in out, out[-4000:]
     losses = [json.loads(line) for line in open(tmp_path / "b.jsonl") if "lm loss" in line]
     assert losses and losses[0]["iteration"] == 11
+
+
+def test_token_counts_reach_the_host_without_the_training_thread_waiting():
+    """``TokenCounter.take`` on a device table: a non-blocking copy into page-locked memory behind the step
+    that counted (the training thread does not wait), the table reset after it, the counts exact."""
+    from megatron_pec.megatron.tokens import TokenCounter
+
+    counter = TokenCounter([])
+    counter._table = torch.zeros(3, 4, dtype=torch.int64, device="cuda")
+    counter._table += torch.arange(12, device="cuda").reshape(3, 4)
+    taken = counter.take()
+    counter._table += 1  # (the next step's counts: after the copy, on the same stream)
+    counts = taken.wait()
+    assert counts.is_pinned() and counts.device.type == "cpu"
+    assert counts.tolist() == torch.arange(12).reshape(3, 4).tolist()
+    assert counter.take().wait().tolist() == [[1] * 4] * 3

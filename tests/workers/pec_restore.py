@@ -25,6 +25,7 @@ def train(args, model, optimizer, scheduler, data, first, last, save=True):
         args.consumed_train_samples += args.global_batch_size
         if save:
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 4 != 0)
+            api.current_engine().wait_for_saves()  # (the hand-over records the save once agreed)
             history[i] = {k: v.clone() for k, v in collect.live_views(api.current_engine().adapter.slices, optimizer).items()}
             tokens[i] = dict(api.current_engine().book.cumulative)
             snapshot_versions[i] = {item_name(e): v for e, v in api.current_engine().book.state.snapshot.saved_at.items()}

@@ -16,7 +16,7 @@ def main():
     args, model, optimizer, scheduler, data_from = setup(["--train-iters", "20"] + sys.argv[1:])
     counter = TokenCounter(model)
     train(args, model, optimizer, scheduler, data_from(0), STEPS)
-    counts = counter.take().tolist()
+    counts = counter.take().wait().tolist()
     routed = STEPS * args.global_batch_size // args.data_parallel_size * args.seq_length * args.moe_router_topk
     report("token_counts", {"counts": counts, "routed_per_layer": routed})
     torch.distributed.barrier()
