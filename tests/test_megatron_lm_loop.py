@@ -95,15 +95,30 @@ def lose_node_memory(shm: Path) -> None:
     shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """``uninterrupted(tree)``: the losses of ``tree``'s uninterrupted run of ``MODEL`` (no checkpointing), run
+    once per release for the module (trees are keyed by their name, ``Megatron-LM-<tag>``): every test that
+    holds a resume to it runs the same command on a patched tree of the same release."""
+    runs: dict[str, dict[int, float]] = {}
+
+    def losses_of(tree: Path) -> dict[int, float]:
+        if tree.name not in runs:
+            code, log = pretrain(tree)
+            assert code == 0, log[-4000:]
+            runs[tree.name] = losses(log)
+        return runs[tree.name]
+
+    return losses_of
+
+
+def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, uninterrupted, tmp_path):
     shm = Path("/dev/shm") / f"pec-mlm-{os.getpid()}-{tmp_path.name[-12:]}"
     save = tmp_path / "checkpoints"
     ckpt = ["--save", str(save), "--load", str(save), "--save-interval", "4", "--non-persistent-save-interval", "1",
             "--pec-shm-dir", str(shm), "--pec-job-id", "mlm"]
     try:
-        code, log = pretrain(patched_tree)
-        assert code == 0, log[-4000:]
-        reference = losses(log)
+        reference = uninterrupted(patched_tree)
         assert sorted(reference) == list(range(1, 11))
 
         code, log = pretrain(patched_tree, *ckpt, "--exit-interval", "3")
@@ -137,7 +152,7 @@ def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, tmp_path):
 @pytest.fixture
 def newest_tree(tmp_path) -> Path:
     """The newest supported release, patched (one release is enough for what the example covers too)."""
-    tree = megatron_lm.copy_tree(megatron_lm.NEWEST, tmp_path / "Megatron-LM-newest")
+    tree = megatron_lm.copy_tree(megatron_lm.NEWEST, tmp_path / f"Megatron-LM-{megatron_lm.NEWEST}")
     if tree is None:
         pytest.skip(f"no archive of {megatron_lm.NEWEST} in {[str(d) for d in megatron_lm.archive_dirs()]}")
     applied = subprocess.run([str(REPO / "patches" / "apply.sh"), str(tree)], capture_output=True, text=True)
@@ -145,7 +160,7 @@ def newest_tree(tmp_path) -> Path:
     return tree
 
 
-def test_megatron_lm_planned_exit_under_pec_loses_nothing(newest_tree, tmp_path):
+def test_megatron_lm_planned_exit_under_pec_loses_nothing(newest_tree, uninterrupted, tmp_path):
     """Issue 29: snapshot-K 2 of 4, persist-K 1, Megatron's --exit-interval 7 between persists (every 4):
     at the clean exit the trainers save iteration 7 once more with every expert and the agents commit it,
     so the restart restores 7 with PLT 0.0000% and every later loss equals the uninterrupted run's."""
@@ -154,9 +169,7 @@ def test_megatron_lm_planned_exit_under_pec_loses_nothing(newest_tree, tmp_path)
     ckpt = ["--save", str(save), "--load", str(save), "--save-interval", "4", "--non-persistent-save-interval", "1",
             "--pec-shm-dir", str(shm), "--pec-job-id", "mlmexit", "--pec-snapshot-k", "2", "--pec-persist-k", "1"]
     try:
-        code, log = pretrain(newest_tree)
-        assert code == 0, log[-4000:]
-        reference = losses(log)
+        reference = uninterrupted(newest_tree)
         code, log = pretrain(newest_tree, *ckpt, "--exit-interval", "7")
         assert code == 0 and "exiting program at iteration 7" in log, log[-4000:]
         assert "iteration 7 saved once more with every expert" in log, log[-4000:]
