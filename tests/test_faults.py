@@ -15,7 +15,10 @@ node, EP=2, DP=2, one node agent and one node-memory directory per node) with
 * a clear message names what happened, and nothing hangs (every wait is bounded).
 
 Checks are combined per launch where they do not interfere (each torchrun launch
-costs ~10 s on 2 cores). The random campaign is ``python -m megatron_pec.testing.campaign``;
+costs ~10 s on 2 cores). The scenarios, the checks and the reference run are the fault campaign's
+(``megatron_pec.testing.fault_scenarios``), written once: a test that does what a campaign scenario does
+runs that scenario with a fixed spec; the others use its checks (``check_sound``, ``Reference.check_losses``,
+``relaunch``, ...) in their own sequences. The random campaign is ``python -m megatron_pec.testing.campaign``;
 its pytest entry is marked ``campaign``.
 """
 
@@ -41,12 +44,18 @@ from megatron_pec.format.protocol import SlotHeader
 from megatron_pec.memory.slots import open_slot
 from megatron_pec.format.stformat import decode_header
 from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, agent_logs, parse_plt, persist_only_plt, run_megatron_pec
+# The scenarios, checks and reference run the campaign uses, written once (``held``, ``wait_held`` and
+# ``with_flag`` are also imported from here by tests/test_object_store.py).
+from megatron_pec.testing.fault_scenarios import (FULL, FULL_ITERS, SCENARIOS, Bench, Reference, can_mount,
+                                                  check_nothing_redone, check_sound, committed, flip_bits, held,
+                                                  iteration_files, relaunch, replica_path, tracker, wait_held,
+                                                  with_flag)
 
 pytestmark = pytest.mark.multiprocess
 
-ITERS = 12
-# Every expert saved; a memory snapshot every iteration, a persisted checkpoint every 2; nothing deleted.
-FULL = ["--train-iters", str(ITERS), "--save-interval", "2", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
+ITERS = FULL_ITERS
+# FULL (fault_scenarios): every expert saved; a memory snapshot every iteration, a persisted checkpoint
+# every 2; nothing deleted.
 # PEC: 4 of 8 experts per layer to memory every 2 iterations, 1 of them persisted every 4.
 PEC = ["--train-iters", "16", "--save-interval", "4", "--non-persistent-save-interval", "2",
              "--pec-snapshot-k", "4", "--pec-persist-k", "1", "--pec-keep", "2"]
@@ -78,90 +87,16 @@ def clusters(shm_root):
         c.close()
 
 
-class Reference:
-    """The uninterrupted run every other run is compared with."""
-
-    def __init__(self, cluster: Cluster, archive: Path):
-        self.cluster, self.archive = cluster, archive
-        self.memory = cluster.workdir / "memory_archive"  # node<k>/ as the reference job left them
-        records = [r for r in cluster.metrics(1) if "lm loss" in r]
-        self.losses = {r["iteration"]: r["lm loss"] for r in records}
-        self.save_path = cluster.save   # moved to ``archive``; free for tests that need this exact path
-
-    def assert_same_losses(self, cluster: Cluster, launches=None) -> int:
-        """Every loss any launch logged equals the reference's at that iteration; returns how many."""
-        checked = 0
-        for launch in launches or range(1, cluster.launches + 1):
-            for r in cluster.metrics(launch):
-                if "lm loss" in r:
-                    assert r["lm loss"] == self.losses[r["iteration"]], (
-                        f"launch {launch} iteration {r['iteration']}: loss {r['lm loss']!r} != reference "
-                        f"{self.losses[r['iteration']]!r}: the resumed state differs from the saved one")
-                    checked += 1
-        return checked
-
-
 @pytest.fixture(scope="module")
-def reference(clusters, tmp_path_factory) -> Reference:
-    c = clusters(tmp_path_factory.mktemp("reference"), "fref")
-    c.launch(FULL + ["--pec-keep-shm"])
-    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
-    assert sorted(checkpoints(c.save).committed_iterations()) == list(range(2, ITERS + 1, 2))
-    c.wait_agents_exited()
-    archive = c.workdir / "checkpoints_archive"
-    shutil.move(str(c.save), archive)
-    c.close(keep_memory=True)
-    for node in (0, 1):  # its slots (iterations 10-12): stale node memory for later tests
-        shutil.copytree(c.node_dir(node), c.workdir / "memory_archive" / f"node{node}")
-    ref = Reference(c, archive)
-    assert sorted(ref.losses) == list(range(1, ITERS + 1))
-    return ref
-
-
-def committed(root) -> list[int]:
-    return sorted(checkpoints(root).committed_iterations())
-
-
-def tracker(root) -> str | None:
-    return checkpoints(root).read_tracker()
-
-
-def assert_sound(root) -> None:
-    """Invariant 1: every committed iteration verifies and the tracker names a committed iteration."""
-    result = run_megatron_pec("verify", root)
-    assert result.returncode == 0, result.stdout + result.stderr
-    names = tracker(root)
-    assert names is None or int(names) in committed(root), f"tracker names {names}, committed: {committed(root)}"
+def reference(shm_root, tmp_path_factory) -> Reference:
+    """The campaign's uninterrupted reference run (``FULL``, job 'fref'), its node memory kept: the slots of
+    iterations 10-12 are stale node memory for later tests."""
+    return Reference.run(tmp_path_factory.mktemp("reference"), shm_root, "fref", PRETRAIN, keep_memory=True)
 
 
 def no_worker_traceback(text: str) -> bool:
     """No training process printed a traceback (torch prefixes their uncaught exceptions with [rankN]:)."""
     return re.search(r"^\[rank\d+\]: Traceback", text, re.M) is None
-
-
-def held(node: int, after: int, restored_at: int = 0, faults: dict[int, str] | None = None,
-         node_env: dict[int, dict[str, str]] | None = None) -> dict:
-    """``Cluster.launch`` arguments that hold ``node``'s rank (one rank a node) in its optimizer step after
-    iteration ``after`` until the node is lost (a stall of 120 s), so that a loss comes after ``after``
-    however fast the machine is. ``restored_at``: the iteration the launch resumes from (its steps are
-    counted from there); ``faults`` and ``node_env``: the launch's others, none on ``node``. Wait for it
-    with ``wait_held``."""
-    faults, node_env = dict(faults or {}), {n: dict(e) for n, e in (node_env or {}).items()}
-    assert node not in faults, "a held node carries no other fault"
-    faults[node] = f"optimizer_step=stall@{after + 1 - restored_at}:{node}"
-    # (the node's one trainer is the only process reaching the point: it stalls whatever earlier launches
-    # of the cluster fired)
-    node_env.setdefault(node, {}).update(MEGATRON_PEC_FAULT_STALL_S="120", MEGATRON_PEC_FAULT_ONCE="")
-    return {"faults": faults, "node_env": node_env}
-
-
-def wait_held(c: Cluster, node: int) -> None:
-    c.wait_log("fault injection: stall at optimizer_step", node=node, timeout=LAUNCH_TIMEOUT)
-
-
-def with_flag(args: list[str], flag: str, value: str) -> list[str]:
-    i = args.index(flag)
-    return args[:i + 1] + [value] + args[i + 2:]
 
 
 # ---- invariant 5: trainer SIGKILL, agent alive -> resume from node memory --------------------------
@@ -207,8 +142,8 @@ def test_trainer_sigkill_around_snapshot_and_in_optimizer_step(clusters, referen
         lost = reached[launch - 1] - expected
         assert 0 <= lost <= 1, f"launch {launch - 1} reached {reached[launch - 1]}, restored {expected}"
     assert c.iteration() == ITERS
-    assert reference.assert_same_losses(c) == 3 + 2 + 2 + 5
-    assert_sound(c.save)
+    assert reference.check_losses(c) == 3 + 2 + 2 + 5
+    check_sound(c.save)
     assert committed(c.save)[-1] == ITERS and tracker(c.save) == str(ITERS)
     # 3, 5 and 7 were memory snapshots only; restored from memory, the agents persisted them.
     assert {3, 5, 7} <= set(committed(c.save)), committed(c.save)
@@ -255,7 +190,7 @@ def test_pec_trainer_kill_before_the_first_commit_restores_every_expert_from_mem
     plt = parse_plt(c.log(0, 2))
     assert plt is not None and plt > 0
     assert c.iteration() == 10
-    assert_sound(c.save)
+    check_sound(c.save)
 
 
 # ---- invariant 6: agent SIGKILL -> training continues, a new agent starts, nothing torn visible -----
@@ -298,7 +233,7 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
         assert f"fault injection: kill at {point}" in faults, faults
     # Training never stopped and its numerics were untouched.
     assert c.iteration() == ITERS
-    assert reference.assert_same_losses(c) == ITERS
+    assert reference.check_losses(c) == ITERS
     # Each node warned and moved to a new agent, with a new pid in agent.pid.
     for node, kills in ((0, 2), (1, 1)):
         log = c.log(node)
@@ -318,7 +253,7 @@ def test_agent_sigkill_idle_mid_persist_before_manifest_and_tracker(clusters, re
     between = int(re.search(r"kill at before_tracker \{'iteration': (\d+)\}", faults).group(1))
     must = {between, ITERS} | ({persisted} if persisted % 2 == 0 else set())
     assert must <= set(committed(c.save)), (must, committed(c.save))
-    assert_sound(c.save)
+    check_sound(c.save)
     assert tracker(c.save) == str(ITERS)
 
 
@@ -376,7 +311,7 @@ def test_snapshots_of_an_abandoned_run_are_never_restored(clusters, tmp_path):
     assert not from_abandoned, (f"rank 1 restored experts from snapshot(s) {sorted(from_abandoned)} of the run "
                                 f"abandoned at the restore to 4: {restores[1].older}")
     assert not abandoned, f"snapshots {sorted(abandoned)} of an abandoned run were still restorable"
-    assert_sound(c.save)
+    check_sound(c.save)
 
 
 # ---- invariant 7: node loss -> its ranks from a replica in peer memory, the others from their own ----
@@ -423,7 +358,7 @@ def test_node_loss_with_pec_restores_every_expert_at_its_snapshot_version(cluste
     assert plt is not None, c.log(0, 2)
     assert 0 < plt < storage_plt, (plt, storage_plt)
     assert c.iteration() == 16
-    assert_sound(c.save)
+    check_sound(c.save)
 
 
 def lose_node_1_and_restore_from_its_replica(c: Cluster) -> tuple[int, int]:
@@ -455,8 +390,8 @@ def test_replica_holder_killed_mid_transfer_then_the_node_is_lost(clusters, refe
                "node 0's agent killed mid-transfer")
     lose_node_1_and_restore_from_its_replica(c)
     assert "connected to a new node agent" in c.log(0, 1)
-    assert reference.assert_same_losses(c) >= ITERS
-    assert_sound(c.save)
+    assert reference.check_losses(c) >= ITERS
+    check_sound(c.save)
 
 
 def test_three_nodes_the_replica_lives_outside_the_lost_nodes_failure_domain(clusters, tmp_path):
@@ -485,17 +420,7 @@ def test_three_nodes_the_replica_lives_outside_the_lost_nodes_failure_domain(clu
     assert "replica(s) of node 0's snapshots go to node(s) [2]" in (c.node_dir(0) / "agent.log").read_text()
     replayed = {r["iteration"]: r["lm loss"] for r in c.metrics(2) if "lm loss" in r and r["iteration"] in first}
     assert replayed and all(first[i] == loss for i, loss in replayed.items()), (first, replayed)
-    assert_sound(c.save)
-
-
-def _replica_file(c: Cluster, holder: int, node: int, rank: int) -> Path:
-    from megatron_pec.agent.replica_transport import INDEX
-    from megatron_pec.memory.node_files import REPLICAS
-    from megatron_pec.format.protocol import ReplicaIndex
-
-    directory = c.node_dir(holder) / REPLICAS
-    assert f"{node}.{rank}" in ReplicaIndex.loads((directory / INDEX).read_bytes()).entries
-    return directory / f"node{node}.rank{rank}.replica"
+    check_sound(c.save)
 
 
 def test_a_damaged_replica_or_the_loss_of_every_copy_falls_back_to_storage(clusters, reference, tmp_path):
@@ -508,12 +433,9 @@ def test_a_damaged_replica_or_the_loss_of_every_copy_falls_back_to_storage(clust
     wait_held(c, 1)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
-    replica = _replica_file(c, 0, 1, 1)
-    with open(replica, "r+b") as f:
-        f.seek(-9, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-9, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0x04]))
+    replica = replica_path(c, 0, 1, 1)
+    assert replica is not None, "node 0 holds no replica of node 1"
+    flip_bits(replica, -9, 0x04)
     stored = committed(c.save)[-1]
 
     c.launch(FULL, **held(0, after=10, restored_at=stored))
@@ -531,13 +453,13 @@ def test_a_damaged_replica_or_the_loss_of_every_copy_falls_back_to_storage(clust
     restores = c.restores(3)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (stored, "storage"),
                                                                            1: (stored, "storage")}, restores
-    assert reference.assert_same_losses(c) > ITERS
-    assert_sound(c.save)
+    assert reference.check_losses(c) > ITERS
+    check_sound(c.save)
 
 
 # Persisted every 5 iterations, a memory snapshot every iteration: more than three snapshots between two
 # commits, so a three-slot ring alone would have recycled the committed iteration's slot.
-RARE = ["--train-iters", str(ITERS), "--save-interval", "5", "--non-persistent-save-interval", "1", "--pec-keep", "0"]
+RARE = with_flag(FULL, "--save-interval", "5")
 
 
 def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whatever_the_intervals(
@@ -549,6 +471,8 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
     no_replicas = RARE + ["--pec-replicas", "0"]  # the lost node then has storage only
     c.launch(no_replicas, **held(1, after=8))
     wait_held(c, 1)
+    # (node 1's agent persists 5 while its trainer runs on to the hold: on a loaded machine it may lag)
+    c.wait_file(checkpoints(c.save).manifest_path(5), timeout=LAUNCH_TIMEOUT)
     c.lose_node(1)
     assert c.wait_exit(60, nodes=[0])[0] != 0
     assert committed(c.save) == [5]
@@ -557,8 +481,8 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(2)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (5, "memory"), 1: (5, "storage")}
-    assert reference.assert_same_losses(c, launches=[2]) == ITERS - 5
-    assert_sound(c.save)
+    assert reference.check_losses(c, launches=[2]) == ITERS - 5
+    check_sound(c.save)
 
 
 def test_a_finished_job_relaunched_restores_its_last_iteration_whole_every_time(clusters, tmp_path):
@@ -573,39 +497,30 @@ def test_a_finished_job_relaunched_restores_its_last_iteration_whole_every_time(
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     c.wait_agents_exited()
     assert committed(c.save)[-1] == 24 and set(checkpoints(c.save).read_manifest(24).experts.values()) == {24}
-    assert_sound(c.save)
-    files = {p: p.stat().st_mtime_ns for p in (c.save / "iter_0000024" / "pec").iterdir()}
-    for launch, args in ((2, job), (3, with_flag(with_flag(job, "--pec-snapshot-k", "4"), "--pec-persist-k", "2"))):
-        c.launch(args)
-        assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs(launch)
-        c.wait_agents_exited()
-        restores = c.restores(launch)
-        assert {r: (x.iteration, x.source, x.older) for r, x in restores.items()} == {0: (24, "storage", {}),
-                                                                                     1: (24, "storage", {})}
-        assert parse_plt(c.log(0, launch)) == 0.0
-        assert_sound(c.save)
-        assert {p: p.stat().st_mtime_ns for p in (c.save / "iter_0000024" / "pec").iterdir()} == files
-        assert not [r for r in c.metrics(launch) if "lm loss" in r]  # nothing left to train
+    check_sound(c.save)
+    files = iteration_files(c.save, 24)
+    for args in (job, with_flag(with_flag(job, "--pec-snapshot-k", "4"), "--pec-persist-k", "2")):
+        # the relaunch_finished scenario's checks: exit 0, every rank restores 24 whole from storage with
+        # PLT 0; nothing left to train, the files of 24 never written again
+        relaunch(c, args, 24, {})
+        check_nothing_redone(c, 24, files)
+        check_sound(c.save)
 
 
 def test_planned_exit_under_pec_loses_nothing(clusters, reference, tmp_path):
     """Issue 29: snapshot-K 2 / persist-K 1 and --exit-interval 7 between persists (every 5): the trainers
     save 7 once more with every expert before they detach, the restart restores 7 with PLT 0.0000% and
-    every later loss equals the uninterrupted run's."""
+    every later loss equals the uninterrupted run's. The campaign's ``planned_exit`` scenario, persists every 5
+    (``RARE``); it checks: both launches end cleanly, [5, 7] committed, 7 with every expert at 7; every rank
+    restores 7 whole from storage with PLT 0; training finishes; verify passes, the tracker names a commit,
+    every loss of both launches equals the reference's."""
     c = clusters(tmp_path, "fexitpec")
-    pec = ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]
-    c.launch(RARE + pec + ["--exit-interval", "7"])
-    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
-    assert "iteration 7 saved once more with every expert" in c.logs()
-    c.wait_agents_exited()
-    assert committed(c.save) == [5, 7] and set(checkpoints(c.save).read_manifest(7).experts.values()) == {7}
-    c.launch(RARE + pec)
-    assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
-    restores = c.restores(2)
-    assert {r: (x.iteration, x.older) for r, x in restores.items()} == {0: (7, {}), 1: (7, {})}
+    result: dict = {}
+    SCENARIOS["planned_exit"](Bench(reference, PRETRAIN), c, {"exit": 7, "k": 2, "save_interval": 5}, result)
+    assert c.launches == 2
+    assert result["fired"], "iteration 7 was not saved once more with every expert"
     assert "PLT 0.0000%" in c.log(0, 2)
-    assert reference.assert_same_losses(c) == 7 + ITERS - 7
-    assert_sound(c.save)
+    assert result["losses_compared"] == 7 + ITERS - 7
 
 
 def test_planned_exit_between_persists_loses_nothing(clusters, reference, tmp_path):
@@ -624,15 +539,15 @@ def test_planned_exit_between_persists_loses_nothing(clusters, reference, tmp_pa
             "planned exit: iteration 7 saved once more with every expert" in c.logs(), agent_logs(c)
         assert not list(c.node_dir(node).glob("rank*.slot*")), "a planned exit leaves no node memory behind"
     assert committed(c.save) == [5, 7] and tracker(c.save) == "7"
-    assert_sound(c.save)
+    check_sound(c.save)
 
     c.launch(RARE)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(2)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (7, "storage"), 1: (7, "storage")}
-    assert reference.assert_same_losses(c) == 7 + (ITERS - 7)
+    assert reference.check_losses(c) == 7 + (ITERS - 7)
     assert committed(c.save)[-1] == ITERS
-    assert_sound(c.save)
+    check_sound(c.save)
 
 
 def test_node_loss_lost_node_restores_from_its_replica_in_peer_memory(clusters, reference, tmp_path):
@@ -643,16 +558,12 @@ def test_node_loss_lost_node_restores_from_its_replica_in_peer_memory(clusters, 
     c.launch(FULL, **held(1, after=7))
     lost_at, target = lose_node_1_and_restore_from_its_replica(c)
     assert f"pulled iteration {target} from node 0's memory" in agent_logs(c)
-    assert reference.assert_same_losses(c) >= lost_at + ITERS - target
+    assert reference.check_losses(c) >= lost_at + ITERS - target
     assert target in committed(c.save), "the iteration restored from memory was persisted after the restart"
-    assert_sound(c.save)
+    check_sound(c.save)
 
 
 # ---- invariant 8: storage errors -> training continues, error reported, nothing partial latest ------
-def _can_mount() -> bool:
-    return os.geteuid() == 0 and shutil.which("mount") is not None
-
-
 def remount(path, mode: str, timeout: float = 30.0) -> None:
     """Remount the bind mount ``ro``/``rw``; "busy" while the agent still has a file open for
     writing, so retry until it has closed it (bounded)."""
@@ -670,7 +581,7 @@ def test_storage_enospc_eio_and_read_only_directory(clusters, reference, tmp_pat
     """ENOSPC (injected, mid-file) on node 0 and EIO (injected, before the rename) on node 1 at iteration
     2; later the checkpoint directory turns read-only for a while (a read-only bind mount). Replication
     keeps going meanwhile (its address was published before)."""
-    if not _can_mount():
+    if not can_mount():
         pytest.skip("needs root and mount(8) for a read-only bind mount of the checkpoint directory")
     store, ckpt = tmp_path / "store", tmp_path / "checkpoints"
     store.mkdir()
@@ -706,8 +617,8 @@ def test_storage_enospc_eio_and_read_only_directory(clusters, reference, tmp_pat
     assert not failed & set(committed(store)), (failed, committed(store))
     assert set(committed(store)) == set(range(2, ITERS + 1, 2)) - failed
     assert ITERS in committed(store) and tracker(store) == str(ITERS)
-    assert reference.assert_same_losses(c) == ITERS
-    assert_sound(store)
+    assert reference.check_losses(c) == ITERS
+    check_sound(store)
     leftovers = [p for p in store.rglob("*") if p.is_file() and ".safetensors" in p.name and ".tmp" in p.name]
     assert not leftovers, leftovers  # failed writes clean up their temporary files
 
@@ -724,11 +635,7 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
         c = clusters(root.parent / "corrupt", "fcorrupt", save=root)
         files = {i: checkpoints(root).read_manifest(i).ranks for i in (6, 8, 10, 12)}
         path = lambda i, r: root / files[i][str(r)].file  # noqa: E731
-        with open(path(12, 0), "r+b") as f:                  # a flipped byte in the tensor data
-            f.seek(-100, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x01]))
+        flip_bits(path(12, 0), -100, 0x01)                   # a flipped byte in the tensor data
         with open(path(10, 1), "r+b") as f:                  # a truncated rank file
             f.truncate(os.path.getsize(path(10, 1)) // 2)
         os.unlink(path(8, 0))                                # a deleted rank file
@@ -756,10 +663,10 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
         assert "names iteration 14, which has no valid manifest" in log
         assert log.count("falling back to an older checkpoint") >= 4
         assert no_worker_traceback(log)
-        assert reference.assert_same_losses(c) == ITERS - 4
+        assert reference.check_losses(c) == ITERS - 4
         # The abandoned iterations were written again from the restored state and committed whole.
         assert committed(c.save) == list(range(2, ITERS + 1, 2))
-        assert_sound(c.save)
+        check_sound(c.save)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -778,11 +685,7 @@ def test_a_byte_flipped_in_node_memory_is_caught_on_the_device_after_the_copy(cl
     path = c.node_dir(0) / f"rank0.slot{home}"
     _, header = open_slot(str(path))
     dense = next(e for e in header.tensors if e.item == "dense")
-    with open(path, "r+b") as f:  # a flipped byte in the dense state of iteration 6
-        f.seek(header.data_start + dense.begin + 40)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x04]))
+    flip_bits(path, header.data_start + dense.begin + 40, 0x04)  # a flipped byte in the dense state of iteration 6
     c.launch(FULL, env={"MEGATRON_PEC_CHECK_ON_DEVICE": "1"})
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     log = c.logs()
@@ -791,16 +694,16 @@ def test_a_byte_flipped_in_node_memory_is_caught_on_the_device_after_the_copy(cl
     restores = c.restores(2)
     assert {x.iteration for x in restores.values()} == {5} and {x.source for x in restores.values()} == {"memory"}
     assert log.count("from node memory checked where they landed") >= 2, log[-3000:]  # (each rank says so)
-    assert reference.assert_same_losses(c, launches=[2]) == ITERS - 5
+    assert reference.check_losses(c, launches=[2]) == ITERS - 5
     assert no_worker_traceback(log)
 
 
-def test_slots_of_same_job_with_other_configuration_are_never_loaded(clusters, reference, tmp_path):
+def test_slots_of_same_job_with_other_configuration_are_never_loaded(clusters, reference, shm_root, tmp_path):
     """The reference job's node memory (iterations 10-12, hidden size 64) met by the same job id with
     hidden size 32: nothing from memory may be restored."""
     # Same job id, same --load path as the slots record: only the configuration differs.
     c = clusters(tmp_path, "fref", model_args=with_flag(SMALL_MODEL, "--hidden-size", "32"),
-                 shm_dir=reference.cluster.shm_dir / "other_config", save=reference.save_path)
+                 shm_dir=shm_root / "other_config", save=reference.save_path)
     for node in (0, 1):
         shutil.copytree(reference.memory / f"node{node}", c.node_dir(node))
         assert NodeMemory.read(str(c.node_dir(node))).slots, "the reference run left no slot index"
@@ -815,7 +718,7 @@ def test_slots_of_same_job_with_other_configuration_are_never_loaded(clusters, r
 
 # ---- invariant 10: tmpfs too small -> clear error at start-up naming the size needed -----------------
 def test_tmpfs_too_small_fails_at_startup_with_the_size_needed(clusters, tmp_path):
-    if not _can_mount():
+    if not can_mount():
         pytest.skip("needs root and mount(8) to mount a 4 MiB tmpfs")
     tiny = tmp_path / "tiny_shm"
     tiny.mkdir()

@@ -36,33 +36,25 @@ from pathlib import Path
 
 from megatron_pec.testing import object_store_fault
 from megatron_pec.testing.cluster import Cluster, ClusterTimeout
-from megatron_pec.testing.fault_scenarios import (AGENT_POINTS, DAMAGE, DEFAULT_SCRIPT, FULL, FULL_ITERS,
-                                                  PEC_ITERS, PEC_SNAPSHOT_INTERVAL, SCENARIOS, TIMEOUT, TRAINER_POINTS,
-                                                  TYPES, Failure)
+from megatron_pec.testing.fault_scenarios import (AGENT_POINTS, DAMAGE, DEFAULT_SCRIPT, FULL_ITERS, PEC_ITERS,
+                                                  PEC_SNAPSHOT_INTERVAL, SCENARIOS, TRAINER_POINTS, TYPES, Bench,
+                                                  Failure, Reference, can_mount)
+
 
 class Campaign:
     def __init__(self, workdir: Path, shm: Path, seed: int, script: Path, keep_failed: bool = True):
         self.workdir, self.shm, self.rng, self.script = workdir, shm, random.Random(seed), script
         self.keep_failed = keep_failed
-        self.can_mount = os.geteuid() == 0 and shutil.which("mount") is not None
-        self.types = [t for t in TYPES if (t != "storage_full" or self.can_mount)  # (what this machine can run)
+        self.types = [t for t in TYPES if (t != "storage_full" or can_mount())  # (what this machine can run)
                       and (t != "object_store_crash" or object_store_fault.available())]
-        self.reference: dict[int, float] = {}
-        self.reference_ckpt: Path | None = None
+        self.bench: Bench | None = None  # (after ``prepare``)
 
     # ---- set-up ----------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """The uninterrupted reference run (losses, and a checkpoint directory to damage)."""
-        c = Cluster(self.workdir / "reference", self.shm, "fcref", script=self.script)
-        try:
-            c.launch(FULL)
-            codes = c.wait_exit(TIMEOUT)
-            if codes != {0: 0, 1: 0}:
-                raise RuntimeError(f"the reference run failed: {codes}\n{c.logs()[-4000:]}")
-            self.reference = {r["iteration"]: r["lm loss"] for r in c.metrics() if "lm loss" in r}
-            self.reference_ckpt = c.save
-        finally:
-            c.close()
+        """The uninterrupted reference run (losses, and a checkpoint directory to damage): the pytest fault
+        tests' reference too (``fault_scenarios.Reference``)."""
+        reference = Reference.run(self.workdir / "reference", self.shm, "fcref", self.script)
+        self.bench = Bench(reference, self.script, self.rng)  # (one generator: a seed replays draws and damage)
 
     def draw(self) -> dict:
         kind = self.rng.choice(self.types)
@@ -134,7 +126,7 @@ class Campaign:
         c = Cluster(workdir, self.shm, f"fc{index:04d}", save=workdir / "checkpoints", script=self.script)
         start = time.monotonic()
         try:
-            SCENARIOS[spec["type"]](self, c, spec, result)
+            SCENARIOS[spec["type"]](self.bench, c, spec, result)
             result["recovered"] = True
         except ClusterTimeout as exc:
             result["hang"], result["failure"] = True, f"hang: {str(exc).splitlines()[0]}"
