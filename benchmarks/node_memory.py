@@ -123,6 +123,9 @@ def pec_row(name: str, tree: Path, extra: list[str], workdir: Path, model: list[
                 dict(env, MEGATRON_PEC_FAULT=f"optimizer_step=kill@{kill}:0") if kill else env)
     row = {"skipped": len(set(re.findall(r"skipped the snapshot of iteration (\d+)", first))),
            **footprint(shm / job / "node0")}
+    files = rank_file_bytes(save)
+    if files:  # (against what storage keeps of a rank: its rank file of the newest persist, K=all's every expert)
+        row.update(rank_file_bytes=files, ratio_to_rank_file=row["bytes_per_rank"] / files)
     if "--pec-node-memory" in extra:
         row["budget"] = extra[extra.index("--pec-node-memory") + 1]
     whole = whole_persists(save) if saves else {}
@@ -141,6 +144,19 @@ def pec_row(name: str, tree: Path, extra: list[str], workdir: Path, model: list[
     shutil.rmtree(shm, ignore_errors=True)
     print(f"[node memory] {name}: {row} ({time.monotonic() - started:.0f} s)", flush=True)
     return row
+
+
+def rank_file_bytes(save: Path) -> float | None:
+    """The mean size of the ranks' files of the newest committed iteration under ``save`` (None: none)."""
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
+    from megatron_pec.store.storage import PosixStorage
+
+    checkpoints = CheckpointDir(str(save), PosixStorage())
+    committed = checkpoints.committed_iterations()
+    if not committed:
+        return None
+    sizes = [f.size for f in checkpoints.read_manifest(max(committed)).ranks.values()]
+    return sum(sizes) / len(sizes)
 
 
 def longest_blocking(paths: list[Path]) -> float:
@@ -293,12 +309,15 @@ def budget_table(out: dict) -> list[str]:
              "the job admits (what its refusal of `1x` names). Longest blocking: the longest any save held training, "
              "both launches (metrics file); persists whole: each committed persistent save holds every expert at its "
              "iteration (`inspect`).", "",
-             "| row | budget | node memory per rank ÷ state | longest save blocking (s) | skipped snapshots "
+             "| row | budget | node memory per rank ÷ state | ÷ its rank file (newest persist) "
+             "| longest save blocking (s) | skipped snapshots "
              "| snapshot-K held | persists whole | restored after the kill | iterations lost | PLT |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in out["rows"].items():
         whole = ", ".join(f"{i}: {'yes' if ok else 'NO'}" for i, ok in sorted(r["whole_persists"].items()))
-        lines.append(f"| {name} | {r.get('budget', 'none')} | {r['ratio']:.3f} | {r['longest_blocking_s']:.3f} | "
+        to_file = f"{r['ratio_to_rank_file']:.3f}" if r.get("ratio_to_rank_file") else "-"
+        lines.append(f"| {name} | {r.get('budget', 'none')} | {r['ratio']:.3f} | {to_file} | "
+                     f"{r['longest_blocking_s']:.3f} | "
                      f"{r['skipped']} | {r.get('implied_k') or 'as asked'} | {whole} | {r.get('restored') or '-'} | "
                      f"{r.get('lost_iterations', '-')} | {r['plt'] * 100:.2f}% |")
     return lines
