@@ -42,15 +42,19 @@ class Saver:
             # (a skipped save too: a clean exit right after it still saves this state, ``final_snapshot``)
             history.called(iteration, small_state.Captured(
                 parts.adapter.small_state(scheduler, iteration, flops, rng_key_prefix, data_iterator)))
-        generation = history.generation(iteration) if persistent else ""
         if save.why_not is None:
             faults.point("snapshot_end", iteration=iteration)
         if save.agreement_pending:  # (described, or skipped, once the hand-over has the agreement's result)
-            self.handover.submit(AgreedLater(save, save.finish(), history.small, generation))
+            self.handover.submit(AgreedLater(save, save.finish(), history.small, self._generation(save)))
         elif save.why_not is not None:
             self._skip(save)
         else:
-            self._hand_over(save, generation)
+            self._hand_over(save, self._generation(save))
+
+    def _generation(self, save: Save) -> str:
+        """A persistent save's generation (``manifest``; it marks the iteration held: a later persistent save
+        of it writes every expert), "" for a memory snapshot."""
+        return self.parts.history.generation(save.iteration) if save.persistent else ""
 
     def _hand_over(self, save: Save, generation: str) -> bool:
         """Save step 4, describe and hand over: the snapshot to the hand-over thread whole, or in rounds where
