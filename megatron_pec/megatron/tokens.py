@@ -3,9 +3,10 @@
 Installed once per model on every rank. The hook adds ``routing_map.sum(0)``
 (tokens routed to each global expert in this micro-batch) to a counter that
 stays on the router's device, so training never waits on it. At save time the
-engine sums every rank's counts in the one small all-reduce a save makes anyway
-(``Engine._start_agreement``), which makes them global and identical on every
-rank, and keeps the cumulative totals (PEC bookkeeping, not Megatron's).
+save sums every rank's counts in the one small all-reduce it makes anyway
+(``save.Save.start_agreement``: on the hand-over thread where the plan reads no counts),
+which makes them global and identical on every rank, and keeps the cumulative totals
+(PEC bookkeeping, not Megatron's).
 Evaluation passes (``module.training`` False) update no expert and are not counted.
 Activation recompute (``--recompute-*``, ``--moe-layer-recompute``) runs a layer's forward
 twice: first without autograd, again with it during the backward. Only forwards with
