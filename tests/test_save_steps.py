@@ -117,8 +117,12 @@ def parts(log, session=None, book=None, reduced=None) -> SaveParts:
     layout = SimpleNamespace(all_experts=lambda: EXPERTS)
     job = SimpleNamespace(held_items=lambda experts: {item_name(e) for e in experts}, expert_layout=layout,
                           fingerprint="f", save_root="/ck", rank=0, world_size=1)
-    collectives = SimpleNamespace(start_reduce=lambda values, op: SimpleNamespace(
-        reduced=lambda: (reduced or (lambda: None))() or values))
+    def result(values):
+        if reduced is not None:
+            reduced()
+        return values
+
+    collectives = SimpleNamespace(start_reduce=lambda values, op: SimpleNamespace(reduced=lambda: result(values)))
     def counts():  # (the thread that waits for the token counts to reach the host)
         log.append(("counts awaited", threading.current_thread() is threading.main_thread()))
 
@@ -197,7 +201,7 @@ def test_the_agreements_result_is_read_by_the_hand_over_thread_not_the_training_
     waits for a gate only the test opens); the hand-over thread then reads it, describes the save,
     records it in the PEC bookkeeping and the save history, writes the header and announces it."""
     log, gate = [], threading.Event()
-    saver = Saver(parts(log, reduced=lambda: gate.wait(10) and None))
+    saver = Saver(parts(log, reduced=lambda: gate.wait(10)))
     saver.save(7, scheduler=None, flops=0.0, persistent=False)
     assert "agreed" not in log and saver.parts.book.recorded == []  # (the training thread went on)
     gate.set()

@@ -25,6 +25,7 @@ class TokenCounter:
         self.layers: list[int] = []
         self.num_experts = 0
         self._table: torch.Tensor | None = None  # [layers, experts] on the routers' device
+        self._host = self._landed = None  # the host copy ``take`` refills (page-locked on a GPU), its event
         self._hooks = []
         layers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, MoELayer)]
         if layers:
@@ -57,19 +58,19 @@ class TokenCounter:
         which must not wait for the device: on a GPU the counts travel by a non-blocking copy into
         page-locked memory, behind the step that counted them, and ``TakenCounts.wait`` (the hand-over
         thread's, where the plan needs no counts) waits for that copy alone. Three device operations
-        whatever the layers."""
+        whatever the layers, and no allocation: one take's counts are read before the next take refills
+        the same buffer (a save waits for the previous save's hand-over before it takes)."""
         if self._table is None:
             return TakenCounts(torch.zeros(0, 0, dtype=torch.int64))
-        if self._table.device.type == "cpu":
-            local = self._table.clone()
-            self._table.zero_()
-            return TakenCounts(local)
-        host = torch.empty(self._table.shape, dtype=self._table.dtype, pin_memory=True)
-        host.copy_(self._table, non_blocking=True)
+        if self._host is None:
+            on_device = self._table.device.type != "cpu"
+            self._host = torch.empty(self._table.shape, dtype=self._table.dtype, pin_memory=on_device)
+            self._landed = torch.cuda.Event(blocking=True) if on_device else None  # (a wait sleeps: no spinning)
+        self._host.copy_(self._table, non_blocking=self._landed is not None)
         self._table.zero_()  # (on the same stream: after the copy read it)
-        landed = torch.cuda.Event(blocking=True)  # (a wait sleeps: no spinning core)
-        landed.record()
-        return TakenCounts(host, landed)
+        if self._landed is not None:
+            self._landed.record()
+        return TakenCounts(self._host, self._landed)
 
 
 class TakenCounts:

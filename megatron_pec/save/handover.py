@@ -55,12 +55,13 @@ class AgreedLater:
 class HandOver:
     def __init__(self, complete: Callable[[PendingSnapshot], None]):
         self._complete = complete
-        self._latest: PendingSnapshot | None = None  # the newest one submitted (its copies guard the next step)
+        # the newest one submitted (its copies guard the next step)
+        self._latest: PendingSnapshot | AgreedLater | None = None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._watch, name="megatron-pec hand-over", daemon=True)
         self._thread.start()
 
-    def submit(self, pending: PendingSnapshot) -> None:
+    def submit(self, pending: PendingSnapshot | AgreedLater) -> None:
         self._latest = pending
         self._queue.put(pending)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,7 +78,6 @@ class Save:
         self.staging = None               # the copies, once started (``stager.Staging``)
         self.staged = None                # ... once all enqueued (``stager.StagedCopy``)
         self.agreement_pending = False    # the agreement's result is read later, by the hand-over (``take``)
-        self.background = Phases()        # where the hand-over's part of the save went (not the training thread's)
         self.experts: tuple[frozenset, frozenset] | None = experts  # (snapshot, persist) experts, once planned
         self.placement: dict[str, int] = {}  # item -> the slot it was copied into
         self.in_rounds = False            # persisted, more experts than node memory takes at once (``Saver``)
@@ -109,7 +109,8 @@ class Save:
         self.vote = parts.adapter.collectives.start_reduce(values, "sum")
 
     def agree(self) -> None:
-        with (self.background if self.agreement_pending else self.phases)("agreement"):
+        # (on the hand-over thread untimed: ``phases`` are the training thread's, read once a save returns)
+        with nullcontext() if self.agreement_pending else self.phases("agreement"):
             if self.vote is None:  # (every rank makes the same one all-reduce per save, here or on its thread)
                 self._start_reduce()
             everyone_can, caps = self.parts.book.agreed(self.vote.reduced())

@@ -37,7 +37,7 @@ class Saver:
         self.phases = phases = save.phases
         with phases("previous snapshot"):
             self.handover.wait()
-        save.take(every_expert=False, room=self.snapshot_need, agree_later=parts.book.plans_without_counts)
+        save.take(every_expert=False, room=self.snapshot_need, agree_later=True)
         with phases("metadata"):
             # (a skipped save too: a clean exit right after it still saves this state, ``final_snapshot``)
             history.called(iteration, small_state.Captured(
@@ -47,7 +47,7 @@ class Saver:
         if save.agreement_pending:  # (described, or skipped, once the hand-over has the agreement's result)
             self.handover.submit(AgreedLater(save, save.finish(), history.small, self._generation(save)))
         elif save.why_not is not None:
-            self._skip(save)
+            self._ruled_out(save)
         else:
             self._hand_over(save, self._generation(save))
 
@@ -110,7 +110,7 @@ class Saver:
         self.parts.files.write_header(pending.slot, header.to_metadata())
         if not self.parts.session.announce(pending.slot, pending.iteration, pending.persistent,
                                            pending.persist_items, pending.placement, pending.generation):
-            self._skip(pending, "the node agent died")
+            self._skip(pending.iteration, "the node agent died")
             return
         self.stats["saves"] += 1
 
@@ -120,16 +120,17 @@ class Saver:
         save = later.save
         save.agree()
         if save.why_not is not None:
-            self._skip(save)
+            self._ruled_out(save)
             return None
         pending = save.describe(later.small, later.generation)
         self.parts.history.wrote(save.iteration, save.writes_every_expert)
         return pending
 
-    def _skip(self, save: Save | PendingSnapshot, why: str | None = None) -> None:
-        """Not handed over: the regions it wrote hold nothing (a save the agreement or the slot ruled out), or
-        the agent is gone."""
-        if why is None:
-            self.parts.session.skipped(save.placement)
+    def _ruled_out(self, save: Save) -> None:
+        """A save this rank or the agreement ruled out: the regions it wrote hold nothing."""
+        self.parts.session.skipped(save.placement)
+        self._skip(save.iteration, save.why_not)
+
+    def _skip(self, iteration: int, why: str) -> None:
         self.stats["skipped"] += 1
-        log.warning(f"skipped the snapshot of iteration {save.iteration}: {why or save.why_not}", rank=self.parts.job.rank)
+        log.warning(f"skipped the snapshot of iteration {iteration}: {why}", rank=self.parts.job.rank)
