@@ -658,13 +658,12 @@ class DLRover(Method):
         self.wait_persisted(it)
 
     def _state(self, it):
-        from megatron_pec.format import small_state
         from megatron_pec.megatron import collect
 
         c = self.ctx
         live = c.live_views()
         state = dict(live)
-        state["small"] = small_state.dumps(collect.small_state(c.optimizer, c.scheduler, c.args, it, 0))
+        state["small"] = collect.small_state(c.optimizer, c.scheduler, c.args, it, 0).dumps()
         return state
 
     def save(self, it):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_pec.format import small_state
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.megatron import modelstate, restore
 
@@ -75,8 +76,9 @@ def test_override_ckpt_iteration_sets_the_samples_megatron_sets(monkeypatch):
     monkeypatch.setattr(num_microbatches_calculator, "update_num_microbatches", lambda **_: None)
     args = SimpleNamespace(global_batch_size=8, consumed_train_samples=0, skipped_train_samples=0,
                            consumed_valid_samples=0)
-    saved = {"consumed_train_samples": 96, "skipped_train_samples": 3, "consumed_valid_samples": 16,
-             "args": {"global_batch_size": 8}}
+    saved = SmallState(iteration=12, optimizer=None, scheduler=None, rng={}, num_floating_point_operations_so_far=0,
+                       consumed_train_samples=96, skipped_train_samples=3, consumed_valid_samples=16,
+                       args={"global_batch_size": 8})
     restore.restore_args(args, saved, finetune=False, override_iteration=5)
     assert (args.consumed_train_samples, args.skipped_train_samples, args.consumed_valid_samples) == (40, 0, 16)
     args.global_batch_size = 16

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_pec.common.collectives import Collectives
-from megatron_pec.format.small_state import Captured
+from megatron_pec.format.small_state_record import Captured, SmallState
 from megatron_pec.save.save import Save, SaveParts
 from megatron_pec.save.save_history import SaveHistory
 from megatron_pec.save.handover import HandOver
@@ -24,6 +24,12 @@ from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 
 EXPERTS = [ExpertId(1, e) for e in range(5)]
 ITEMS = [item_name(e) for e in EXPERTS]
+
+
+def small_state_at(iteration: int) -> SmallState:
+    return SmallState(iteration=iteration, optimizer=None, scheduler=None, rng={},
+                      num_floating_point_operations_so_far=0.0, consumed_train_samples=0,
+                      skipped_train_samples=0, consumed_valid_samples=0)
 
 
 class Session:
@@ -128,7 +134,7 @@ def parts(log, session=None, book=None, reduced=None) -> SaveParts:
 
     adapter = SimpleNamespace(tokens=SimpleNamespace(take=lambda: SimpleNamespace(wait=counts)), collectives=collectives,
                               live_views=lambda: {}, ep_rank=0, slot_slices=[],
-                              small_state=lambda *args: {"iteration": args[1]},
+                              small_state=lambda *args: small_state_at(args[1]),
                               save_dataloader_state=lambda iterator, iteration: None)
     stager = SimpleNamespace(begin=lambda live: Staging(log))
     files = SimpleNamespace(invalidate=lambda slot: None,

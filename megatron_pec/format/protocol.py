@@ -17,6 +17,9 @@ Four families, 30 records, one codec (the sections below, in this order):
   ``RankLayout`` (where each stored tensor lies in the global parameters, its ``GlobalParam``).
 
 ``JobKey`` (what must match for node memory to serve a restore) is a plain tuple, not a record.
+The small state a ``SlotHeader`` carries (``small``, a string: its tensors and tuples need the tagged
+codec of ``small_state``) is a record of its own beside these, ``small_state_record.SmallState``: typed
+and versioned, decoded with the same checks and ``ProtocolError`` where a restore reads it.
 
 Each record is encoded with ``type`` and ``v`` (its version). ``decode`` checks both
 and every field's type, and raises ``ProtocolError`` naming the record and the field;
@@ -360,7 +363,7 @@ class SlotHeader(Record):
     iteration: int
     items: dict[str, int]     # item -> version held (the items this file holds)
     tokens: Mapping[str, int]  # expert item -> cumulative tokens at this iteration (the experts this rank holds)
-    small: str                # smallstate JSON (optimizer param_groups, scheduler, RNG, args)
+    small: str                # a SmallState's JSON (small_state_record: optimizer param_groups, scheduler, RNG, ...)
     pec: str                  # PecState JSON (expert versions: the experts this rank holds)
     run: str = ""             # the timeline that wrote it ("" in files of megatron-pec before timelines)
     sums: dict[str, str] = field(default_factory=dict)  # item -> its sum64, computed where its bytes came from

@@ -1,4 +1,5 @@
-"""JSON encoding of small state (optimizer param_groups, scheduler, RNG states) without pickle.
+"""JSON encoding of the small state's values (optimizer param_groups, scheduler, RNG states) without
+pickle; the record they travel in is ``small_state_record.SmallState``.
 
 Tensors, tuples and numpy arrays are tagged so a round trip restores their
 types exactly; anything else unexpected is an error at save time rather than
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 
 import numpy
 import torch
@@ -71,24 +71,6 @@ def _decode(obj):
 
 def dumps(obj) -> str:
     return json.dumps(_encode(obj), separators=(",", ":"))
-
-
-class Captured:
-    """A save's small state, taken on the training thread and encoded once, when first asked (by the
-    hand-over thread, off the training thread). Its parts must not change afterwards: they are the
-    copies ``collect.small_state`` makes, not live state."""
-
-    def __init__(self, state):
-        self._state, self._text = state, None
-        self._lock = threading.Lock()
-
-    @property
-    def text(self) -> str:
-        """The JSON (``dumps``)."""
-        with self._lock:
-            if self._text is None:
-                self._text, self._state = dumps(self._state), None
-            return self._text
 
 
 def loads(text: str):

@@ -10,6 +10,7 @@ Engine, loader, sources, manifest, agent and policy never import ``megatron``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -23,6 +24,7 @@ from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.tokens import TokenCounter
 from megatron_pec.common.phases import Phases
 from megatron_pec.format.protocol import GlobalParam, RankLayout
+from megatron_pec.format.small_state_record import SmallState
 
 
 def training_args():
@@ -48,6 +50,8 @@ def _widest(obj):
     """``obj`` with every number replaced by one of the longest JSON spelling of its type."""
     import numpy
 
+    if isinstance(obj, SmallState):
+        return _widest(obj.as_dict())  # (what SmallState.dumps encodes)
     if isinstance(obj, numpy.generic):
         obj = obj.item()
     if obj is None or isinstance(obj, (bool, str)):
@@ -164,19 +168,17 @@ class MegatronAdapter:
         return collect.has_state(self.optimizer)
 
     def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "",
-                    data_iterator=None) -> dict:
+                    data_iterator=None) -> SmallState:
         small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers,
                                     self.optimizer_state.state_dict)
-        small["rng_key_prefix"] = rng_key_prefix
         if self._frozen is None:
             self._frozen = self.model_state.frozen_copies()
-        small["frozen"] = self._frozen
-        small["extra_state"] = self.model_state.extra_states()
-        small["rerun_state_machine"] = rerun = modelstate.rerun_state(data_iterator)
+        rerun = modelstate.rerun_state(data_iterator)
         modelstate.check_rerun_room(rerun, self._rerun_room)
-        small["args"] = self.saved_args
-        small["grad_scaler"] = None if small["optimizer"] is not None else modelstate.grad_scalers(self.optimizers)
-        return small
+        return dataclasses.replace(
+            small, rng_key_prefix=rng_key_prefix, frozen=self._frozen, extra_state=self.model_state.extra_states(),
+            rerun_state_machine=rerun, args=self.saved_args,
+            grad_scaler=None if small.optimizer is not None else modelstate.grad_scalers(self.optimizers))
 
     def save_dataloader_state(self, data_iterator, iteration: int) -> None:
         """A persistent save with --dataloader-save: the train iterator's state, through Megatron-LM's own
@@ -288,7 +290,7 @@ class MegatronAdapter:
             self._groups_checked.add(id(group))
 
     # ---- restore ---------------------------------------------------------------------------------
-    def restore(self, small: dict, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
+    def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
                 load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None) -> None:
         """Load step 6 on this rank: saved slices into the optimizer shards, then model params (the DDP
         param all-gather), scheduler, RNG and Megatron's ``args`` side effects; each part timed in
@@ -298,17 +300,17 @@ class MegatronAdapter:
         """
         phases = phases or Phases()
         if not finetune:  # (as Megatron: a fine-tune does not check the arguments)
-            modelstate.check_args(self.args, small.get("args"), small.get("checkpoint_version", 3.0))
+            modelstate.check_args(self.args, small.args, small.checkpoint_version)
         with phases("optimizer state"):
-            if load_optim and small["optimizer"] is None:
+            if load_optim and small.optimizer is None:
                 # saved before the first optimizer step: the optimizer goes back to having no state
                 restore.clear_optimizer_state(self.optimizer)
-                modelstate.restore_grad_scalers(self.optimizers, small.get("grad_scaler"))
+                modelstate.restore_grad_scalers(self.optimizers, small.grad_scaler)
                 self._live = None
                 targets = self._param_views()
             elif load_optim:
                 if not restore.restore_optimizer(self.optimizer,
-                                                 restore.fit_optimizer_state(small["optimizer"], self.optimizers)):
+                                                 restore.fit_optimizer_state(small.optimizer, self.optimizers)):
                     self._live = None  # the optimizer's tensors were replaced (allocated anew)
                 # (binding anew places the state contiguously: its values need no copy when every slice
                 # of it is overwritten next)
@@ -326,22 +328,22 @@ class MegatronAdapter:
                 # model params (--load-main-params-from-ckpt keeps the saved ones, as restored above).
                 self.optimizer.reload_model_params()
         with phases("other state"):
-            restore.set_checkpoint_version(small.get("checkpoint_version", 3.0))
-            restore.restore_buffers(self.buffers, small.get("buffers"))
-            self.model_state.restore(small.get("frozen"), small.get("extra_state"))
+            restore.set_checkpoint_version(small.checkpoint_version)
+            restore.restore_buffers(self.buffers, small.buffers)
+            self.model_state.restore(small.frozen, small.extra_state)
             self._frozen = None
             if not finetune:  # (a resharded restore's small state has none: Megatron ignores it then)
-                modelstate.restore_rerun_state(small.get("rerun_state_machine"))
+                modelstate.restore_rerun_state(small.rerun_state_machine)
         with phases("scheduler"):
-            if scheduler is not None and load_optim and small["scheduler"] is not None:
-                restore.restore_scheduler(scheduler, small["scheduler"])
+            if scheduler is not None and load_optim and small.scheduler is not None:
+                restore.restore_scheduler(scheduler, small.scheduler)
         with phases("RNG and arguments"):
-            saved_prefix = small.get("rng_key_prefix", "")
+            saved_prefix = small.rng_key_prefix
             if load_rng and saved_prefix != rng_key_prefix:
                 log.warning(f"the checkpoint's RNG state was saved under rng_state_key_prefix {saved_prefix!r}, "
                             f"this load asks for {rng_key_prefix!r}: RNG state not restored", rank0=True)
             elif load_rng:
-                restore.restore_rng(small["rng"])
+                restore.restore_rng(small.rng)
             restore.restore_args(self.args, small, finetune, getattr(self.args, "override_ckpt_iteration", None))
 
     @property

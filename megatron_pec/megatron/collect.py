@@ -21,6 +21,7 @@ import torch
 
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.megatron.layout import param_pieces
 
 # Per-element optimizer state by optimizer class name: what each slice kind besides "param" is.
@@ -273,23 +274,24 @@ def _detached(obj):
     return obj
 
 
-def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffers=(), state_dict=None) -> dict:
+def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffers=(), state_dict=None) -> SmallState:
     """Everything besides the slices that Megatron's checkpoint holds for this rank (``buffers``:
     ``buffer_refs``; ``state_dict``: what computes the optimizer's, default its own ``state_dict``),
-    none of it live state: it may be encoded later, while training goes on."""
-    return {
-        "buffers": host_copies(module_buffers(buffers)),
-        "iteration": iteration,
+    none of it live state: it may be encoded later, while training goes on. The model's state beyond
+    the optimizer (frozen, extra state, rerun state, ...) is the adapter's to add."""
+    return SmallState(
+        buffers=host_copies(module_buffers(buffers)),
+        iteration=iteration,
         # None before the first step: Megatron's state_dict needs a step count then missing
-        "optimizer": _detached((state_dict or optimizer.state_dict)()) if has_state(optimizer) else None,
-        "scheduler": _detached(scheduler.state_dict()) if scheduler is not None else None,
-        "rng": rng_state(),
-        "num_floating_point_operations_so_far": flops,
-        "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
-        "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
-        "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0),
-        "checkpoint_version": 3.0,
-    }
+        optimizer=_detached((state_dict or optimizer.state_dict)()) if has_state(optimizer) else None,
+        scheduler=_detached(scheduler.state_dict()) if scheduler is not None else None,
+        rng=rng_state(),
+        num_floating_point_operations_so_far=flops,
+        consumed_train_samples=getattr(args, "consumed_train_samples", 0),
+        skipped_train_samples=getattr(args, "skipped_train_samples", 0),
+        consumed_valid_samples=getattr(args, "consumed_valid_samples", 0),
+        checkpoint_version=3.0,
+    )
 
 
 __all__ = ["Slice", "build_slices", "slot_order", "live_views", "param_view", "small_state", "buffer_refs",

@@ -15,6 +15,7 @@ import torch
 
 from megatron_pec.common.coalesce import coalesced
 from megatron_pec.common.errors import CheckpointError
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 
@@ -230,17 +231,17 @@ def set_checkpoint_version(version: float) -> None:
         checkpointing.set_checkpoint_version(version)
 
 
-def restore_args(args, state: dict, finetune: bool, override_iteration: int | None = None) -> None:
+def restore_args(args, state: SmallState, finetune: bool, override_iteration: int | None = None) -> None:
     """Megatron's load_checkpoint side effects on ``args``; ``override_iteration``
     (--override-ckpt-iteration, core_v0.19): the samples consumed by that iteration instead, as Megatron
     recomputes them, refused when the global batch size changed."""
     if finetune:
         args.finetune = True  # also when --pretrained-checkpoint made it a fine-tune, as Megatron does
         return
-    args.consumed_train_samples = state["consumed_train_samples"]
-    args.skipped_train_samples = state["skipped_train_samples"]
+    args.consumed_train_samples = state.consumed_train_samples
+    args.skipped_train_samples = state.skipped_train_samples
     if override_iteration is not None:
-        saved_batch = (state.get("args") or {}).get("global_batch_size")
+        saved_batch = (state.args or {}).get("global_batch_size")
         if saved_batch is not None and saved_batch != args.global_batch_size:
             raise CheckpointError(
                 "--override-ckpt-iteration recomputes consumed_train_samples from the target iteration and current "
@@ -248,7 +249,7 @@ def restore_args(args, state: dict, finetune: bool, override_iteration: int | No
                 f"({args.global_batch_size}). This would replay the data loader from the wrong sample offset.")
         args.consumed_train_samples = override_iteration * args.global_batch_size
         args.skipped_train_samples = 0
-    args.consumed_valid_samples = state["consumed_valid_samples"]
+    args.consumed_valid_samples = state.consumed_valid_samples
     try:
         from megatron.core.num_microbatches_calculator import update_num_microbatches
 

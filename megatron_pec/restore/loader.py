@@ -37,7 +37,7 @@ from megatron_pec.common.phases import Phases
 from megatron_pec.format import reduced_record
 from megatron_pec.format.protocol import JobKey, Manifest
 from megatron_pec.format.reduced_record import MIN, columns, scalar, vector
-from megatron_pec.format.small_state import loads as load_small_state
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.restore.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
 
 MAX_CANDIDATES = 32
@@ -110,7 +110,7 @@ class RestorePlan:
     source: str                             # where the non-expert state comes from: memory, peer memory, storage
     versions: dict[str, int]                # item -> version restored (this rank's items)
     tensors: dict                           # slice name -> tensor (verified bytes, read-only views)
-    small: dict                             # optimizer param_groups, scheduler, RNG, args (smallstate)
+    small: SmallState                       # optimizer param_groups, scheduler, RNG, args, ...
     pec: PecState | None                    # with this restore's PLT folded in; None without MoE
     tokens_at_target: dict[ExpertId, int]   # cumulative token counts at the iteration, this stage's experts
     report: lost_tokens.PltReport | None
@@ -476,7 +476,7 @@ class Loader:
         after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
                       if source.kind == "memory" and source.checked_after_copy}
         pec, report, tokens_at_target = account(self.ctx, target, state, accounted)
-        return RestorePlan(target, dense.described, versions, tensors, load_small_state(dense.header.small), pec,
+        return RestorePlan(target, dense.described, versions, tensors, SmallState.loads(dense.header.small), pec,
                              tokens_at_target, report, check_after_copy=after_copy, newest=newest)
 
 

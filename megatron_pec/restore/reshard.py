@@ -15,6 +15,7 @@ pipeline, context and expert parallel sizes; anything else is refused with a mes
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_pec.pec import lost_tokens
@@ -23,7 +24,7 @@ from megatron_pec.restore.committed_files import CommittedFile, CommittedFiles
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, parse_item
 from megatron_pec.pec.state import PecState
 from megatron_pec.format.protocol import Manifest, RankLayout, SlotHeader
-from megatron_pec.format.small_state import loads as load_small_state
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.format.stformat import ITEMSIZE, torch_dtype
 
 KEEP_SAME = ("tp", "pp", "cp")  # parallel sizes a resharding restore cannot change yet
@@ -54,7 +55,7 @@ class Resharded:
     """What one rank restores from a checkpoint of another layout."""
 
     tensors: dict                       # slice name -> tensor
-    small: dict
+    small: SmallState
     pec: PecState | None
     tokens_at_target: dict[ExpertId, int]
     versions: dict[str, int]
@@ -87,24 +88,26 @@ class Resharder:
                     for item in {name.split("/", 1)[0] for name in self.mine.slices}}
         return Resharded(tensors, small, pec, at_target, versions, report)
 
-    def _small(self, headers: dict[int, SlotHeader]) -> dict:
+    def _small(self, headers: dict[int, SlotHeader]) -> SmallState:
         """One old rank's small state, with the frozen parameters and modules' extra states of every old
         rank of this rank's tensor-parallel position (keyed by global names: an expert's comes from the rank
         that held it) and no rerun state (Megatron ignores it when the sharding changed)."""
         ranks = sorted(headers)
         mine = ranks[self.rank % len(ranks)]
-        small = load_small_state(headers[mine].small)
+        small = SmallState.loads(headers[mine].small)
         tp = max(1, int(self.m.topology.get("tp") or 1))
-        for r in [mine] + [r for r in ranks if r != mine and r % tp == self.rank % tp]:
-            other = small if r == mine else load_small_state(headers[r].small)
+        merged = {"frozen": small.frozen, "extra_state": small.extra_state}
+        for r in [r for r in ranks if r != mine and r % tp == self.rank % tp]:
+            other = SmallState.loads(headers[r].small)
             for kind in ("frozen", "extra_state"):
-                if other.get(kind) is not None:
-                    small[kind] = {**other[kind], **(small.get(kind) or {})}
-        small["rerun_state_machine"] = None
+                theirs = getattr(other, kind)
+                if theirs is not None:
+                    merged[kind] = {**theirs, **(merged[kind] or {})}
+        small = dataclasses.replace(small, **merged, rerun_state_machine=None)
         if self.m.topology.get("ep") != self.mine.topology.get("ep"):
             # A module holding all local experts (TE's GroupedLinear) keeps one extra state for them all:
             # another expert-parallel size gives it other experts (Megatron splits it per expert).
-            grouped = sorted(k for k in small.get("extra_state") or {}
+            grouped = sorted(k for k in small.extra_state or {}
                              if ".experts." in k and ".local_experts." not in k)
             if grouped:
                 raise ReshardError(f"the extra state of {grouped[0]} (and {len(grouped) - 1} more) covers all of a "

@@ -17,6 +17,7 @@ from megatron_pec.common import log
 from megatron_pec.common.collectives import Collectives
 from megatron_pec.common.phases import Phases
 from megatron_pec.config import PecConfig
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.store.checkpoint_dir import CheckpointDir
@@ -30,7 +31,7 @@ class RestoreAdapter(Protocol):
 
     def live_views(self) -> dict[str, torch.Tensor]: ...
 
-    def restore(self, small: dict, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
+    def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
                 load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None) -> None: ...
 
     def iteration_after_load(self, iteration: int, finetune: bool) -> int: ...
@@ -120,7 +121,7 @@ class Restore:
         with phases("telling the agent the new timeline"):
             self.parts.session.begin(iteration)
         log.info(f"restore took {phases.total():.3f} s ({phases.describe()})", rank=self.rank)
-        return iteration, plan.small["num_floating_point_operations_so_far"]
+        return iteration, plan.small.num_floating_point_operations_so_far
 
     def _retire_after(self, directory: CheckpointDir, iteration: int, finetune: bool, phases: Phases) -> None:
         """Rank 0 of the job that saves into ``directory`` (it keeps the directory's books; every later save

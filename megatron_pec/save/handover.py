@@ -17,7 +17,7 @@ from typing import Callable
 
 from megatron_pec.common import log
 from megatron_pec.format.protocol import SlotHeader
-from megatron_pec.format.small_state import Captured
+from megatron_pec.format.small_state_record import Captured
 from megatron_pec.save.stager import StagedCopy
 
 

@@ -16,9 +16,9 @@ from megatron_pec.agent.session import ROUND_WAIT_S, SNAPSHOT_ROOM_WAIT_S, Agent
 from megatron_pec.common import faults, log
 from megatron_pec.common.collectives import Collectives
 from megatron_pec.common.phases import Phases
-from megatron_pec.format import small_state
 from megatron_pec.format.item_names import NON_EXPERT, item_name
 from megatron_pec.format.protocol import SlotHeader
+from megatron_pec.format.small_state_record import Captured, SmallState
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.memory.slots import SlotFiles
 from megatron_pec.save.handover import PendingSnapshot
@@ -38,7 +38,7 @@ class SaveAdapter(Protocol):
     def live_views(self) -> dict[str, torch.Tensor]: ...
 
     def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "",
-                    data_iterator=None) -> dict: ...
+                    data_iterator=None) -> SmallState: ...
 
     def save_dataloader_state(self, data_iterator, iteration: int) -> None: ...
 
@@ -226,7 +226,7 @@ class Save:
                  "agent to hand back regions a persist or push was reading (--pec-node-memory leaves spares for one "
                  "snapshot's experts)", rank=self.parts.job.rank)
 
-    def write_in_rounds(self, handover, small: small_state.Captured, generation: str, items: list[str]) -> bool:
+    def write_in_rounds(self, handover, small: Captured, generation: str, items: list[str]) -> bool:
         """A persistent save whose experts node memory cannot take at once (every expert at a planned
         exit, or a first persist of every expert, into a pool with spares for a partial snapshot): rounds
         of memory-only snapshots of its iteration, each of as many of its experts as the pool has regions
@@ -291,7 +291,7 @@ class Save:
             if first:
                 faults.point("snapshot_mid", iteration=self.iteration)
 
-    def describe(self, small: small_state.Captured, generation: str) -> PendingSnapshot:
+    def describe(self, small: Captured, generation: str) -> PendingSnapshot:
         """Record the save in the PEC bookkeeping and describe the snapshot (its slot header, whose small
         state the hand-over encodes; ``generation``: a persistent save's, ``manifest``)."""
         parts, job = self.parts, self.parts.job
@@ -307,7 +307,7 @@ class Save:
         return PendingSnapshot(self.slot, self.iteration, self.persistent, persist_items, dict(self.placement),
                                header, small, self.finish(), generation)
 
-    def describe_part(self, small: small_state.Captured) -> PendingSnapshot:
+    def describe_part(self, small: Captured) -> PendingSnapshot:
         """A round of a save of every expert in rounds: a memory-only snapshot of what it wrote (the PEC
         bookkeeping records the whole save, once, with the last round)."""
         parts, job = self.parts, self.parts.job
@@ -320,7 +320,7 @@ class Save:
         return PendingSnapshot(self.slot, self.iteration, False, None, dict(self.placement), header, small,
                                self.finish())
 
-    def describe_whole(self, small: small_state.Captured, generation: str, persistent: bool, known: dict[str, str],
+    def describe_whole(self, small: Captured, generation: str, persistent: bool, known: dict[str, str],
                        elsewhere: dict[str, int]) -> PendingSnapshot:
         """The last round: the snapshot of every item, those of earlier rounds where they wrote them (``known``:
         their checksums), persisted if the save is."""

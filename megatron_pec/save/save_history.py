@@ -15,7 +15,7 @@ class SaveHistory:
         self.session = session               # this launch's id (rank 0's, shared at start-up)
         self.stepped = False                 # an optimizer step since the last save call or restore
         self.last: tuple[int, bool] | None = None  # (iteration, whether it wrote every expert) of the last save call
-        self.small = None                    # the small state at the last save call (``smallstate.Captured``)
+        self.small = None                    # the small state at the last save call (``small_state_record.Captured``)
         self.restored: int | None = None     # the iteration training resumed at, until a save call
         self.restored_here = False           # ... from the --save directory (or its node memory)
         self._persisted: dict[int, int] = {}  # iteration -> persistent saves of it by this process

@@ -8,7 +8,7 @@ import dataclasses
 
 from megatron_pec.common import faults, log
 from megatron_pec.common.phases import Phases
-from megatron_pec.format import small_state
+from megatron_pec.format.small_state_record import Captured
 from megatron_pec.save.handover import AgreedLater, HandOver, PendingSnapshot
 from megatron_pec.save.save import Save, SaveParts
 
@@ -40,7 +40,7 @@ class Saver:
         save.take(every_expert=False, room=self.snapshot_need, agree_later=True)
         with phases("metadata"):
             # (a skipped save too: a clean exit right after it still saves this state, ``final_snapshot``)
-            history.called(iteration, small_state.Captured(
+            history.called(iteration, Captured(
                 parts.adapter.small_state(scheduler, iteration, flops, rng_key_prefix, data_iterator)))
         if save.why_not is None:
             faults.point("snapshot_end", iteration=iteration)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_pec.format import small_state
 from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.restore.committed_files import CommittedFiles
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Manifest, RankLayout, SlotHeader
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.format.stformat import ITEMSIZE, dtype_code
 from megatron_pec.store.storage import Storage
 
@@ -163,9 +163,9 @@ def _add_buffers(tensors: dict[str, GlobalTensor], layouts: dict[int, RankLayout
     names, ``<chunk>/<name>``) from the first rank that holds each."""
     for rank, header in small.items():
         names = layouts[rank].buffers
-        state = small_state.loads(header.small)
-        kept = [(names.get(key), value) for key, value in (state.get("buffers") or {}).items()]
-        kept += [(key.split("/", 1)[1], value) for key, value in (state.get("frozen") or {}).items()]
+        state = SmallState.loads(header.small)
+        kept = [(names.get(key), value) for key, value in (state.buffers or {}).items()]
+        kept += [(key.split("/", 1)[1], value) for key, value in (state.frozen or {}).items()]
         for name, value in kept:
             if name is not None and name not in tensors:
                 raw = value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()

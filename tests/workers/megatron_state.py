@@ -14,6 +14,7 @@ import megatron_pec
 from common import report, setup, train
 from megatron_pec import api
 from megatron_pec.format import small_state
+from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.megatron import collect
 from megatron_pec.testing import launch
 
@@ -73,7 +74,7 @@ def main():
     data = data_from(0)
     train(args, model, optimizer, scheduler, data, 2)
     megatron_pec.save_checkpoint(2, model, optimizer, scheduler, 0, non_persistent_ckpt=True)
-    idle = small_state.loads(api.current_engine().history.small.text)["rerun_state_machine"]
+    idle = SmallState.loads(api.current_engine().history.small.text).rerun_state_machine
     result["saved_while_idle"] = idle is not None
     # a rerun pending (as a checkpoint-and-exit for fault attribution leaves it), its micro-batches saved
     iterator = rsm.RerunDataIterator(iter([]))
