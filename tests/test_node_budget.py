@@ -10,11 +10,13 @@ trainer; a MoE-heavy model: 16 experts of hidden 128, most of the state in exper
 """
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, torchrun
+from conftest import REPO, checkpoints, torchrun
 from megatron_pec.tools import inspect_node_memory
 from megatron_pec.testing.cluster import parse_plt, parse_restores
 
@@ -50,6 +52,11 @@ def test_node_memory_follows_what_snapshots_write(tmp_path, shm_dir, extra, boun
     found = node(shm_dir, job)
     assert round(found["ratio"], 2) <= bound, found  # (to the hundredth: the pool's own header is a few KiB)
     assert "node memory planned per rank" in out
+    if not extra:  # every expert: against what storage keeps of a rank, its file of the newest persist (issue 40)
+        held = [p for p in (Path(shm_dir) / job / "node0").iterdir() if re.fullmatch(r"rank\d\.(slot\d|pool)", p.name)]
+        files = [os.path.getsize(checkpoints(tmp_path / job).rank_file(20, rank)) for rank in (0, 1)]
+        # (the excess over 2x: two home headers' room for a save's metadata over what it wrote, ~0.3% here)
+        assert round(sum(p.stat().st_size for p in held) / sum(files), 2) <= 2.0, (held, files)
 
 
 def restore_after_kill(tmp_path, shm_dir, job, *extra, fault):

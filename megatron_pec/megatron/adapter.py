@@ -11,6 +11,7 @@ Engine, loader, sources, manifest, agent and policy never import ``megatron``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import torch
@@ -228,16 +229,22 @@ class MegatronAdapter:
         return iteration if override is None else override
 
     def small_state_bound(self) -> int:
-        """Bytes the JSON of ``small_state`` can reach during training: its structure now with every
-        number at its widest (so every process of this configuration computes the same bound: slot
-        sizes must not differ between a trainer and its restart), plus room for what appears only
-        later: the optimizer's param_groups and grad scaler once it has stepped, the scheduler's
-        state (neither holds per-parameter data: Megatron strips the params lists)."""
-        widest = len(small_state.dumps(_widest(self.small_state(None, 0, 0.0))))
-        groups = sum(len(opt.optimizer.param_groups) for opt in self.optimizers)
-        # extra states may grow a little (base64: 4/3), a pending rerun saves its micro-batches
-        later = 2 * self.model_state.extra_state_margin() + self._rerun_room
-        return widest + 4096 * groups + later + (64 << 10)
+        """Bytes the small state can take in a save's header during training: its JSON now with every
+        number at its widest (so every process of this configuration computes the same bound: slot sizes
+        must not differ between a trainer and its restart), escaped as the header's metadata string holds
+        it; plus room for what appears only later, counted twice (escaping at most doubles a byte)."""
+        widest = len(json.dumps(small_state.dumps(_widest(self.small_state(None, 0, 0.0)))))
+        return widest + 2 * self._later_bound()
+
+    def _later_bound(self) -> int:
+        """What the small state gains after start-up: the optimizer's state_dict once it has stepped (its
+        param groups without their params - Megatron strips them - and with a step count, measured now at
+        their widest; a wrapper and grad scaler per optimizer), the scheduler's few fields, extra states
+        growing a little (base64: 4/3) and a pending rerun's micro-batches."""
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": 0.0}
+                  for opt in self.optimizers for g in opt.optimizer.param_groups]
+        stepped = len(small_state.dumps(_widest(groups))) + 1024 * len(self.optimizers)
+        return stepped + (2 << 10) + 2 * self.model_state.extra_state_margin() + self._rerun_room
 
     def layout_record(self, fingerprint: str) -> RankLayout:
         """Where each slice lies in the model's global parameters (``RankLayout``)."""

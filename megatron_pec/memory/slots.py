@@ -28,7 +28,7 @@ from megatron_pec.format.stformat import (MAX_HEADER, FormatError, Header, Tenso
                                   encode_header, header_tail, read_head, read_header, tensor_table, tensor_views)
 
 HEADER_RESERVE = 256 << 10  # default room for metadata (small state, token counts) beyond the tensor table
-HEADER_ALIGN = 64 << 10     # header sizes are rounded up to this (the reserve varies a little between runs)
+HEADER_ALIGN = 4 << 10      # header sizes are rounded up to pages (node memory holds two home headers per rank)
 VIEWS_KEPT = 4              # tensor views of pool regions kept per expert (a region holds one at a time)
 
 

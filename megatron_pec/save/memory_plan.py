@@ -25,13 +25,14 @@ from megatron_pec.format.stformat import encode_header
 
 
 def header_reserve(job: JobFacts, small_state_bound: int) -> int:
-    """Header room for a save's metadata, sized now so that no save runs out of it: per expert this rank
-    holds, its version in ``items`` (the name and a number, escaped once more inside the metadata
-    string), its name in the packed token counts and PEC state, and five base64 int64 values; plus the
-    small state (``small_state_bound``: the most its encoding takes)."""
+    """Header room for a save's metadata, sized now so that no save runs out of it and no more (node memory
+    holds two home headers per rank): per expert this rank holds, its version in ``items`` (the name and a
+    number, escaped once more inside the metadata string), its name in the packed token counts and PEC
+    state, and five base64 int64 values; the small state (``small_state_bound``: the most it takes in the
+    header); and the record's other fields (ids, the save path, the dense items' checksums)."""
     longest = max((len(name) for name in job.held_names.values()), default=0)
     per_expert = 6 * (longest + 28)
-    return per_expert * len(job.held_names) + 2 * small_state_bound + (16 << 10)
+    return per_expert * len(job.held_names) + small_state_bound + 2 * len(job.save_root) + (6 << 10)
 
 
 def plan(job: JobFacts, config: PecConfig, collectives, layout: MemoryLayout, asked_k: int, ep_rank: int,
