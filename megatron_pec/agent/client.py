@@ -7,7 +7,9 @@ exactly one), detached in its own session so it survives the trainer's SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -163,6 +165,30 @@ class AgentClient:
             pass
         except OSError:
             self._lost()
+        return self._decoded()
+
+    def receive(self, wait_s: float) -> list[Record]:
+        """Messages from the agent, waiting up to ``wait_s`` for some: for one reader thread while others
+        send (the socket's timeout, which its sends use, is left alone; a closed socket ends the wait)."""
+        sock = self.sock
+        if sock is None:
+            return []
+        try:
+            if select.select([sock], [], [], wait_s)[0]:
+                data = sock.recv(65536)
+                if not data:
+                    self._lost(sock)
+                    return []
+                if sock is not self.sock:
+                    return []  # (replaced meanwhile: the new connection's buffer is not this one's)
+                self.buffer += data
+        except (OSError, ValueError):  # (ValueError: closed by another thread meanwhile)
+            self._lost(sock)
+            return []
+        return self._decoded()
+
+    def _decoded(self) -> list[Record]:
+        """The complete lines received so far, decoded (an undecodable one: the connection is dropped)."""
         out = []
         while b"\n" in self.buffer:
             line, self.buffer = self.buffer.split(b"\n", 1)
@@ -190,17 +216,22 @@ class AgentClient:
                 others.append(received)
         return None, others
 
-    def _lost(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
+    def _lost(self, sock: socket.socket | None = None) -> None:
+        """The connection broke (``sock``: the one a reader found broken; a close or a reconnect since then
+        replaced it, and nothing is lost)."""
+        sock = sock or self.sock
+        if sock is None or sock is not self.sock:
+            return
         self.sock = None
+        sock.close()
         log.warning(f"lost the node agent (pid {self.pid}) at {self.directory}; snapshots are skipped until a new "
                     "agent runs", rank=self.rank)
 
     def close(self, detach: bool = True) -> None:
         if detach:
             self.send(Detach())
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # (wakes a reader waiting on it)
+            sock.close()
