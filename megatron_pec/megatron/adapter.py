@@ -100,9 +100,11 @@ class MegatronAdapter:
         self.slot_slices = collect.slot_order(self.slices)  # (the fingerprint keeps the build order)
         self.tokens = TokenCounter(model_chunks)
         self.buffers = collect.buffer_refs(model_chunks)
+        # every chunk's params and modules by global name: walked once (seconds at 58 x 256 experts)
+        self.global_names = [layout.global_names(chunk) for chunk in model_chunks]
         # refuses (naming it) any model state Megatron would save and megatron-pec would not keep
         self.model_state = modelstate.ModelState.of(
-            model_chunks, {id(getattr(module, attr)) for _, module, attr in self.buffers})
+            model_chunks, self.global_names, {id(getattr(module, attr)) for _, module, attr in self.buffers})
         dataloader_save = getattr(args, "dataloader_save", None)
         if dataloader_save and megatron_checkpoint_function("maybe_save_dataloader_state") is None:
             raise modelstate.UnkeptState(
@@ -251,8 +253,7 @@ class MegatronAdapter:
         from megatron_pec.format.stformat import dtype_code
 
         names, module_names = {}, {}
-        for chunk in self.model:
-            params, modules = layout.global_names(chunk)
+        for params, modules in self.global_names:
             names.update(params)
             module_names.update(modules)
         param_maps = {}  # (optimizer, buffer, dtype, bucket) -> the bucket's params in order

@@ -20,7 +20,6 @@ import enum
 import torch
 
 from megatron_pec.common.errors import CheckpointError
-from megatron_pec.megatron import layout
 from megatron_pec.megatron.collect import _detached
 
 # The arguments Megatron-LM's check_checkpoint_args compares (core_v0.16.1 and core_v0.19.0), and those
@@ -60,12 +59,12 @@ class ModelState:
         self.sizes = sizes      # key -> bytes of its extra state at start-up
 
     @classmethod
-    def of(cls, model_chunks, buffer_ids: set[int]) -> "ModelState":
-        """Walk the chunks; refuse (``UnkeptState``) what no kind of saved state covers. ``buffer_ids``: the
-        ids of the persistent buffers ``collect.buffer_refs`` keeps."""
+    def of(cls, model_chunks, global_names: list, buffer_ids: set[int]) -> "ModelState":
+        """Walk the chunks (``global_names``: ``layout.global_names`` of each); refuse (``UnkeptState``) what no
+        kind of saved state covers. ``buffer_ids``: the ids of the persistent buffers ``collect.buffer_refs``
+        keeps."""
         frozen, extra, sizes, unkept = [], [], {}, []
-        for index, chunk in enumerate(model_chunks):
-            params, modules = layout.global_names(chunk)
+        for index, (chunk, (params, modules)) in enumerate(zip(model_chunks, global_names)):
             for param, name in params.items():
                 if not param.requires_grad:
                     frozen.append((f"{index}/{name}", param))

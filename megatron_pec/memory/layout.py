@@ -91,7 +91,17 @@ class MemoryLayout:
         """The experts' tensors in kilobytes, not megabytes, for thousands of experts: experts of one model
         differ only in the numbers of their tensor names (``o1.g0.b0.p4...`` against ``...p0...``), so each
         distinct list is kept once with numbers relative to its first name's, and each expert names its
-        list and those first numbers."""
+        list and those first numbers. (The last one is kept: start-up asks for the same layout's several
+        times - the plan, the pool file's header - and with thousands of experts each takes a second.)"""
+        global _last_pool_metadata
+        last = _last_pool_metadata
+        if last is not None and last[0] is self.experts and last[1:3] == (self.region_bytes, self.homes):
+            return dict(last[3])
+        metadata = self._pool_metadata()
+        _last_pool_metadata = (self.experts, self.region_bytes, self.homes, metadata)
+        return dict(metadata)
+
+    def _pool_metadata(self) -> dict[str, str]:
         shapes: dict[str, int] = {}
         items = {}
         for item, entries in self.experts.items():
@@ -152,6 +162,8 @@ class MemoryLayout:
 
 
 __all__ = ["MemoryLayout", "HOME_SLOTS", "HOMES_MAX", "POOL", "POOL_TENSOR", "is_pool"]
+
+_last_pool_metadata: tuple | None = None  # (experts, region_bytes, homes, metadata) of the last layout asked
 
 
 def _shape_of(entries) -> tuple[list, list[int]]:
