@@ -95,3 +95,25 @@ def test_a_killed_agent_is_noticed_by_the_listener_and_the_next_lease_reconnects
     finally:
         session.close(detach=True)
         files.close()
+
+
+def test_the_listener_reads_a_connection_beyond_selects_1024_descriptors(shm_dir, tmp_path):
+    """A training process may hold thousands of descriptors (sockets to every rank, data loaders): the
+    agent's connection is then numbered above 1024, where ``select`` cannot wait on it."""
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        session, files = _session(shm_dir, str(tmp_path / "ckpt"))
+        try:
+            assert session.client.sock.fileno() > 1024
+            session.begin(None)
+            _snapshot(session, files, 1)
+            _until(lambda: not session.regions.pending)
+            assert session.connected
+        finally:
+            session.close(detach=True)
+            files.close()
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -169,12 +169,15 @@ class AgentClient:
 
     def receive(self, wait_s: float) -> list[Record]:
         """Messages from the agent, waiting up to ``wait_s`` for some: for one reader thread while others
-        send (the socket's timeout, which its sends use, is left alone; a closed socket ends the wait)."""
+        send (the socket's timeout, which its sends use, is left alone; a closed socket ends the wait).
+        ``poll``, not ``select``: a training process may hold more than select's 1024 descriptors."""
         sock = self.sock
         if sock is None:
             return []
         try:
-            if select.select([sock], [], [], wait_s)[0]:
+            ready = select.poll()
+            ready.register(sock, select.POLLIN)
+            if ready.poll(wait_s * 1000):
                 data = sock.recv(65536)
                 if not data:
                     self._lost(sock)
