@@ -265,7 +265,6 @@ class AgentSession:
         except AgentUnavailable:
             return False
         log.info(f"connected to a new node agent (pid {self.client.pid})", rank=self.rank)
-        self.begins_unanswered = 0  # the old agent's answers will never come
         if self.run is not None:
             self._tell_timeline()  # same timeline, new agent
         return True

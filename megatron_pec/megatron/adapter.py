@@ -10,7 +10,7 @@ Engine, loader, sources, manifest, agent and policy never import ``megatron``.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import sys
 
@@ -112,6 +112,7 @@ class MegatronAdapter:
                 "through Megatron-LM's own maybe_save_dataloader_state: not importable here (megatron.training); "
                 "drop the flag or run in Megatron-LM")
         self.saved_args = modelstate.checkpoint_args(args)
+        self._grad_scalers = functools.partial(modelstate.grad_scalers, self.optimizers)
         self._rerun_room = modelstate.rerun_margin(args)
         self._frozen = None  # host copies of the frozen parameters (they do not change; taken at the first save)
         self.experts_held: list[ExpertId] = sorted({s.expert for s in self.slices if s.expert is not None})
@@ -172,16 +173,15 @@ class MegatronAdapter:
 
     def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "",
                     data_iterator=None) -> SmallState:
-        small = collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers,
-                                    self.optimizer_state.state_dict)
         if self._frozen is None:
             self._frozen = self.model_state.frozen_copies()
         rerun = modelstate.rerun_state(data_iterator)
         modelstate.check_rerun_room(rerun, self._rerun_room)
-        return dataclasses.replace(
-            small, rng_key_prefix=rng_key_prefix, frozen=self._frozen, extra_state=self.model_state.extra_states(),
-            rerun_state_machine=rerun, args=self.saved_args,
-            grad_scaler=None if small.optimizer is not None else modelstate.grad_scalers(self.optimizers))
+        # (the record built once, every field at once: a save makes it at every iteration)
+        return collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers,
+                                   self.optimizer_state.state_dict, self._grad_scalers, rng_key_prefix=rng_key_prefix,
+                                   frozen=self._frozen, extra_state=self.model_state.extra_states(),
+                                   rerun_state_machine=rerun, args=self.saved_args)
 
     def save_dataloader_state(self, data_iterator, iteration: int) -> None:
         """A persistent save with --dataloader-save: the train iterator's state, through Megatron-LM's own

@@ -274,23 +274,30 @@ def _detached(obj):
     return obj
 
 
-def small_state(optimizer, scheduler, args, iteration: int, flops: float, buffers=(), state_dict=None) -> SmallState:
+def small_state(optimizer, scheduler, train_args, iteration: int, flops: float, buffers=(), state_dict=None,
+                grad_scalers=None, **beyond) -> SmallState:
     """Everything besides the slices that Megatron's checkpoint holds for this rank (``buffers``:
     ``buffer_refs``; ``state_dict``: what computes the optimizer's, default its own ``state_dict``),
-    none of it live state: it may be encoded later, while training goes on. The model's state beyond
-    the optimizer (frozen, extra state, rerun state, ...) is the adapter's to add."""
+    none of it live state: it may be encoded later, while training goes on (``train_args``: Megatron's
+    arguments, for the sample counters). The model's state beyond
+    the optimizer (frozen, extra state, rerun state, ...) is the adapter's: ``beyond``, fields of the
+    record; ``grad_scalers``: what gives the grad scalers' state, saved on its own before the first step
+    (after it, the optimizer's state holds it)."""
+    stepped = has_state(optimizer)
     return SmallState(
         buffers=host_copies(module_buffers(buffers)),
         iteration=iteration,
         # None before the first step: Megatron's state_dict needs a step count then missing
-        optimizer=_detached((state_dict or optimizer.state_dict)()) if has_state(optimizer) else None,
+        optimizer=_detached((state_dict or optimizer.state_dict)()) if stepped else None,
         scheduler=_detached(scheduler.state_dict()) if scheduler is not None else None,
         rng=rng_state(),
         num_floating_point_operations_so_far=flops,
-        consumed_train_samples=getattr(args, "consumed_train_samples", 0),
-        skipped_train_samples=getattr(args, "skipped_train_samples", 0),
-        consumed_valid_samples=getattr(args, "consumed_valid_samples", 0),
+        consumed_train_samples=getattr(train_args, "consumed_train_samples", 0),
+        skipped_train_samples=getattr(train_args, "skipped_train_samples", 0),
+        consumed_valid_samples=getattr(train_args, "consumed_valid_samples", 0),
         checkpoint_version=3.0,
+        grad_scaler=None if stepped or grad_scalers is None else grad_scalers(),
+        **beyond,
     )
 
 
