@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -60,44 +61,82 @@ _SCALARS = (int, str)  # exact types: a bool is not an int here
 
 def _check(value, hint, where: str):
     """``value`` converted to ``hint`` (nested records decoded), or ProtocolError naming ``where``."""
+    return _checker(hint)(value, where)
+
+
+@functools.cache
+def _checker(hint):
+    """The check of ``_check`` for one ``hint``, worked out once per hint (restores decode thousands of
+    records: reading each hint's parts anew per value was most of their time)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _check(value, inner, where)
+        check, optional = _checker(inner), type(None) in args
+        return lambda value, where: None if value is None and optional else check(value, where)
     if origin is collections.abc.Mapping:  # a per-expert column: packed, or a JSON object
-        if isinstance(value, PackedColumn):
-            return value
-        if not PackedColumn.is_packed(value):
-            return _check(value, dict[args], where)
-        try:
-            return PackedColumn.decoded(value)
-        except ValueError as exc:
-            raise ProtocolError(f"{where}: {exc}") from None
+        return functools.partial(_column, _checker(dict[args]))
     if isinstance(hint, type) and issubclass(hint, Record):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
-        return hint._from_fields(value, where)
+        return functools.partial(_record, hint)
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
-        if args[0] in _SCALARS and all(type(v) is args[0] for v in value):
-            return value  # the common case (thousands of experts), checked in bulk
-        return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+        return functools.partial(_listed, args[0] if args[0] in _SCALARS else None, _checker(args[0]))
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
-        if args[1] in _SCALARS and all(type(v) is args[1] for v in value.values()):
-            return value
-        return {k: _check(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
+        return functools.partial(_mapped, args[1] if args[1] in _SCALARS else None, _checker(args[1]))
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where} must be a number, got {value!r}")
-        return float(value)
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return _number
+    if hint is int:
+        return _integer
+    if hint in (str, bool):
+        return functools.partial(_exactly, hint)
+    return lambda value, where: value
+
+
+def _column(as_dict, value, where: str):
+    if isinstance(value, PackedColumn):
+        return value
+    if not PackedColumn.is_packed(value):
+        return as_dict(value, where)
+    try:
+        return PackedColumn.decoded(value)
+    except ValueError as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+def _record(hint, value, where: str):
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
+    return hint._from_fields(value, where)
+
+
+def _listed(scalar, check, value, where: str):
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+    if scalar is not None and all(type(v) is scalar for v in value):
+        return value  # the common case (thousands of experts), checked in bulk
+    return [check(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _mapped(scalar, check, value, where: str):
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
+    if scalar is not None and all(type(v) is scalar for v in value.values()):
+        return value
+    return {k: check(v, f"{where}[{k!r}]") for k, v in value.items()}
+
+
+def _number(value, where: str):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(value, where: str):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"{where} must be an integer, got {value!r}")
-    if hint in (str, bool) and not isinstance(value, hint):
+    return value
+
+
+def _exactly(hint, value, where: str):
+    if not isinstance(value, hint):
         raise ProtocolError(f"{where} must be a {hint.__name__}, got {value!r}")
     return value
 
@@ -143,18 +182,24 @@ class Record:
 
     @classmethod
     def _from_fields(cls, data: dict, where: str) -> "Record":
-        hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
         values = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in data:
-                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+        for name, required, check in _FIELDS.get(cls) or _fields_of(cls):
+            if name not in data:
+                if not required:
                     continue
-                raise ProtocolError(f"{where}: field {f.name!r} is missing")
-            values[f.name] = _check(data[f.name], hints[f.name], f"{where}: field {f.name!r}")
+                raise ProtocolError(f"{where}: field {name!r} is missing")
+            values[name] = check(data[name], f"{where}: field {name!r}")
         return cls(**values)
 
 
-_HINTS: dict[type, dict] = {}  # resolved field types per record class
+_FIELDS: dict[type, list] = {}  # per record class: (field name, required, its check)
+
+
+def _fields_of(cls) -> list:
+    hints = typing.get_type_hints(cls)
+    _FIELDS[cls] = [(f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                     _checker(hints[f.name])) for f in dataclasses.fields(cls)]
+    return _FIELDS[cls]
 
 
 def _plain(value):
