@@ -671,11 +671,14 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_byte_flipped_in_node_memory_is_caught_on_the_device_after_the_copy(clusters, reference, tmp_path):
-    """Issue 28: a restore from node memory checks the bytes where they land (on a GPU, on the device,
-    after the host-to-device copy; ``MEGATRON_PEC_CHECK_ON_DEVICE=1`` runs that path on CPU ranks). A byte
-    flipped in node 0's newest snapshot is caught there, every rank falls back to an older snapshot, says
-    why, and continues exactly as the uninterrupted run."""
+@pytest.mark.parametrize("env, checked", [({}, "(checked while copied)"),
+                                           ({"MEGATRON_PEC_CHECK_ON_DEVICE": "1"}, "(checked on the device after the copy)")],
+                         ids=["host-copy", "device-path"])
+def test_a_byte_flipped_in_node_memory_is_caught_where_it_lands(clusters, reference, tmp_path, env, checked):
+    """Issue 28: a restore from node memory checks the bytes where they land: on a GPU on the device, after
+    the host-to-device copy (``MEGATRON_PEC_CHECK_ON_DEVICE=1`` runs that path on CPU ranks); on CPU ranks
+    by the copy that sums them (issue 41). A byte flipped in node 0's newest snapshot is caught there,
+    every rank falls back to an older snapshot, says why, and continues exactly as the uninterrupted run."""
     c = clusters(tmp_path, "fdevice")
     c.launch(FULL, faults="optimizer_step=kill@7")
     assert all(code != 0 for code in c.wait_exit(LAUNCH_TIMEOUT).values())
@@ -686,10 +689,10 @@ def test_a_byte_flipped_in_node_memory_is_caught_on_the_device_after_the_copy(cl
     _, header = open_slot(str(path))
     dense = next(e for e in header.tensors if e.item == "dense")
     flip_bits(path, header.data_start + dense.begin + 40, 0x04)  # a flipped byte in the dense state of iteration 6
-    c.launch(FULL, env={"MEGATRON_PEC_CHECK_ON_DEVICE": "1"})
+    c.launch(FULL, env=env)
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     log = c.logs()
-    assert "(checked on the device after the copy) fails its checksum for dense" in log, log[-3000:]
+    assert f"{checked} fails its checksum for dense" in log, log[-3000:]
     assert "cannot restore iteration 6" in log and "falling back to an older checkpoint" in log
     restores = c.restores(2)
     assert {x.iteration for x in restores.values()} == {5} and {x.source for x in restores.values()} == {"memory"}

@@ -299,12 +299,15 @@ class MegatronAdapter:
 
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
-                load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None) -> None:
+                load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None,
+                places: dict[str, tuple[str, int]] | None = None) -> dict[str, str] | None:
         """Load step 6 on this rank: saved slices into the optimizer shards, then model params (the DDP
         param all-gather), scheduler, RNG and Megatron's ``args`` side effects; each part timed in
         ``phases``.
 
-        Without ``load_optim`` only the main params (the weights) are restored.
+        Without ``load_optim`` only the main params (the weights) are restored. With ``places`` (slice name ->
+        (item, byte offset in the item)), the copy sums those slices' items as it copies them (host tensors):
+        returns item -> sum64 of the bytes copied (None without).
         """
         phases = phases or Phases()
         if not finetune:  # (as Megatron: a fine-tune does not check the arguments)
@@ -325,10 +328,10 @@ class MegatronAdapter:
                 targets = self.live_views(keep_values=not all(s.name in tensors for s in self.slot_slices))
             else:
                 targets = self._param_views()
-        with phases("copy"):
-            pairs = [(targets[s.name], tensors[s.name]) for s in self.slot_slices
-                     if s.name in targets and s.name in tensors]
-            restore.copy_slices([live for live, _ in pairs], [saved for _, saved in pairs])
+        with phases("copy"):  # (in slot order, so that runs of slices coalesce)
+            names = [s.name for s in self.slot_slices if s.name in targets and s.name in tensors]
+            summed = restore.copy_slices([targets[n] for n in names], [tensors[n] for n in names],
+                                         [places.get(n) for n in names] if places else None)
         with phases("param sync"):
             restore.sync_model_params(self.model, self.optimizer)
             if not load_optim and self._half_precision and not getattr(self.args, "load_main_params_from_ckpt", False):
@@ -353,6 +356,7 @@ class MegatronAdapter:
             elif load_rng:
                 restore.restore_rng(small.rng)
             restore.restore_args(self.args, small, finetune, getattr(self.args, "override_ckpt_iteration", None))
+        return summed
 
     @property
     def _half_precision(self) -> bool:

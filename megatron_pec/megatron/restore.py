@@ -16,15 +16,21 @@ import torch
 from megatron_pec.common.coalesce import coalesced
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.format.small_state_record import SmallState
+from megatron_pec.integrity.summed_copy import summed_copy
 from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 
 @torch.no_grad()
-def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
-    """Each saved slice into its live view, in slot order (so that runs of them coalesce)."""
+def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor],
+                places: list[tuple[str, int] | None] | None = None) -> dict[str, str] | None:
+    """Each saved slice into its live view. With ``places`` (per slice: its item and byte offset in the
+    item, or None), host copies that sum what they copy: item -> sum64 of its bytes copied."""
+    if places is not None:
+        return summed_copy(live, saved, places)
     live, saved = coalesced(live, saved)
     if live:  # one call, not one per run: a large MoE rank holds thousands
         torch._foreach_copy_(live, saved)
+    return None
 
 
 @torch.no_grad()

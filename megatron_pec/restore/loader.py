@@ -116,8 +116,11 @@ class RestorePlan:
     report: lost_tokens.PltReport | None
     resharded: bool = False                 # saved by another layout: no older file holds this rank's slices
     # item -> (its recorded checksum, where it came from): memory items the restore verifies once the
-    # bytes are on the device (``Loader(checked_after_copy=True)``)
+    # bytes are on the device, or while the host copies them (``Loader(checked_after_copy=True)``)
     check_after_copy: dict[str, tuple] = field(default_factory=dict)
+    # slice name -> (its item, its byte offset in the item) of those items' slices, for a host copy that
+    # sums them (``Loader(summed_by_copy=True)``)
+    places: dict[str, tuple[str, int]] = field(default_factory=dict)
     newest: int = -1                        # the newest iteration any rank has a source of (a lost node's)
 
     def log(self, rank: int) -> None:
@@ -211,11 +214,13 @@ class Loader:
     (every rank calls them, in the same order); they read and verify bytes, log what they find, and
     change nothing outside this object: no file is written or removed, no configuration changed."""
 
-    def __init__(self, ctx: LoadContext, directory: CheckpointDir, checked_after_copy: bool = False):
-        """``checked_after_copy``: node memory's bytes are verified by the restore once on the device, not
-        here before."""
+    def __init__(self, ctx: LoadContext, directory: CheckpointDir, checked_after_copy: bool = False,
+                 summed_by_copy: bool = False):
+        """``checked_after_copy``: node memory's bytes are verified by the restore where they land (once on
+        the device, or by the host copy that sums them: ``summed_by_copy``, the plan then names each slice's
+        place in its item), not here before."""
         self.ctx, self.directory, self.root = ctx, directory, directory.root
-        self.checked_after_copy = checked_after_copy
+        self.checked_after_copy, self.summed_by_copy = checked_after_copy, summed_by_copy
         self.storage = directory.storage
         self.rank = ctx.rank
         self.coll = ctx.collectives
@@ -469,14 +474,16 @@ class Loader:
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for name, item in self.ctx.slice_items.items():
             by_source.setdefault(id(plan[item]), (plan[item], set()))[1].add(name)
-        tensors = {}
+        tensors, places = {}, {}
         for source, names in by_source.values():
             tensors.update(source.tensors(names))
+            if self.summed_by_copy and source.kind == "memory" and source.checked_after_copy:
+                places.update(source.item_offsets(names))
         versions = {item: source.items[item] for item, source in plan.items()}
         after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
                       if source.kind == "memory" and source.checked_after_copy}
         pec, report, tokens_at_target = account(self.ctx, target, state, accounted)
         return RestorePlan(target, dense.described, versions, tensors, SmallState.loads(dense.header.small), pec,
-                             tokens_at_target, report, check_after_copy=after_copy, newest=newest)
+                           tokens_at_target, report, check_after_copy=after_copy, newest=newest, places=places)
 
 

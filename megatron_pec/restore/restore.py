@@ -18,6 +18,7 @@ from megatron_pec.common.collectives import Collectives
 from megatron_pec.common.phases import Phases
 from megatron_pec.config import PecConfig
 from megatron_pec.format.small_state_record import SmallState
+from megatron_pec.integrity.checksum import mismatch
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.store.checkpoint_dir import CheckpointDir
@@ -32,7 +33,8 @@ class RestoreAdapter(Protocol):
     def live_views(self) -> dict[str, torch.Tensor]: ...
 
     def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
-                load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None) -> None: ...
+                load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None,
+                places: dict[str, tuple[str, int]] | None = None) -> dict[str, str] | None: ...
 
     def iteration_after_load(self, iteration: int, finetune: bool) -> int: ...
 
@@ -71,8 +73,12 @@ class Restore:
         ``finetune``: weights only, the iteration starts at 0 (--finetune, or --pretrained-checkpoint).
         Returns ``(iteration, flops)``, None when ``directory`` holds nothing to restore."""
         load_optim = not (self.config.no_load_optim or finetune)
-        loader = Loader(self._load_context(phases), directory,
-                        checked_after_copy=self.parts.check_on_device and self.parts.stager is not None and load_optim)
+        # Node memory's bytes are checked where they land: on the device (the stager's sums), or, on a host
+        # without one, by the copy that sums them (one pass over the bytes, not two).
+        by_device = self.parts.check_on_device and self.parts.stager is not None
+        summed_by_copy = load_optim and not self.parts.check_on_device
+        loader = Loader(self._load_context(phases), directory, checked_after_copy=load_optim and by_device
+                        or summed_by_copy, summed_by_copy=summed_by_copy)
         with phases("the rest of the loader"):  # (the loader's own phases inside)
             found = loader.candidates()
         excluded: set[int] = set()
@@ -86,29 +92,44 @@ class Restore:
             if isinstance(plan, Refused):
                 problem = plan.why
             else:
-                self._apply(plan, finetune, scheduler, rng_key_prefix, phases)
-                with phases("checking on the device"):  # (the items restored from node memory, where they landed)
-                    problem = (self.parts.stager.checked(self.adapter.live_views(), plan.check_after_copy, phases)
-                               if plan.check_after_copy else None)
+                summed = self._apply(plan, finetune, scheduler, rng_key_prefix, phases)
+                with phases("checking where it landed"):  # (the items restored from node memory)
+                    problem = self._checked(plan, summed, phases)
                 if self.adapter.collectives.all_ok(problem is None):
                     return self._restored(directory, plan, finetune, phases)
             log.warning(f"cannot restore iteration {plan.iteration}: {problem or 'another rank cannot'}; "
                         "falling back to an older checkpoint", rank=self.rank)
             excluded.add(plan.iteration)
 
+    def _checked(self, plan: RestorePlan, summed: dict[str, str] | None, phases: Phases) -> str | None:
+        """What of ``plan.check_after_copy`` does not match where it landed: the sums its copy took
+        (``summed``), or else the device's."""
+        if not plan.check_after_copy:
+            return None
+        if summed is None:
+            return self.parts.stager.checked(self.adapter.live_views(), plan.check_after_copy, phases)
+        for item, (want, where) in sorted(plan.check_after_copy.items()):
+            if summed.get(item) != want:
+                return mismatch(f"{where} (checked while copied)", item, summed.get(item), want)
+        return None
+
     def _load_context(self, phases: Phases) -> LoadContext:
         return LoadContext(job=self.parts.job, config=self.config, collectives=self.adapter.collectives,
                            slice_items={s.name: s.item for s in self.adapter.slices}, slots=self.parts.files,
                            phases=phases)
 
-    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases) -> None:
-        """Load step 6: the plan into Megatron (through the adapter) and into the PEC bookkeeping."""
+    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str,
+               phases: Phases) -> dict[str, str] | None:
+        """Load step 6: the plan into Megatron (through the adapter) and into the PEC bookkeeping. Returns
+        the sums the copy took of the plan's ``places`` (None: none)."""
         config = self.config
-        self.adapter.restore(plan.small, plan.tensors, scheduler, load_optim=not (config.no_load_optim or finetune),
-                             load_rng=not (config.no_load_rng or finetune), finetune=finetune,
-                             rng_key_prefix=rng_key_prefix, phases=phases)
+        summed = self.adapter.restore(plan.small, plan.tensors, scheduler,
+                                      load_optim=not (config.no_load_optim or finetune),
+                                      load_rng=not (config.no_load_rng or finetune), finetune=finetune,
+                                      rng_key_prefix=rng_key_prefix, phases=phases, places=plan.places or None)
         with phases("PEC state"):
             self.parts.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
+        return summed
 
     def _restored(self, directory: CheckpointDir, plan: RestorePlan, finetune: bool,
                   phases: Phases) -> tuple[int, float]:

@@ -159,6 +159,17 @@ class Source:
             out.update(zip(whole, tensor_views(self._buffer, self._layout, [by_name[n] for n in whole])))
         return out
 
+    def item_offsets(self, names: set[str]) -> dict[str, tuple[str, int]]:
+        """Name -> (its item, its byte offset in the item's bytes as they are summed: the item's tensors
+        in header order), for ``names``."""
+        out, length = {}, {}
+        for e in self._layout.tensors:
+            at = length.get(e.item, 0)
+            if e.name in names:
+                out[e.name] = (e.item, at)
+            length[e.item] = at + e.end - e.begin
+        return out
+
     def _trainers_views(self) -> dict | None:
         """The trainer's own views of this slot when they view exactly these bytes: read through its
         mapping, with its tensor table, its data at the same offset."""

@@ -1,0 +1,73 @@
+"""Host copies that sum what they copy: a restore from node memory into host tensors, checked in one pass.
+
+Copying a slot's bytes into the optimizer and then summing them reads the bytes from memory twice; summing
+each piece right after its copy reads it from the cache (``tests/test_summed_copy.py``; on the quick
+benchmark's 55 MB per rank the check went from about 5 ms to about 2.5 ms). The sums are ``sum64``'s, so an
+item's pieces may be summed in any order and added up.
+"""
+
+from __future__ import annotations
+
+import numpy
+import torch
+
+from megatron_pec.common.coalesce import coalesced, coalesced_with_starts
+from megatron_pec.integrity.sum64 import MASK, Sum64, digest
+
+PIECE = 1 << 20  # bytes copied, then summed, at a time: well within a core's L2 cache
+
+
+@torch.no_grad()
+def summed_copy(dst: list[torch.Tensor], src: list[torch.Tensor], places: list[tuple[str, int] | None]
+                ) -> dict[str, str]:
+    """Copy each ``src[i]`` into ``dst[i]`` (contiguous 1-D host tensors of the same size) and return the
+    sum64 of each item's bytes copied; ``places[i]``: (the item ``src[i]`` belongs to, its byte offset
+    in the item), or None for a pair copied without a sum."""
+    plain = [i for i, place in enumerate(places) if place is None]
+    if plain:
+        plain_dst, plain_src = coalesced([dst[i] for i in plain], [src[i] for i in plain])
+        torch._foreach_copy_(plain_dst, plain_src)
+    picked = [i for i, place in enumerate(places) if place is not None]
+    totals: dict[str, list[int]] = {}
+    for item, offset, target, source in _pieces([dst[i] for i in picked], [src[i] for i in picked],
+                                                [places[i] for i in picked]):
+        numpy.copyto(target, source)
+        acc = Sum64(offset).update(target)
+        total = totals.setdefault(item, [0, 0])
+        total[0], total[1] = total[0] + acc.a, total[1] + acc.b
+    return {item: digest(a & MASK, b & MASK) for item, (a, b) in totals.items()}
+
+
+def _pieces(dst, src, places):
+    """(item, byte offset in the item, destination bytes, source bytes) of at most ``PIECE`` bytes each, in
+    copy order: the pairs coalesced into runs contiguous on both sides, each run cut where its item
+    changes or its offsets jump, and every ``PIECE`` bytes."""
+    runs_dst, runs_src, starts = coalesced_with_starts(dst, src)
+    for k, (run_dst, run_src) in enumerate(zip(runs_dst, runs_src)):
+        to_bytes, from_bytes = _bytes(run_dst), _bytes(run_src)
+        at, end_pair = 0, starts[k + 1] if k + 1 < len(starts) else len(dst)
+        for item, offset, size in _stretches(dst, places, starts[k], end_pair):
+            for cut in range(0, size, PIECE):
+                n = min(PIECE, size - cut)
+                yield item, offset + cut, to_bytes[at + cut:at + cut + n], from_bytes[at + cut:at + cut + n]
+            at += size
+
+
+def _stretches(dst, places, first: int, end: int):
+    """(item, offset, bytes) of pairs ``first``..``end`` - 1 of one run, consecutive pairs of one item whose
+    offsets follow on merged."""
+    item, offset, size = places[first][0], places[first][1], 0
+    for i in range(first, end):
+        nbytes = dst[i].numel() * dst[i].element_size()
+        if places[i] != (item, offset + size):
+            yield item, offset, size
+            item, offset, size = places[i][0], places[i][1], 0
+        size += nbytes
+    yield item, offset, size
+
+
+def _bytes(tensor: torch.Tensor) -> numpy.ndarray:
+    return tensor.view(torch.uint8).numpy()
+
+
+__all__ = ["summed_copy", "PIECE"]
