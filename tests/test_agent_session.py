@@ -45,7 +45,7 @@ def _snapshot(session, files, iteration):
         for view in files.item_views(slot, item).values():
             view.fill_(iteration + 0.5)
         sums.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
-    header = SlotHeader(job_id="s", fingerprint="f", save=files.directory, rank=0, world_size=1, iteration=iteration,
+    header = SlotHeader(job_id="s", fingerprint="f", save=session.hello.job.save, rank=0, world_size=1, iteration=iteration,
                         items=dict.fromkeys(ITEMS, iteration), tokens={"L1.E0": 1, "L1.E1": 2}, small="{}", pec="{}",
                         run=session.run, sums=sums)
     files.write_header(home, header.to_metadata())
@@ -117,3 +117,27 @@ def test_the_listener_reads_a_connection_beyond_selects_1024_descriptors(shm_dir
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_a_settled_connection_settles_on_its_own_snapshots_without_a_round_trip(shm_dir, tmp_path):
+    """A restore's settle asks the agent the first time on a connection (a pull from peers may be under way);
+    after that it waits only for this trainer's own snapshots to be recorded, which their Released says
+    (the agent writes its index first): the index then lists every snapshot announced, with no message sent."""
+    from megatron_pec.memory.history import NodeMemory
+
+    session, files = _session(shm_dir, str(tmp_path / "ckpt"))
+    sent = []
+    send = session.client.send
+    session.client.send = lambda msg: (sent.append(type(msg).__name__), send(msg))[1]
+    try:
+        session.begin(None)
+        session.settle()
+        assert sent.count("Settle") == 1
+        for iteration in (1, 2, 3):
+            _snapshot(session, files, iteration)
+            session.settle()  # (right after the announcement: the snapshot is still pending)
+            assert max(r.iteration for r in NodeMemory.read(session.node_dir).slots[0].values()) == iteration
+        assert sent.count("Settle") == 1 and not session.persist_errors, sent
+    finally:
+        session.close(detach=True)
+        files.close()

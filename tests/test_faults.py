@@ -273,11 +273,12 @@ def _wait_for_recorded_persists(c) -> int:
 
 def _restorable_slots(node_dir: Path, rank: int) -> dict[int, dict]:
     """slot -> (iteration, recoveries so far) of the snapshots a restore of ``rank`` may use, by the agent's
-    own predicate (any job: the test does not know the configuration fingerprint)."""
+    own predicate (any job: the test does not know the configuration fingerprint). A slot without a home
+    snapshot on the timeline (an expert pool's region: its record has no header) is no snapshot of its own."""
     memory, out = NodeMemory.read(str(node_dir)), {}
     for slot in memory.slots.get(rank, {}):
         verdict = memory.is_restorable(rank, slot, None)
-        if not isinstance(verdict, str):
+        if not isinstance(verdict, str) and verdict[1] is not None:
             record, header = verdict
             out[slot] = {"iteration": record.iteration, "recoveries": json.loads(header.pec)["recoveries"]}
     return out

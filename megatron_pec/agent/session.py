@@ -62,6 +62,7 @@ class AgentSession:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # the listener handled messages (or the agent was lost)
         self._requests = self._answered = 0  # Settle/Flush sent, and answered (the agent answers in order)
+        self._settled_on = None  # the connection whose agent answered a Settle (its pull, if any, ended)
         self._listener: threading.Thread | None = None
 
     @property
@@ -179,8 +180,19 @@ class AgentSession:
 
     # ---- waiting for the agent -------------------------------------------------------------------------
     def settle(self, timeout: float = 300.0) -> None:
-        """Until the agent has recorded every snapshot announced so far (what a restore reads)."""
-        self._request(Settle(), timeout)
+        """Until the agent has recorded every snapshot announced so far (what a restore reads). The first
+        time on a connection the agent is asked (it also waits for a pull from peers' replicas, which it
+        starts at the connection's Hello); after that, what is left is this trainer's own snapshots,
+        recorded once their Released came (the agent writes its index before): no round trip."""
+        with self._lock:
+            if self._settled_on is not None and self._settled_on is self.client.sock:
+                self._collect_until(lambda: not self.regions.pending, timeout)
+                if self.client.connected:
+                    return
+            sock = self.client.sock
+            self._request(Settle(), timeout)
+            if self.client.connected and self.client.sock is sock and self._answered >= self._requests:
+                self._settled_on = sock
 
     def flush(self, timeout: float = 300.0) -> None:
         """Until the agent has finished everything announced so far (by earlier trainers too)."""

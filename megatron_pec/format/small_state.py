@@ -60,8 +60,8 @@ def _decode(obj):
     if "__ndarray__" in obj:
         return numpy.frombuffer(base64.b64decode(obj["b64"]), dtype=numpy.dtype(obj["__ndarray__"])) \
             .reshape(obj["shape"]).copy()
-    if "__tuple__" in obj:
-        return tuple(_decode(v) for v in obj["__tuple__"])
+    if "__tuple__" in obj:  # (the same fast path: the tuple of Python's RNG state)
+        return tuple(_decode(obj["__tuple__"]))
     if "__dict__" in obj:
         return {k: _decode(v) for k, v in obj["__dict__"].items()}
     if "__items__" in obj:
