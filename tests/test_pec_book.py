@@ -124,3 +124,28 @@ def test_the_hand_over_completes_snapshots_in_order_and_one_failure_loses_only_t
     release.set()
     handover.before_step(None)  # (CPU ranks: the next optimizer step waits for the hand-over itself)
     assert done == [1, 3] and len(waited) == 3
+
+
+def test_a_plan_made_ahead_is_taken_for_the_state_it_was_made_for_and_no_other(monkeypatch):
+    """The hand-over thread plans the next memory snapshot once a save is recorded (sequential: no token
+    counts read), so the training thread's next save does not: it takes that plan, unless the state
+    changed since (another save recorded, a restore, a persistent save asked)."""
+    from megatron_pec.pec import policy
+
+    book = PecBook(config(pec_snapshot_k=1, pec_persist_k=1), JobFacts.build(config(), adapter()))
+    first, persist = book.plan(persistent=False)
+    book.record(first, persist, 1, persistent=False)
+    book.plan_ahead()
+    expected = book._plan(False)
+    calls = []
+    select = policy.select_experts
+    monkeypatch.setattr(policy, "select_experts", lambda *a, **k: (calls.append(a), select(*a, **k))[1])
+    assert book.plan(persistent=False) == expected and not calls  # taken, not planned again
+    book.plan_ahead()
+    book.record(*expected, 2, persistent=False)  # the state moved on: the plan made ahead is stale
+    fresh = book.plan(persistent=False)
+    assert calls and fresh != expected and sorted(x.layer for x in fresh[0]) == list(LAYERS)
+    book.plan_ahead()
+    calls.clear()
+    book.plan(persistent=True)  # (made for a memory snapshot: a persistent save plans its own)
+    assert calls

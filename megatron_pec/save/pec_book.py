@@ -30,9 +30,12 @@ class PecBook:
         # this rank's experts, so saves write every expert until a persistent one has.
         self.rewrite_all = False
         self.max_k: int | None = None  # the snapshot K node memory holds (a budget's), if less than all
+        self._changes = 0  # counts what may change a plan: recorded saves, restores, K's limits
+        self._ahead: tuple | None = None  # (``_plan_key``, plan): the next memory snapshot's, made ahead
 
     def limit_k(self, k: int) -> None:
         """Node memory holds snapshots of at most ``k`` experts per layer (identical on every rank)."""
+        self._changes += 1
         layout = self.job.expert_layout
         self.max_k = k if layout is not None and k < layout.num_experts else None
         self._clamp()
@@ -104,7 +107,26 @@ class PecBook:
         return snapshot - dropped, persist - dropped
 
     def plan(self, persistent: bool) -> tuple[frozenset, frozenset]:
-        """(experts to snapshot, the subset to persist); changes nothing (the save may be skipped)."""
+        """(experts to snapshot, the subset to persist); changes nothing (the save may be skipped). The plan
+        made ahead for this very state (``plan_ahead``) where there is one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == self._plan_key(persistent):
+            return ahead[1]
+        return self._plan(persistent)
+
+    def plan_ahead(self) -> None:
+        """Plan the next memory snapshot now (the hand-over thread, once a save is recorded: off the training
+        thread's next save), where the policy reads no token counts: its plan depends on nothing that
+        changes before that save but what ``_plan_key`` tells apart."""
+        if self.plans_without_counts and self.job.expert_layout is not None:
+            self._ahead = (self._plan_key(False), self._plan(False))
+
+    def _plan_key(self, persistent: bool) -> tuple:
+        state = self.state
+        return (self._changes, id(state), state.snapshot.k, state.persist.k, state.snapshot.checkpoints,
+                state.persist.checkpoints, self.rewrite_all, persistent)
+
+    def _plan(self, persistent: bool) -> tuple[frozenset, frozenset]:
         layout = self.job.expert_layout
         if layout is None:
             return frozenset(), frozenset()
@@ -116,6 +138,7 @@ class PecBook:
 
     def record(self, snapshot: frozenset, persist: frozenset, iteration: int, persistent: bool) -> None:
         """The save happened: its experts are now at ``iteration`` on their levels."""
+        self._changes += 1
         self.state.snapshot.record(snapshot, iteration, self.cumulative)
         if persistent:
             self.state.persist.record(persist, iteration, self.cumulative)
@@ -131,6 +154,7 @@ class PecBook:
     # ---- a restore ---------------------------------------------------------------------------------
     def adopt(self, state: PecState | None, tokens_at_target: dict, resharded: bool) -> None:
         """Continue from a restored PEC state (None: none was saved) and its token counts."""
+        self._changes += 1
         self.rewrite_all = resharded
         if state is None:
             return
@@ -142,4 +166,5 @@ class PecBook:
 
     def adopted_megatron(self) -> None:
         """Megatron's own loader restored the state: the next persistent save writes every expert."""
+        self._changes += 1
         self.rewrite_all = True
