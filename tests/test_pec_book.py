@@ -127,9 +127,9 @@ def test_the_hand_over_completes_snapshots_in_order_and_one_failure_loses_only_t
 
 
 def test_a_plan_made_ahead_is_taken_for_the_state_it_was_made_for_and_no_other(monkeypatch):
-    """The hand-over thread plans the next memory snapshot once a save is recorded (sequential: no token
-    counts read), so the training thread's next save does not: it takes that plan, unless the state
-    changed since (another save recorded, a restore, a persistent save asked)."""
+    """The hand-over thread plans the next save once a save is recorded, memory-only and persistent
+    (sequential: no token counts read), so the training thread's next save does not: it takes that plan,
+    unless the state changed since (another save recorded, a restore)."""
     from megatron_pec.pec import policy
 
     book = PecBook(config(pec_snapshot_k=1, pec_persist_k=1), JobFacts.build(config(), adapter()))
@@ -147,5 +147,10 @@ def test_a_plan_made_ahead_is_taken_for_the_state_it_was_made_for_and_no_other(m
     assert calls and fresh != expected and sorted(x.layer for x in fresh[0]) == list(LAYERS)
     book.plan_ahead()
     calls.clear()
-    book.plan(persistent=True)  # (made for a memory snapshot: a persistent save plans its own)
+    both = book._plan(True)
+    assert book.plan(persistent=True) == both and len(calls) == 1  # (made ahead too: only the check's call)
+    book.plan_ahead()
+    book.adopt(book.state, {}, resharded=False)  # a restore: nothing made before it is taken
+    calls.clear()
+    book.plan(persistent=False)
     assert calls

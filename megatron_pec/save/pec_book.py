@@ -31,7 +31,7 @@ class PecBook:
         self.rewrite_all = False
         self.max_k: int | None = None  # the snapshot K node memory holds (a budget's), if less than all
         self._changes = 0  # counts what may change a plan: recorded saves, restores, K's limits
-        self._ahead: tuple | None = None  # (``_plan_key``, plan): the next memory snapshot's, made ahead
+        self._ahead: dict[bool, tuple] = {}  # persistent -> (``_plan_key``, plan): the next save's, made ahead
 
     def limit_k(self, k: int) -> None:
         """Node memory holds snapshots of at most ``k`` experts per layer (identical on every rank)."""
@@ -109,17 +109,18 @@ class PecBook:
     def plan(self, persistent: bool) -> tuple[frozenset, frozenset]:
         """(experts to snapshot, the subset to persist); changes nothing (the save may be skipped). The plan
         made ahead for this very state (``plan_ahead``) where there is one."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead = self._ahead.get(persistent), {}
         if ahead is not None and ahead[0] == self._plan_key(persistent):
             return ahead[1]
         return self._plan(persistent)
 
     def plan_ahead(self) -> None:
-        """Plan the next memory snapshot now (the hand-over thread, once a save is recorded: off the training
-        thread's next save), where the policy reads no token counts: its plan depends on nothing that
-        changes before that save but what ``_plan_key`` tells apart."""
+        """Plan the next save now, memory-only and persistent alike (the hand-over thread, once a save is
+        recorded: off the training thread's next save), where the policy reads no token counts: its plan
+        depends on nothing that changes before that save but what ``_plan_key`` tells apart."""
         if self.plans_without_counts and self.job.expert_layout is not None:
-            self._ahead = (self._plan_key(False), self._plan(False))
+            self._ahead = {persistent: (self._plan_key(persistent), self._plan(persistent))
+                           for persistent in (False, True)}
 
     def _plan_key(self, persistent: bool) -> tuple:
         state = self.state
