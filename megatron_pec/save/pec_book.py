@@ -118,9 +118,13 @@ class PecBook:
         """Plan the next save now, memory-only and persistent alike (the hand-over thread, once a save is
         recorded: off the training thread's next save), where the policy reads no token counts: its plan
         depends on nothing that changes before that save but what ``_plan_key`` tells apart."""
-        if self.plans_without_counts and self.job.expert_layout is not None:
+        if not self.plans_without_counts or self.job.expert_layout is None:
+            return
+        try:
             self._ahead = {persistent: (self._plan_key(persistent), self._plan(persistent))
                            for persistent in (False, True)}
+        except Exception:  # (only a head start: the save that needs the plan makes it, and raises there)
+            self._ahead = {}
 
     def _plan_key(self, persistent: bool) -> tuple:
         state = self.state
