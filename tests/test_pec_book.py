@@ -126,31 +126,28 @@ def test_the_hand_over_completes_snapshots_in_order_and_one_failure_loses_only_t
     assert done == [1, 3] and len(waited) == 3
 
 
-def test_a_plan_made_ahead_is_taken_for_the_state_it_was_made_for_and_no_other(monkeypatch):
-    """The hand-over thread plans the next save once a save is recorded, memory-only and persistent
+def test_a_plan_made_ahead_is_taken_for_the_state_it_was_made_for_and_no_other():
+    """The hand-over thread plans the next save once a save is recorded, of the kind the last one was
     (sequential: no token counts read), so the training thread's next save does not: it takes that plan,
-    unless the state changed since (another save recorded, a restore)."""
-    from megatron_pec.pec import policy
-
+    unless the state changed since (another save recorded, a restore) or the save is of the other kind."""
     book = PecBook(config(pec_snapshot_k=1, pec_persist_k=1), JobFacts.build(config(), adapter()))
     first, persist = book.plan(persistent=False)
     book.record(first, persist, 1, persistent=False)
-    book.plan_ahead()
     expected = book._plan(False)
-    calls = []
-    select = policy.select_experts
-    monkeypatch.setattr(policy, "select_experts", lambda *a, **k: (calls.append(a), select(*a, **k))[1])
-    assert book.plan(persistent=False) == expected and not calls  # taken, not planned again
-    book.plan_ahead()
+    planned, plan = [], book._plan
+    book._plan = lambda persistent: (planned.append(persistent), plan(persistent))[1]
+    book.plan_ahead(persistent=False)
+    assert planned == [False]  # (here, on the hand-over thread)
+    assert book.plan(persistent=False) == expected and planned == [False]  # taken, not planned again
+    book.plan_ahead(persistent=False)
     book.record(*expected, 2, persistent=False)  # the state moved on: the plan made ahead is stale
     fresh = book.plan(persistent=False)
-    assert calls and fresh != expected and sorted(x.layer for x in fresh[0]) == list(LAYERS)
-    book.plan_ahead()
-    calls.clear()
-    both = book._plan(True)
-    assert book.plan(persistent=True) == both and len(calls) == 1  # (made ahead too: only the check's call)
-    book.plan_ahead()
+    assert planned == [False] * 3 and fresh != expected and sorted(x.layer for x in fresh[0]) == list(LAYERS)
+    book.plan_ahead(persistent=False)
+    assert book.plan(persistent=True) == plan(True) and planned == [False] * 4 + [True]  # the other kind
+    book.plan_ahead(persistent=True)
+    assert book.plan(persistent=True) == plan(True) and planned == [False] * 4 + [True] * 2  # taken
+    book.plan_ahead(persistent=False)
     book.adopt(book.state, {}, resharded=False)  # a restore: nothing made before it is taken
-    calls.clear()
     book.plan(persistent=False)
-    assert calls
+    assert planned[-2:] == [False, False]

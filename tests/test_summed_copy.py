@@ -1,13 +1,14 @@
-"""A restore from node memory into host tensors checks its bytes as it copies them (``integrity/summed_copy.py``):
-the copy is exact and each item's sums are the definition's over the item's bytes, however its slices
-coalesce into runs across items, in whatever order, cut into pieces at any byte."""
+"""A restore from node memory into host tensors checks its bytes as it copies them (``copy_slices`` with places,
+``integrity/summed_copy.py``): the copy is exact, a slice without a place is copied unsummed, and each item's
+sums are the definition's over the item's bytes, however its slices coalesce into runs across items, in
+whatever order, cut into pieces at any byte."""
 
 import numpy
 import pytest
 import torch
 
 from megatron_pec.integrity import summed_copy as module
-from megatron_pec.integrity.summed_copy import summed_copy
+from megatron_pec.megatron.restore import copy_slices
 from test_sum64 import reference
 
 
@@ -42,7 +43,7 @@ def slot_and_live():
 def test_the_copy_is_exact_and_its_sums_are_the_items(monkeypatch, piece):
     monkeypatch.setattr(module, "PIECE", piece)
     order, saved, live, places, item_bytes = slot_and_live()
-    sums = summed_copy([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
+    sums = copy_slices([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
     for n in order:
         assert torch.equal(live[n].view(torch.uint8), saved[n].view(torch.uint8)), n
     assert sums == {item: reference(data) for item, data in item_bytes.items()}
@@ -51,14 +52,14 @@ def test_the_copy_is_exact_and_its_sums_are_the_items(monkeypatch, piece):
 def test_pairs_in_any_order_give_the_same_sums():
     order, saved, live, places, item_bytes = slot_and_live()
     shuffled = ["e1", "d2", "d0", "p", "e0", "d1"]
-    sums = summed_copy([live[n] for n in shuffled], [saved[n] for n in shuffled], [places[n] for n in shuffled])
+    sums = copy_slices([live[n] for n in shuffled], [saved[n] for n in shuffled], [places[n] for n in shuffled])
     assert sums == {item: reference(data) for item, data in item_bytes.items()}
 
 
 def test_a_flipped_byte_changes_the_sum_of_its_item_only():
     order, saved, live, places, item_bytes = slot_and_live()
-    clean = summed_copy([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
+    clean = copy_slices([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
     saved["d1"].view(torch.uint8)[17] ^= 0x04
-    flipped = summed_copy([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
+    flipped = copy_slices([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
     assert flipped["E"] == clean["E"] and flipped["dense"] != clean["dense"]
     assert live["d1"].view(torch.uint8)[17] == saved["d1"].view(torch.uint8)[17]

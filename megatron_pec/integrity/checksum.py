@@ -86,5 +86,14 @@ def mismatch(where: str, item: str, actual, expected) -> str:
             f"{shown(expected) if expected is not None else 'none'}): the file is corrupt")
 
 
+def first_mismatch(expected: dict[str, tuple], actual: dict, how: str) -> str | None:
+    """The first item of ``expected`` (item -> (its recorded checksum, where it was read)) whose checksum in
+    ``actual`` differs, as ``mismatch`` says it (``how``: how it was checked); None when all match."""
+    for item, (want, where) in sorted(expected.items()):
+        if actual.get(item) != want:
+            return mismatch(f"{where} ({how})", item, actual.get(item, "none"), want)
+    return None
+
+
 __all__ = ["CHUNK", "crc32", "IMPLEMENTATION", "accumulator", "item_checks", "item_crc32", "is_sum64", "mismatch",
-           "shown"]
+           "first_mismatch", "shown"]

@@ -11,26 +11,19 @@ from __future__ import annotations
 import numpy
 import torch
 
-from megatron_pec.common.coalesce import coalesced, coalesced_with_starts
+from megatron_pec.common.coalesce import coalesced_with_starts
 from megatron_pec.integrity.sum64 import MASK, Sum64, digest
 
 PIECE = 1 << 20  # bytes copied, then summed, at a time: about a core's L2 (0.5-2 MiB measured alike)
 
 
 @torch.no_grad()
-def summed_copy(dst: list[torch.Tensor], src: list[torch.Tensor], places: list[tuple[str, int] | None]
-                ) -> dict[str, str]:
+def summed_copy(dst: list[torch.Tensor], src: list[torch.Tensor], places: list[tuple[str, int]]) -> dict[str, str]:
     """Copy each ``src[i]`` into ``dst[i]`` (contiguous 1-D host tensors of the same size) and return the
     sum64 of each item's bytes copied; ``places[i]``: (the item ``src[i]`` belongs to, its byte offset
-    in the item), or None for a pair copied without a sum."""
-    plain = [i for i, place in enumerate(places) if place is None]
-    if plain:
-        plain_dst, plain_src = coalesced([dst[i] for i in plain], [src[i] for i in plain])
-        torch._foreach_copy_(plain_dst, plain_src)
-    picked = [i for i, place in enumerate(places) if place is not None]
+    in the item)."""
     totals: dict[str, list[int]] = {}
-    for item, offset, target, source in _pieces([dst[i] for i in picked], [src[i] for i in picked],
-                                                [places[i] for i in picked]):
+    for item, offset, target, source in _pieces(dst, src, places):
         numpy.copyto(target, source)
         acc = Sum64(offset).update(target)
         total = totals.setdefault(item, [0, 0])

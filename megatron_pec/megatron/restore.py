@@ -24,13 +24,18 @@ from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor],
                 places: list[tuple[str, int] | None] | None = None) -> dict[str, str] | None:
     """Each saved slice into its live view. With ``places`` (per slice: its item and byte offset in the
-    item, or None), host copies that sum what they copy: item -> sum64 of its bytes copied."""
+    item, or None: not summed), the slices placed are copied by host copies that sum what they copy:
+    returns item -> sum64 of its bytes copied (None without ``places``)."""
+    summed = None
     if places is not None:
-        return summed_copy(live, saved, places)
+        picked = [i for i, place in enumerate(places) if place is not None]
+        summed = summed_copy([live[i] for i in picked], [saved[i] for i in picked], [places[i] for i in picked])
+        plain = [i for i, place in enumerate(places) if place is None]
+        live, saved = [live[i] for i in plain], [saved[i] for i in plain]
     live, saved = coalesced(live, saved)
     if live:  # one call, not one per run: a large MoE rank holds thousands
         torch._foreach_copy_(live, saved)
-    return None
+    return summed
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from megatron_pec.common.collectives import Collectives
 from megatron_pec.common.phases import Phases
 from megatron_pec.config import PecConfig
 from megatron_pec.format.small_state_record import SmallState
-from megatron_pec.integrity.checksum import mismatch
+from megatron_pec.integrity.checksum import first_mismatch
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.store.checkpoint_dir import CheckpointDir
@@ -75,10 +75,10 @@ class Restore:
         load_optim = not (self.config.no_load_optim or finetune)
         # Node memory's bytes are checked where they land: on the device (the stager's sums), or, on a host
         # without one, by the copy that sums them (one pass over the bytes, not two).
-        by_device = self.parts.check_on_device and self.parts.stager is not None
         summed_by_copy = load_optim and not self.parts.check_on_device
-        loader = Loader(self._load_context(phases), directory, checked_after_copy=load_optim and by_device
-                        or summed_by_copy, summed_by_copy=summed_by_copy)
+        by_device = load_optim and self.parts.check_on_device and self.parts.stager is not None
+        loader = Loader(self._load_context(phases), directory, checked_after_copy=by_device or summed_by_copy,
+                        summed_by_copy=summed_by_copy)
         with phases("the rest of the loader"):  # (the loader's own phases inside)
             found = loader.candidates()
         excluded: set[int] = set()
@@ -108,10 +108,7 @@ class Restore:
             return None
         if summed is None:
             return self.parts.stager.checked(self.adapter.live_views(), plan.check_after_copy, phases)
-        for item, (want, where) in sorted(plan.check_after_copy.items()):
-            if summed.get(item) != want:
-                return mismatch(f"{where} (checked while copied)", item, summed.get(item), want)
-        return None
+        return first_mismatch(plan.check_after_copy, summed, "checked while copied")
 
     def _load_context(self, phases: Phases) -> LoadContext:
         return LoadContext(job=self.parts.job, config=self.config, collectives=self.adapter.collectives,

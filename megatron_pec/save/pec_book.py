@@ -31,7 +31,7 @@ class PecBook:
         self.rewrite_all = False
         self.max_k: int | None = None  # the snapshot K node memory holds (a budget's), if less than all
         self._changes = 0  # counts what may change a plan: recorded saves, restores, K's limits
-        self._ahead: dict[bool, tuple] = {}  # persistent -> (``_plan_key``, plan): the next save's, made ahead
+        self._ahead: tuple | None = None  # (``_changes``, persistent, plan): the next save's, made ahead
 
     def limit_k(self, k: int) -> None:
         """Node memory holds snapshots of at most ``k`` experts per layer (identical on every rank)."""
@@ -109,27 +109,22 @@ class PecBook:
     def plan(self, persistent: bool) -> tuple[frozenset, frozenset]:
         """(experts to snapshot, the subset to persist); changes nothing (the save may be skipped). The plan
         made ahead for this very state (``plan_ahead``) where there is one."""
-        ahead, self._ahead = self._ahead.get(persistent), {}
-        if ahead is not None and ahead[0] == self._plan_key(persistent):
-            return ahead[1]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:2] == (self._changes, persistent):
+            return ahead[2]
         return self._plan(persistent)
 
-    def plan_ahead(self) -> None:
-        """Plan the next save now, memory-only and persistent alike (the hand-over thread, once a save is
-        recorded: off the training thread's next save), where the policy reads no token counts: its plan
-        depends on nothing that changes before that save but what ``_plan_key`` tells apart."""
+    def plan_ahead(self, persistent: bool) -> None:
+        """Plan the next save now, taking it to be of the kind of the last (``persistent``: a snapshot every
+        iteration plans memory-only ones; a save of the other kind plans itself), on the hand-over thread
+        once a save is recorded: off the training thread's next save. Only where the policy reads no token
+        counts: then the plan depends on nothing but what ``_changes`` counts."""
         if not self.plans_without_counts or self.job.expert_layout is None:
             return
         try:
-            self._ahead = {persistent: (self._plan_key(persistent), self._plan(persistent))
-                           for persistent in (False, True)}
+            self._ahead = (self._changes, persistent, self._plan(persistent))
         except Exception:  # (only a head start: the save that needs the plan makes it, and raises there)
-            self._ahead = {}
-
-    def _plan_key(self, persistent: bool) -> tuple:
-        state = self.state
-        return (self._changes, id(state), state.snapshot.k, state.persist.k, state.snapshot.checkpoints,
-                state.persist.checkpoints, self.rewrite_all, persistent)
+            self._ahead = None
 
     def _plan(self, persistent: bool) -> tuple[frozenset, frozenset]:
         layout = self.job.expert_layout

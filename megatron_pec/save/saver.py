@@ -113,7 +113,7 @@ class Saver:
             self._skip(pending.iteration, "the node agent died")
             return
         self.stats["saves"] += 1
-        self.parts.book.plan_ahead()  # (the training thread waits for this thread before its next save)
+        self.parts.book.plan_ahead(pending.persistent)  # (the next save waits for this thread first)
 
     def _agreed(self, later: AgreedLater) -> PendingSnapshot | None:
         """The agreement's result, then the save described and recorded in the PEC bookkeeping and the save

@@ -44,7 +44,7 @@ import torch
 from megatron_pec.common import log
 from megatron_pec.common.coalesce import coalesced_with_starts, run_view
 from megatron_pec.common.phases import Phases
-from megatron_pec.integrity.checksum import mismatch
+from megatron_pec.integrity.checksum import first_mismatch
 from megatron_pec.save.copy_waves import copy_in_waves
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.memory.layout import POOL
@@ -373,11 +373,7 @@ class Stager:
         pending = sums.start(expected)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
-        actual = pending.digests()
-        for item, (want, where) in sorted(expected.items()):
-            if actual[item] != want:
-                return mismatch(f"{where} (checked on the device after the copy)", item, actual[item], want)
-        return None
+        return first_mismatch(expected, pending.digests(), "checked on the device after the copy")
 
     def runs_of(self, item: str) -> list | None:
         """The runs ``item`` coalesced into (their first slices' names), once bound (tests look)."""
