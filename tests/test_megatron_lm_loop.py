@@ -11,7 +11,11 @@ memory every iteration and a persisted checkpoint every 4, the router's aux-loss
 3. SIGKILL while they snapshot iteration 9, then the node agent killed and node memory deleted:
    the restart restores the persisted iteration 8 from storage.
 
-Every loss Megatron logs after each restart equals the uninterrupted run's at that iteration.
+Every loss Megatron logs after each restart equals the uninterrupted run's at that iteration. That needs
+every snapshot whole, so the job runs under a budget (``--pec-node-memory 3x``, room for every expert): there
+a snapshot waits for the regions a persist still reads (``Save.await_snapshot_room``). Without one it keeps
+those experts at their older versions instead of stalling training, as a slow agent on a loaded machine
+makes it do, and the restore counts their lost work (PLT): correct, but not the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def test_megatron_lm_pretrain_gpt_resumes_exactly(patched_tree, uninterrupted, t
     shm = Path("/dev/shm") / f"pec-mlm-{os.getpid()}-{tmp_path.name[-12:]}"
     save = tmp_path / "checkpoints"
     ckpt = ["--save", str(save), "--load", str(save), "--save-interval", "4", "--non-persistent-save-interval", "1",
-            "--pec-shm-dir", str(shm), "--pec-job-id", "mlm"]
+            "--pec-shm-dir", str(shm), "--pec-job-id", "mlm", "--pec-node-memory", "3x"]
     try:
         reference = uninterrupted(patched_tree)
         assert sorted(reference) == list(range(1, 11))
