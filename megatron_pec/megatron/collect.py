@@ -262,13 +262,18 @@ def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: out[key] for key in tensors}
 
 
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
 def _detached(obj):
     """``obj`` (a state_dict) with every tensor in it copied to the host: what the hand-over thread may
     encode after training has gone on (a grad scaler's state holds live device tensors)."""
+    if type(obj) in _SCALARS:  # (most of a state_dict: checked first, by one lookup, at every save)
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _detached(v) for k, v in obj.items()}
+        return {k: v if type(v) in _SCALARS else _detached(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_detached(v) for v in obj)
     return obj
