@@ -81,14 +81,31 @@ def test_a_snapshot_of_an_abandoned_timeline_is_never_restored_whatever_the_reus
     assert restorable_homes(mem) == [16, 15] and newest(mem) == {"dense": 16, "L1.E0": 16, "L1.E1": 15}
     assert mem.is_restorable(0, P + 1, JOB) == "holds no complete snapshot and no recorded region"
     mem.write()
-    again = NodeMemory.read(mem.directory)                     # what a restarted agent or a restore reads
+    again = NodeMemory.read(mem.directory)                     # what a restarted agent reads
     assert restorable_homes(again) == [16, 15] and newest(again) == newest(mem)
+    own = NodeMemory.read(mem.directory, 0)                    # what a restore reads: its rank's part only
+    assert restorable_homes(own) == [16, 15] and set(own.slots) == {0}
     mem.begin(0, "b", 15, JOB)                                 # a reconnect repeats Begin: nothing changes
     assert restorable_homes(mem) == [16, 15]
     mem.begin(0, "c", 15, JOB)                                 # run c restored 15 again (say 16 was corrupt)
     assert restorable_homes(mem) == [15]
     mem.begin(0, "d", None, JOB)                               # from scratch: nothing of before
     assert restorable_homes(mem) == [] and newest(mem) == {}
+
+
+def test_the_lineage_keeps_only_runs_that_hold_something(memory):
+    """Restarts that restore and die before their first snapshot leave no segment behind: the lineage
+    (read by every restore) holds the runs whose regions are still recorded, and the current one."""
+    files, mem = memory
+    mem.begin(0, "a", None, JOB)
+    fill(files, mem, 0, 5, "a", places={"L1.E0": P, "L1.E1": P + 1})
+    for run in "bcdef":
+        mem.begin(0, run, 5, JOB)
+    assert [s.run for s in mem.lineage[0]] == ["a", "f"] and restorable_homes(mem) == [5]
+    fill(files, mem, 1, 6, "f", written=("dense",))
+    mem.begin(0, "g", 6, JOB)
+    assert [s.run for s in mem.lineage[0]] == ["a", "f", "g"]
+    assert newest(mem) == {"dense": 6, "L1.E0": 5, "L1.E1": 5}
 
 
 def test_regions_of_an_older_run_keep_their_run_when_a_newer_one_takes_the_home(memory):

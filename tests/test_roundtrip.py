@@ -20,6 +20,7 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir):
         assert r["fresh"] == [0, 0]
         # (the third: a fresh optimizer's state allocated without Megatron's load_state_dict)
         assert r["in_place"] == [True, True, True], "a restore into the running job reallocated the optimizer state"
+        assert r["main_params_are_model_params"] == [True, True], r["main_params_are_model_params"]
         assert r["fresh_structure"] == {"same": True, "own_steps": True}, \
             "a fresh optimizer's restored state differs from what Megatron's load_state_dict leaves"
         # Saves asked the optimizer for its state_dict with one parameter per group (no walk over

@@ -63,3 +63,15 @@ def test_a_flipped_byte_changes_the_sum_of_its_item_only():
     flipped = copy_slices([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
     assert flipped["E"] == clean["E"] and flipped["dense"] != clean["dense"]
     assert live["d1"].view(torch.uint8)[17] == saved["d1"].view(torch.uint8)[17]
+
+
+def test_pieces_of_whole_rows_sum_as_the_definition():
+    """Pieces long enough for rows of the two reductions (torch sums the rows here, numpy elsewhere): words
+    with their high bits set wrap mod 2**64 alike, from an offset that is not a whole word."""
+    rng = numpy.random.default_rng(7)
+    nbytes = 3 * 8 * 4096 + 36
+    source = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=numpy.uint8))
+    live = torch.zeros(nbytes, dtype=torch.uint8)
+    sums = copy_slices([live], [source], [("E", 4)])
+    assert torch.equal(live, source)
+    assert sums == {"E": reference(bytes(4) + bytes(source.numpy()))}

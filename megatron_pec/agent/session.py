@@ -249,7 +249,7 @@ class AgentSession:
                 # Only the answer to the last Begin counts: the agent's index is current then.
                 self.begins_unanswered -= 1
                 if not self.begins_unanswered:
-                    self.regions.reset(NodeMemory.read(self.node_dir), self.rank)
+                    self.regions.reset(NodeMemory.read(self.node_dir, self.rank), self.rank)
                     self.regions.pin(msg.pins, msg.hold)
                 continue
             if isinstance(msg, Released):

@@ -43,11 +43,13 @@ class Sum64:
     """The sums of a byte stream fed in pieces of any size and alignment (numpy, releases the GIL on
     large pieces)."""
 
-    def __init__(self, start: int = 0):
+    def __init__(self, start: int = 0, row_sums=None):
         """``start``: the item byte the first piece begins at (the sums of a run that is a part of an
-        item; the sums of an item's runs add up to the item's, mod 2**64)."""
+        item; the sums of an item's runs add up to the item's, mod 2**64). ``row_sums``: what sums each
+        row of an int64 grid (``_weighted``; default numpy's)."""
         self.a = self.b = 0
         self.length = start  # stream bytes before the next piece
+        self.row_sums = row_sums or _numpy_row_sums
 
     def update(self, data) -> "Sum64":
         view = numpy.frombuffer(data, dtype=numpy.uint8)
@@ -59,7 +61,7 @@ class Sum64:
         whole = (len(view) - at) // 8
         if whole:
             words = numpy.frombuffer(view[at:at + 8 * whole], dtype="<i8")
-            a, b = _weighted(words)
+            a, b = _weighted(words, self.row_sums)
             first = (self.length + at) // 8
             self.a += a
             self.b += b + first * a
@@ -84,7 +86,11 @@ class Sum64:
         return digest(self.a, self.b)
 
 
-def _weighted(words: numpy.ndarray) -> tuple[int, int]:
+def _numpy_row_sums(grid: numpy.ndarray) -> numpy.ndarray:
+    return grid.sum(axis=1, dtype=numpy.int64)
+
+
+def _weighted(words: numpy.ndarray, row_sums=_numpy_row_sums) -> tuple[int, int]:
     """(sum of words, sum of (index + 1) * word) of int64 ``words``, as Python ints mod 2**64.
 
     Rows of COLUMNS words: the column sums weight each word by its place in its row, the row sums by
@@ -96,10 +102,10 @@ def _weighted(words: numpy.ndarray) -> tuple[int, int]:
         if rows:
             grid = words[:rows * COLUMNS].reshape(rows, COLUMNS)
             columns = grid.sum(axis=0, dtype=numpy.int64)
-            row_sums = grid.sum(axis=1, dtype=numpy.int64)
+            rows_summed = row_sums(grid)
             a += int(columns.sum(dtype=numpy.int64))
             b += int(numpy.dot(_ARANGE1[:COLUMNS], columns))
-            b += COLUMNS * int(numpy.dot(numpy.arange(rows, dtype=numpy.int64), row_sums))
+            b += COLUMNS * int(numpy.dot(numpy.arange(rows, dtype=numpy.int64), rows_summed))
         tail = words[rows * COLUMNS:]
         if len(tail):
             a_tail = int(tail.sum(dtype=numpy.int64))

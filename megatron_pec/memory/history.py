@@ -21,6 +21,7 @@ so a snapshot of an abandoned timeline is never restored, whatever order regions
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from megatron_pec.format.item_names import NON_EXPERT
@@ -76,13 +77,17 @@ class NodeMemory:
         self.jobs: dict[int, JobKey] = {int(r): JobKey(*m.job) for r, m in index.ranks.items() if len(m.job) == 3}
 
     @classmethod
-    def read(cls, directory: str) -> "NodeMemory":
+    def read(cls, directory: str, rank: int | None = None) -> "NodeMemory":
         """The index as the agent last wrote it; empty if there is none or it cannot be decoded
-        (then nothing in node memory is restorable - never a guess)."""
+        (then nothing in node memory is restorable - never a guess). ``rank``: that rank's part only
+        (a trainer reads its own: the other local ranks' records are not decoded, 7 of 8 on a GPU node)."""
         try:
             with open(os.path.join(directory, INDEX), "rb") as f:
-                return cls(directory, MemoryIndex.loads(f.read()))
-        except (OSError, ProtocolError):
+                data = json.loads(f.read())
+            if rank is not None and isinstance(data, dict) and isinstance(data.get("ranks"), dict):
+                data = {**data, "ranks": {k: v for k, v in data["ranks"].items() if k == str(rank)}}
+            return cls(directory, MemoryIndex.decode(data))
+        except (OSError, ValueError, ProtocolError):
             return cls(directory)
 
     def write(self) -> None:
@@ -143,7 +148,17 @@ class NodeMemory:
         kept = [Segment(s.run, cut if s.last is None else min(s.last, cut))
                 for s in self.lineage.get(rank, []) if s.run != run]
         own = [s for s in self.lineage.get(rank, []) if s.run == run] or [Segment(run, None)]
-        self.lineage[rank] = [s for s in kept if s.last >= 0] + own
+        held = self._runs_held(rank)  # (a segment of a run that holds nothing admits nothing: every restart
+        # would otherwise add one for good, and every restore reads them)
+        self.lineage[rank] = [s for s in kept if s.last >= 0 and s.run in held] + own
+
+    def _runs_held(self, rank: int) -> set[str]:
+        """The runs that wrote what the rank's records hold."""
+        runs = set()
+        for record in self.slots.get(rank, {}).values():
+            runs.add(record.run)
+            runs.update(record.runs.values())
+        return runs
 
     def _own(self, rank: int, job: JobKey) -> None:
         """Regions written under another job, configuration or --save are forgotten (the slot files of

@@ -257,7 +257,7 @@ def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None, checked_af
     mapped = slots.mapped() if slots is not None else {}
     views = slots.mapped_views() if slots is not None else {}
     table = slots.table if slots is not None else None
-    restorable, foreign = NodeMemory.read(node_dir).restorable(rank, job)
+    restorable, foreign = NodeMemory.read(node_dir, rank).restorable(rank, job)
     for reason in foreign:
         log.warning(f"ignoring node-memory slot {reason}", rank=rank)
     out, pool = [], None

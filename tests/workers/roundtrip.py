@@ -138,6 +138,10 @@ def main():
     result["fresh_structure"] = {"same": structures["restart"] == structures["restart, Megatron's load_state_dict"],
                                  "own_steps": all(o["own_steps"] for o in structures["restart"])}
     result["in_place"] = in_place
+    # fp32 training: each main-param shard views its model param, so a restore skips Megatron's copy of
+    # one onto the other (the losses after every restore above say the model params were right)
+    result["main_params_are_model_params"] = [restore._main_params_are_model_params(o)
+                                              for o in collect.distributed_optimizers(optimizer)]
     report("roundtrip", result)
     torch.distributed.barrier()
 
