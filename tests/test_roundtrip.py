@@ -21,6 +21,9 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir):
         # (the third: a fresh optimizer's state allocated without Megatron's load_state_dict)
         assert r["in_place"] == [True, True, True], "a restore into the running job reallocated the optimizer state"
         assert r["main_params_are_model_params"] == [True, True], r["main_params_are_model_params"]
+        # Each restore from storage (into the running job, then into a restarted optimizer without state)
+        # read its rank file straight into the tensors it restores: nothing left to copy from a buffer.
+        assert len(r["landings"]) == 3 and all(n > 0 and kept == 0 for n, kept in r["landings"]), r["landings"]
         assert r["fresh_structure"] == {"same": True, "own_steps": True}, \
             "a fresh optimizer's restored state differs from what Megatron's load_state_dict leaves"
         # Saves asked the optimizer for its state_dict with one parameter per group (no walk over

@@ -75,3 +75,4 @@ def test_pieces_of_whole_rows_sum_as_the_definition():
     sums = copy_slices([live], [source], [("E", 4)])
     assert torch.equal(live, source)
     assert sums == {"E": reference(bytes(4) + bytes(source.numpy()))}
+

@@ -20,11 +20,11 @@ from megatron_pec.common import log
 from megatron_pec.format import small_state
 from megatron_pec.common.collectives import Collectives
 from megatron_pec.format.item_names import ExpertId
-from megatron_pec.megatron import collect, contiguous, layout, modelstate, restore
+from megatron_pec.megatron import collect, contiguous, global_layout, layout, modelstate, restore
 from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.tokens import TokenCounter
 from megatron_pec.common.phases import Phases
-from megatron_pec.format.protocol import GlobalParam, RankLayout
+from megatron_pec.format.protocol import RankLayout
 from megatron_pec.format.small_state_record import SmallState
 
 
@@ -250,32 +250,8 @@ class MegatronAdapter:
 
     def layout_record(self, fingerprint: str) -> RankLayout:
         """Where each slice lies in the model's global parameters (``RankLayout``)."""
-        from megatron_pec.format.stformat import dtype_code
-
-        names, module_names = {}, {}
-        for params, modules in self.global_names:
-            names.update(params)
-            module_names.update(modules)
-        param_maps = {}  # (optimizer, buffer, dtype, bucket) -> the bucket's params in order
-        index, params, slices = {}, [], {}
-        for s in self.slices:
-            oi, gi, dtype, bi, ei, _, _ = s.locator
-            key = (oi, gi, dtype, bi)
-            if key not in param_maps:
-                param_maps[key] = list(self.optimizers[oi].gbuf_ranges[gi][dtype][bi]["param_map"])
-            param = param_maps[key][ei]
-            if param not in index:
-                index[param] = len(params)
-                main = collect.main_param(self.optimizers[oi], param)
-                params.append(GlobalParam(names[param], list(param.shape), dtype_code(main.dtype)))
-            slices[s.name] = [index[param], s.param_start, s.param_end]
-        buffers = {key: f"{module_names[module]}.{attr}" for key, module, attr in self.buffers}
-        why = ""
-        if self.topology["tp"] > 1:
-            why = "tensor parallelism splits each parameter (TP > 1): the ranges are within each TP rank's part"
-        elif any(layout.parse_expert_param_name(p.name) == ("grouped", None) for p in params):
-            why = "the legacy GroupedMLP holds all local experts in one tensor (--moe-grouped-gemm without TE)"
-        return RankLayout(fingerprint, self.rank, self.topology, params, slices, buffers, why)
+        return global_layout.rank_layout(fingerprint, self.rank, self.topology, self.slices, self.optimizers,
+                                         self.global_names, self.buffers)
 
     def check_groups(self, **groups) -> None:
         """Refuse process groups that differ from parallel_state's: slices, fingerprint and the
@@ -300,34 +276,26 @@ class MegatronAdapter:
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
                 load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None,
-                places: dict[str, tuple[str, int]] | None = None) -> dict[str, str] | None:
+                places: dict[str, tuple[str, int]] | None = None, reads=None) -> dict[str, str] | None:
         """Load step 6 on this rank: saved slices into the optimizer shards, then model params (the DDP
         param all-gather), scheduler, RNG and Megatron's ``args`` side effects; each part timed in
         ``phases``.
 
         Without ``load_optim`` only the main params (the weights) are restored. With ``places`` (slice name ->
         (item, byte offset in the item)), the copy sums those slices' items as it copies them (host tensors):
-        returns item -> sum64 of the bytes copied (None without).
+        returns item -> sum64 of the bytes copied (None without). ``reads`` (``restore.FileReads``): the slices
+        of its ``names`` are read straight into the optimizer's tensors (those that do not fit there come
+        back as tensors to copy).
         """
         phases = phases or Phases()
         if not finetune:  # (as Megatron: a fine-tune does not check the arguments)
             modelstate.check_args(self.args, small.args, small.checkpoint_version)
         with phases("optimizer state"):
-            if load_optim and small.optimizer is None:
-                # saved before the first optimizer step: the optimizer goes back to having no state
-                restore.clear_optimizer_state(self.optimizer)
-                modelstate.restore_grad_scalers(self.optimizers, small.grad_scaler)
-                self._live = None
-                targets = self._param_views()
-            elif load_optim:
-                if not restore.restore_optimizer(self.optimizer,
-                                                 restore.fit_optimizer_state(small.optimizer, self.optimizers)):
-                    self._live = None  # the optimizer's tensors were replaced (allocated anew)
-                # (binding anew places the state contiguously: its values need no copy when every slice
-                # of it is overwritten next)
-                targets = self.live_views(keep_values=not all(s.name in tensors for s in self.slot_slices))
-            else:
-                targets = self._param_views()
+            targets = self._restore_targets(small, set(tensors) | (reads.names if reads is not None else set()),
+                                            load_optim)
+        if reads is not None:
+            with phases("reading and checking"):
+                tensors = {**tensors, **reads(targets)}
         with phases("copy"):  # (in slot order, so that runs of slices coalesce)
             names = [s.name for s in self.slot_slices if s.name in targets and s.name in tensors]
             summed = restore.copy_slices([targets[n] for n in names], [tensors[n] for n in names],
@@ -357,6 +325,24 @@ class MegatronAdapter:
                 restore.restore_rng(small.rng)
             restore.restore_args(self.args, small, finetune, getattr(self.args, "override_ckpt_iteration", None))
         return summed
+
+    def _restore_targets(self, small: SmallState, restored: set[str], load_optim: bool) -> dict[str, torch.Tensor]:
+        """The optimizer's state from ``small`` (hyperparameters, step; allocated where it has none), and the
+        live tensors the restore writes: every slice's, or the main params' without ``load_optim``.
+        ``restored``: the slices it writes."""
+        if load_optim and small.optimizer is None:
+            # saved before the first optimizer step: the optimizer goes back to having no state
+            restore.clear_optimizer_state(self.optimizer)
+            modelstate.restore_grad_scalers(self.optimizers, small.grad_scaler)
+            self._live = None
+            return self._param_views()
+        if not load_optim:
+            return self._param_views()
+        if not restore.restore_optimizer(self.optimizer, restore.fit_optimizer_state(small.optimizer, self.optimizers)):
+            self._live = None  # the optimizer's tensors were replaced (allocated anew)
+        # (binding anew places the state contiguously: its values need no copy when every slice of it is
+        # overwritten next)
+        return self.live_views(keep_values=not all(s.name in restored for s in self.slot_slices))
 
     @property
     def _half_precision(self) -> bool:

@@ -122,6 +122,9 @@ class RestorePlan:
     # sums them (``Loader(summed_by_copy=True)``)
     places: dict[str, tuple[str, int]] = field(default_factory=dict)
     newest: int = -1                        # the newest iteration any rank has a source of (a lost node's)
+    # rank files the restore reads in step 6, straight into the tensors it restores, and the slices it takes
+    # from each (``Loader(read_later=True)``; ``Source.read_into``)
+    reads: list[tuple[Source, set[str]]] = field(default_factory=list)
 
     def log(self, rank: int) -> None:
         """Every rank: where it restored from and which experts are older; rank 0: the PLT."""
@@ -215,12 +218,15 @@ class Loader:
     change nothing outside this object: no file is written or removed, no configuration changed."""
 
     def __init__(self, ctx: LoadContext, directory: CheckpointDir, checked_after_copy: bool = False,
-                 summed_by_copy: bool = False):
+                 summed_by_copy: bool = False, read_later: bool = False):
         """``checked_after_copy``: node memory's bytes are verified by the restore where they land (once on
         the device, or by the host copy that sums them: ``summed_by_copy``, the plan then names each slice's
-        place in its item), not here before."""
+        place in its item), not here before. ``read_later``: a rank file planned whole is read by the
+        restore, straight into the tensors it restores, and checked as it is read (``RestorePlan.reads``);
+        here only its header is read and checked."""
         self.ctx, self.directory, self.root = ctx, directory, directory.root
         self.checked_after_copy, self.summed_by_copy = checked_after_copy, summed_by_copy
+        self.read_later = read_later
         self.storage = directory.storage
         self.rank = ctx.rank
         self.coll = ctx.collectives
@@ -450,7 +456,7 @@ class Loader:
         problems = []
         for source in candidates:
             try:
-                source.open(self.storage)
+                source.open(self.storage, read_later=self.read_later and source.kind == "storage")
                 return source, None
             except SourceError as exc:
                 problems.append(str(exc))
@@ -474,8 +480,11 @@ class Loader:
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for name, item in self.ctx.slice_items.items():
             by_source.setdefault(id(plan[item]), (plan[item], set()))[1].add(name)
-        tensors, places = {}, {}
+        tensors, places, reads = {}, {}, []
         for source, names in by_source.values():
+            if source.read_later:
+                reads.append((source, names))
+                continue
             tensors.update(source.tensors(names))
             if self.summed_by_copy and source.kind == "memory" and source.checked_after_copy:
                 places.update(source.item_offsets(names))
@@ -484,6 +493,7 @@ class Loader:
                       if source.kind == "memory" and source.checked_after_copy}
         pec, report, tokens_at_target = account(self.ctx, target, state, accounted)
         return RestorePlan(target, dense.described, versions, tensors, SmallState.loads(dense.header.small), pec,
-                           tokens_at_target, report, check_after_copy=after_copy, newest=newest, places=places)
+                           tokens_at_target, report, check_after_copy=after_copy, newest=newest, places=places,
+                           reads=reads)
 
 

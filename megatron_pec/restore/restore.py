@@ -21,6 +21,7 @@ from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.integrity.checksum import first_mismatch
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
+from megatron_pec.restore.sources import SourceError
 from megatron_pec.store.checkpoint_dir import CheckpointDir
 
 
@@ -34,7 +35,7 @@ class RestoreAdapter(Protocol):
 
     def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
                 load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None,
-                places: dict[str, tuple[str, int]] | None = None) -> dict[str, str] | None: ...
+                places: dict[str, tuple[str, int]] | None = None, reads=None) -> dict[str, str] | None: ...
 
     def iteration_after_load(self, iteration: int, finetune: bool) -> int: ...
 
@@ -58,6 +59,26 @@ class RestoreParts:
         return self.job.rank
 
 
+class FileReads:
+    """Step 6's reads of the plan's rank files (``RestorePlan.reads``), given the tensors the restore writes:
+    each file straight into them (``Source.read_into``), for the slices ``names``; called with those
+    tensors, returns the tensors of the slices that did not land. A failure is kept in ``problem``, not
+    raised: the restore goes on to its collectives, and the check after it excludes the iteration."""
+
+    def __init__(self, reads: list, storage):
+        self.reads, self.storage, self.problem = reads, storage, None
+        self.names = {name for _, names in reads for name in names}
+
+    def __call__(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for source, names in self.reads:
+            try:
+                out.update(source.read_into(self.storage, targets, names))
+            except SourceError as exc:
+                self.problem = self.problem or str(exc)
+        return out
+
+
 class Restore:
     def __init__(self, parts: RestoreParts):
         self.parts = parts
@@ -77,8 +98,9 @@ class Restore:
         # without one, by the copy that sums them (one pass over the bytes, not two).
         summed_by_copy = load_optim and not self.parts.check_on_device
         by_device = load_optim and self.parts.check_on_device and self.parts.stager is not None
+        # ... and a rank file read whole is read in step 6, straight into the tensors it restores.
         loader = Loader(self._load_context(phases), directory, checked_after_copy=by_device or summed_by_copy,
-                        summed_by_copy=summed_by_copy)
+                        summed_by_copy=summed_by_copy, read_later=summed_by_copy)
         with phases("the rest of the loader"):  # (the loader's own phases inside)
             found = loader.candidates()
         excluded: set[int] = set()
@@ -92,9 +114,10 @@ class Restore:
             if isinstance(plan, Refused):
                 problem = plan.why
             else:
-                summed = self._apply(plan, finetune, scheduler, rng_key_prefix, phases)
+                reads = FileReads(plan.reads, directory.storage)
+                summed = self._apply(plan, finetune, scheduler, rng_key_prefix, phases, reads)
                 with phases("checking where it landed"):  # (the items restored from node memory)
-                    problem = self._checked(plan, summed, phases)
+                    problem = reads.problem or self._checked(plan, summed, phases)
                 if self.adapter.collectives.all_ok(problem is None):
                     return self._restored(directory, plan, finetune, phases)
             log.warning(f"cannot restore iteration {plan.iteration}: {problem or 'another rank cannot'}; "
@@ -115,15 +138,17 @@ class Restore:
                            slice_items={s.name: s.item for s in self.adapter.slices}, slots=self.parts.files,
                            phases=phases)
 
-    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str,
-               phases: Phases) -> dict[str, str] | None:
-        """Load step 6: the plan into Megatron (through the adapter) and into the PEC bookkeeping. Returns
-        the sums the copy took of the plan's ``places`` (None: none)."""
+    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases,
+               reads: "FileReads") -> dict[str, str] | None:
+        """Load step 6: the plan into Megatron (through the adapter; the plan's rank files read into place
+        by ``reads``) and into the PEC bookkeeping. Returns the sums the copy took of the plan's ``places``
+        (None: none)."""
         config = self.config
         summed = self.adapter.restore(plan.small, plan.tensors, scheduler,
                                       load_optim=not (config.no_load_optim or finetune),
                                       load_rng=not (config.no_load_rng or finetune), finetune=finetune,
-                                      rng_key_prefix=rng_key_prefix, phases=phases, places=plan.places or None)
+                                      rng_key_prefix=rng_key_prefix, phases=phases, places=plan.places or None,
+                                      reads=reads if plan.reads else None)
         with phases("PEC state"):
             self.parts.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
         return summed

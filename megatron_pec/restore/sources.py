@@ -19,6 +19,7 @@ from megatron_pec.memory.history import NodeMemory
 from megatron_pec.integrity.byteruns import byte_runs
 from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.integrity.checksum import CHUNK, accumulator, crc32, item_checks, mismatch
+from megatron_pec.restore.landing import LandingError, land_rank_file
 from megatron_pec.memory.layout import MemoryLayout, is_pool
 from megatron_pec.format.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.memory.slots import open_slot
@@ -50,12 +51,14 @@ class Source:
     _layout: Header | None = field(default=None, repr=False)
     _verified: set[str] = field(default_factory=set, repr=False)
     _pieces: dict[str, tuple[object, int]] = field(default_factory=dict, repr=False)  # name -> (buffer, offset)
+    read_later: bool = False                # storage, read whole: only its header is read yet (``read_into``)
 
-    def open(self, storage: Storage, items: set[str] | None = None) -> None:
+    def open(self, storage: Storage, items: set[str] | None = None, read_later: bool = False) -> None:
         """Make ``items`` (None: everything the source holds) readable, each verified against its
         checksum (a memory slot ``checked_after_copy``: by the restore, once the bytes are on the device).
         A memory slot is mapped; of a storage file only the header and those items are read when the
-        manifest has per-item checksums. Repeated calls read only what is new."""
+        manifest has per-item checksums. Repeated calls read only what is new. ``read_later``: a storage
+        file wanted whole has its header read and checked now, its data by the restore (``read_into``)."""
         wanted = set(self.items) if items is None else set(items)
         if wanted <= self._verified and self._layout is not None:
             return
@@ -67,6 +70,10 @@ class Source:
                     self._verified |= expected.keys()
                 else:
                     self._check(item_checks(self._buffer, self._layout, expected))
+            elif items is None and read_later:
+                self._layout = read_checked_header(self.where, self.rank_file, storage)
+                self.read_later = True
+                self._verified = set(self.items)  # (its data is checked as the restore reads it)
             elif items is None:
                 self._buffer, self._layout = read_rank_file(self.where, self.rank_file, storage)
                 self._pieces.clear()
@@ -79,6 +86,22 @@ class Source:
             raise SourceError(f"{self.where} is missing") from None
         except (OSError, FormatError, ProtocolError) as exc:
             raise SourceError(f"{self.where} is unreadable: {exc}") from None
+
+    def read_into(self, storage: Storage, targets: dict, names: set[str]) -> dict:
+        """A source opened ``read_later``: its whole file read now, each of ``names`` straight into its
+        tensor in ``targets`` where it fits (``restore/landing.py``), the file checked as it is read; returns
+        the tensors of those that did not land (read into buffers). Raises SourceError."""
+        try:
+            layout, _, kept = land_rank_file(self.where, self.rank_file, storage,
+                                             {n: targets[n] for n in names if n in targets}, self._layout)
+        except LandingError as exc:
+            raise SourceError(str(exc)) from None
+        except FileNotFoundError:
+            raise SourceError(f"{self.where} is missing") from None
+        except (OSError, FormatError) as exc:
+            raise SourceError(f"{self.where} is unreadable: {exc}") from None
+        by_name = {e.name: e for e in layout.tensors}
+        return {n: tensor_at(kept[n][0], by_name[n], kept[n][1]) for n in names if n in kept}
 
     def _map_slot(self) -> None:
         if self._layout is not None:

@@ -66,6 +66,10 @@ class Storage(Protocol):
     def read_checked(self, path: str) -> tuple[memoryview, int]:
         """The whole object and its crc32, computed while it is read."""
 
+    def read_checked_into(self, path: str, pieces: list) -> int:
+        """The whole object into ``pieces`` (writable buffers whose sizes add up to the object's), filled
+        in turn, and its crc32, computed while it is read; EIO when the object ends before."""
+
     def size(self, path: str) -> int: ...
 
     def exists(self, path: str) -> bool: ...
@@ -226,6 +230,24 @@ class PosixStorage:
         finally:
             actual = crc.result()
         return buf, actual
+
+    def read_checked_into(self, path: str, pieces: list) -> int:
+        """Each piece filled straight from the file (no buffer between), its crc32 summed in the background
+        while the next is read."""
+        crc = RunningCrc()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                for piece in pieces:
+                    view, got = memoryview(piece).cast("B"), 0
+                    while got < len(view):
+                        n = f.readinto(view[got:got + CHUNK])
+                        if not n:
+                            raise OSError(errno.EIO, f"{path} ends before its pieces do")
+                        crc.add(view[got:got + n])
+                        got += n
+        finally:
+            actual = crc.result()
+        return actual
 
     @staticmethod
     def _read(path: str, offset: int, length: int, crc: "RunningCrc | None", buf=None):

@@ -15,6 +15,7 @@ from common import report, setup, train
 from megatron_pec import api
 from megatron_pec.format import small_state
 from megatron_pec.megatron import collect, optstate, restore
+from megatron_pec.restore import sources as restore_sources
 from megatron_pec.testing import launch
 
 N = 6  # persistent save here; memory snapshots at every iteration before it
@@ -105,6 +106,10 @@ def main():
     result = {"fresh": list(fresh), "reference": reference, "state_dict": state_dict,
               "coalesced": {"unchanged": unchanged, **copies(api.current_engine(), optimizer)}}
 
+    landings = []  # (tensors read straight into the live state, tensors kept in a buffer) per rank file read
+    land = restore_sources.land_rank_file
+    restore_sources.land_rank_file = lambda *a: (lambda out: landings.append((len(out[1]), len(out[2]))) or out)(
+        land(*a))
     for leg in ("memory", "storage"):
         if leg == "storage":
             engine = api.current_engine()
@@ -138,6 +143,7 @@ def main():
     result["fresh_structure"] = {"same": structures["restart"] == structures["restart, Megatron's load_state_dict"],
                                  "own_steps": all(o["own_steps"] for o in structures["restart"])}
     result["in_place"] = in_place
+    result["landings"] = landings
     # fp32 training: each main-param shard views its model param, so a restore skips Megatron's copy of
     # one onto the other (the losses after every restore above say the model params were right)
     result["main_params_are_model_params"] = [restore._main_params_are_model_params(o)

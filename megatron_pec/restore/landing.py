@@ -1,0 +1,101 @@
+"""A persisted rank file read straight into the host tensors a restore writes: no buffer between, no copy
+after (load step 4 for a CPU rank's whole file; ``Source.open``).
+
+Reading a 55 MB rank file into a buffer and then copying it into the optimizer costs a second pass over
+every byte (5 ms on the quick benchmark's 2 cores) and a second copy of the state in memory while it
+runs. Here each tensor of the file lands in the live tensor the restore would copy it into (runs that
+follow each other in the file and in memory are one read), the file's CRC-32 computed while it is read,
+as before. A tensor without such a destination (another dtype or size, on a device) lands in a buffer of
+its own and is copied later, as every tensor was.
+
+The restore reads it in step 6, once the ranks agreed on the plan (``Restore``): a file that fails its
+checksum there is refused as a node-memory item is where it landed, the iteration excluded and the state
+restored again from what the restore takes instead.
+"""
+
+from __future__ import annotations
+
+import numpy
+import torch
+
+from megatron_pec.format.protocol import RankFile
+from megatron_pec.format.stformat import Header, TensorEntry, read_header, torch_dtype
+from megatron_pec.integrity.checksum import crc32
+from megatron_pec.store.storage import Storage
+
+
+class LandingError(RuntimeError):
+    """The file is not what its manifest entry says (the message says how); nothing or part of it landed."""
+
+
+def land_rank_file(path: str, entry: RankFile, storage: Storage, destinations: dict[str, torch.Tensor],
+                   header: Header | None = None) -> tuple[Header, dict[str, torch.Tensor], dict]:
+    """Read the whole file ``path`` (its manifest ``entry``) into ``destinations`` (slice name -> host
+    tensor) where they fit; returns (its header, name -> the destination it landed in, name -> (buffer,
+    offset) of the tensors that did not land). ``header``: the file's, read and checked before (its bytes
+    are read again, in the checksum's stream, but not parsed again). Raises LandingError or OSError."""
+    size = storage.size(path)
+    if size != entry.size:
+        raise LandingError(f"{path} is {size} bytes, the manifest says {entry.size} (truncated?)")
+    if header is None:
+        head, header = read_header(lambda offset, n: storage.read_range(path, offset, n), size)
+        if crc32(head) != entry.header_crc32:  # (before a byte of the live state is written)
+            raise LandingError(f"{path} fails its header checksum: the file is corrupt")
+    pieces, landed, kept = [bytearray(header.data_start)], {}, {}
+    for entries, target in _runs(header.tensors, destinations):
+        if target is None:  # (one buffer for each stretch of tensors that do not land)
+            target = numpy.empty(entries[-1].end - entries[0].begin, dtype=numpy.uint8)
+            kept.update((e.name, (target, e.begin - entries[0].begin)) for e in entries)
+        else:
+            landed.update((e.name, destinations[e.name]) for e in entries)
+        pieces.append(target)
+    actual = storage.read_checked_into(path, pieces)
+    if actual != entry.crc32:
+        raise LandingError(f"{path} fails its checksum (crc32 {actual:08x}, recorded {entry.crc32:08x}): the "
+                           "file is corrupt")
+    return header, landed, kept
+
+
+def _runs(entries: tuple[TensorEntry, ...], destinations: dict[str, torch.Tensor]):
+    """(entries, the bytes they land in, or None) for each stretch of consecutive entries (the file's data
+    is contiguous) whose destinations follow each other in one storage, or that have none."""
+    stretch, first, end = [], None, 0
+    for e in entries:
+        target = _destination(e, destinations.get(e.name))
+        if stretch and not _continues(first, end, target):
+            yield stretch, _bytes(first, end)
+            stretch = []
+        if not stretch:
+            first = target
+        stretch.append(e)
+        if target is not None:
+            end = target.data_ptr() + target.numel() * target.element_size()
+    if stretch:
+        yield stretch, _bytes(first, end)
+
+
+def _continues(first: torch.Tensor | None, end: int, target: torch.Tensor | None) -> bool:
+    """``target`` extends the stretch that starts at ``first``: both land nowhere, or it starts at ``end`` in
+    ``first``'s storage."""
+    if first is None or target is None:
+        return first is None and target is None
+    return target.data_ptr() == end and target.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+
+
+def _destination(e: TensorEntry, live: torch.Tensor | None) -> torch.Tensor | None:
+    """``live`` where ``e``'s bytes can be read straight into it: a flat host tensor of its dtype and size."""
+    if live is None or live.device.type != "cpu" or live.dim() != 1 or not live.is_contiguous() \
+            or live.numel() != e.numel or live.dtype != torch_dtype(e.dtype) or e.numel == 0:
+        return None
+    return live.detach()
+
+
+def _bytes(first: torch.Tensor | None, end: int | None):
+    """The writable bytes from the start of ``first`` to ``end`` (None: a stretch that does not land)."""
+    if first is None:
+        return None
+    flat = first.view(torch.uint8)
+    return flat.as_strided((end - first.data_ptr(),), (1,), flat.storage_offset()).numpy()
+
+
+__all__ = ["LandingError", "land_rank_file"]
