@@ -54,7 +54,7 @@ class ThreadCollectives:
 class RecordingSource(Source):
     corrupt = False
 
-    def open(self, storage, items=None):
+    def open(self, storage, items=None, read_later=False):
         if self.corrupt:
             raise SourceError(f"{self.where} fails its checksum")
         self.opened = getattr(self, "opened", set()) | set(items or self.items)
