@@ -1,16 +1,15 @@
 """A persisted rank file read straight into the host tensors a restore writes: no buffer between, no copy
-after (load step 4 for a CPU rank's whole file; ``Source.open``).
+after (load step 6 for a host rank's whole file: ``Source.read_into``, called by ``restore.FileReads``).
 
-Reading a 55 MB rank file into a buffer and then copying it into the optimizer costs a second pass over
-every byte (5 ms on the quick benchmark's 2 cores) and a second copy of the state in memory while it
-runs. Here each tensor of the file lands in the live tensor the restore would copy it into (runs that
-follow each other in the file and in memory are one read), the file's CRC-32 computed while it is read,
-as before. A tensor without such a destination (another dtype or size, on a device) lands in a buffer of
-its own and is copied later, as every tensor was.
+Reading a rank file into a buffer and then copying it into the optimizer costs a second pass over every
+byte and a second copy of the state in memory while it runs. Here each tensor of the file lands in the
+live tensor the restore would copy it into (runs that follow each other in the file and in memory are one
+read), the file's CRC-32 computed while it is read, as before. A tensor without such a destination
+(another dtype or size, on a device) lands in a buffer of its own and is copied later, as every tensor was.
 
-The restore reads it in step 6, once the ranks agreed on the plan (``Restore``): a file that fails its
-checksum there is refused as a node-memory item is where it landed, the iteration excluded and the state
-restored again from what the restore takes instead.
+The restore reads it once the ranks agreed on the plan (the loader read and checked only its header): a
+file that fails its checksum there is refused as a node-memory item is where it landed, the iteration
+excluded and the state restored again from what the restore takes instead.
 """
 
 from __future__ import annotations
