@@ -12,7 +12,7 @@ import torch
 from megatron_pec.format.protocol import RankFile, SlotHeader
 from megatron_pec.format.stformat import encode_header, layout
 from megatron_pec.restore.landing import LandingError, land_rank_file
-from megatron_pec.restore.sources import Source, SourceError
+from megatron_pec.restore.sources import Source, SourceError, read_checked_header
 from megatron_pec.store.storage import PosixStorage
 
 SPECS = [("dense/a", torch.float32, 1000), ("dense/b", torch.float32, 24), ("dense/c", torch.bfloat16, 7),
@@ -44,6 +44,11 @@ def rank_file(tmp_path, flip: int | None = None):
     return str(path), entry, saved
 
 
+def header_of(path, entry):
+    """The header as the loader reads and checks it (``Source.open(read_later=True)``)."""
+    return read_checked_header(path, entry, PosixStorage())
+
+
 def live_tensors():
     """a and b follow each other in one buffer, E0/w follows them there (not in the file); c has its own
     buffer; E0/x has no place."""
@@ -55,7 +60,7 @@ def live_tensors():
 def test_every_byte_lands_where_the_restore_copies_it(tmp_path):
     path, entry, saved = rank_file(tmp_path)
     live, storage = live_tensors(), CountingStorage()
-    header, landed, kept = land_rank_file(path, entry, storage, live)
+    landed, kept = land_rank_file(path, entry, header_of(path, entry), storage, live)
     assert set(landed) == {"dense/a", "dense/b", "dense/c", "L1.E0/w"} and set(kept) == {"L1.E0/x"}
     for name in landed:
         assert landed[name] is live[name] and torch.equal(live[name], saved[name]), name
@@ -76,7 +81,7 @@ def test_every_byte_lands_where_the_restore_copies_it(tmp_path):
 def test_a_tensor_of_another_dtype_or_size_does_not_land(tmp_path):
     path, entry, saved = rank_file(tmp_path)
     live = {"dense/a": torch.zeros(1000, dtype=torch.float64), "dense/b": torch.zeros(23)}
-    _, landed, kept = land_rank_file(path, entry, PosixStorage(), live)
+    landed, kept = land_rank_file(path, entry, header_of(path, entry), PosixStorage(), live)
     assert landed == {} and torch.equal(_view(kept["dense/a"], saved["dense/a"]), saved["dense/a"])
 
 
@@ -88,7 +93,7 @@ def _view(piece, like):
 def test_a_corrupt_file_is_refused_by_its_checksum(tmp_path):
     path, entry, _ = rank_file(tmp_path, flip=4001)
     with pytest.raises(LandingError, match="fails its checksum"):
-        land_rank_file(path, entry, PosixStorage(), live_tensors())
+        land_rank_file(path, entry, header_of(path, entry), PosixStorage(), live_tensors())
     source = Source("storage", 4, {"dense": 4, "L1.E0": 4}, path, {}, rank_file=entry)
     source.open(PosixStorage(), read_later=True)  # (the header is sound)
     with pytest.raises(SourceError, match="fails its checksum"):
@@ -97,10 +102,11 @@ def test_a_corrupt_file_is_refused_by_its_checksum(tmp_path):
 
 def test_a_truncated_file_lands_nothing(tmp_path):
     path, entry, _ = rank_file(tmp_path)
+    header = header_of(path, entry)  # (read by the loader; the file is cut short before the restore reads it)
     with open(path, "r+b") as f:
         f.truncate(entry.size - 10)
     live = live_tensors()
     with pytest.raises(LandingError, match="the manifest says"):
-        land_rank_file(path, entry, PosixStorage(), live)
+        land_rank_file(path, entry, header, PosixStorage(), live)
     assert all(torch.count_nonzero(t) == 0 for t in live.values())
 

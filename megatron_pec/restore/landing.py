@@ -18,8 +18,7 @@ import numpy
 import torch
 
 from megatron_pec.format.protocol import RankFile
-from megatron_pec.format.stformat import Header, TensorEntry, read_header, torch_dtype
-from megatron_pec.integrity.checksum import crc32
+from megatron_pec.format.stformat import Header, TensorEntry, torch_dtype
 from megatron_pec.store.storage import Storage
 
 
@@ -27,19 +26,15 @@ class LandingError(RuntimeError):
     """The file is not what its manifest entry says (the message says how); nothing or part of it landed."""
 
 
-def land_rank_file(path: str, entry: RankFile, storage: Storage, destinations: dict[str, torch.Tensor],
-                   header: Header | None = None) -> tuple[Header, dict[str, torch.Tensor], dict]:
-    """Read the whole file ``path`` (its manifest ``entry``) into ``destinations`` (slice name -> host
-    tensor) where they fit; returns (its header, name -> the destination it landed in, name -> (buffer,
-    offset) of the tensors that did not land). ``header``: the file's, read and checked before (its bytes
-    are read again, in the checksum's stream, but not parsed again). Raises LandingError or OSError."""
+def land_rank_file(path: str, entry: RankFile, header: Header, storage: Storage,
+                   destinations: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read the whole file ``path`` (its manifest ``entry``; ``header``: its header, read and checked before,
+    whose bytes are read again in the checksum's stream but not parsed again) into ``destinations`` (slice
+    name -> host tensor) where they fit; returns (name -> the destination it landed in, name -> (buffer,
+    offset) of the tensors that did not land). Raises LandingError or OSError."""
     size = storage.size(path)
-    if size != entry.size:
+    if size != entry.size:  # (it changed since its header was read)
         raise LandingError(f"{path} is {size} bytes, the manifest says {entry.size} (truncated?)")
-    if header is None:
-        head, header = read_header(lambda offset, n: storage.read_range(path, offset, n), size)
-        if crc32(head) != entry.header_crc32:  # (before a byte of the live state is written)
-            raise LandingError(f"{path} fails its header checksum: the file is corrupt")
     pieces, landed, kept = [bytearray(header.data_start)], {}, {}
     for entries, target in _runs(header.tensors, destinations):
         if target is None:  # (one buffer for each stretch of tensors that do not land)
@@ -52,7 +47,7 @@ def land_rank_file(path: str, entry: RankFile, storage: Storage, destinations: d
     if actual != entry.crc32:
         raise LandingError(f"{path} fails its checksum (crc32 {actual:08x}, recorded {entry.crc32:08x}): the "
                            "file is corrupt")
-    return header, landed, kept
+    return landed, kept
 
 
 def _runs(entries: tuple[TensorEntry, ...], destinations: dict[str, torch.Tensor]):

@@ -12,6 +12,7 @@ decision (``NodeMemory.restorable``), never this module's.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from megatron_pec.common import log
@@ -62,7 +63,7 @@ class Source:
         wanted = set(self.items) if items is None else set(items)
         if wanted <= self._verified and self._layout is not None:
             return
-        try:
+        with self._reading():
             if self.kind == "memory":
                 self._map_slot()
                 expected = self._expected(wanted - self._verified)
@@ -82,26 +83,28 @@ class Source:
                 self._read_items(storage, wanted - self._verified)
             if self.header is None and self.kind == "storage":
                 self.header = SlotHeader.from_metadata(self._layout.metadata)
-        except FileNotFoundError:
-            raise SourceError(f"{self.where} is missing") from None
-        except (OSError, FormatError, ProtocolError) as exc:
-            raise SourceError(f"{self.where} is unreadable: {exc}") from None
 
     def read_into(self, storage: Storage, targets: dict, names: set[str]) -> dict:
         """A source opened ``read_later``: its whole file read now, each of ``names`` straight into its
         tensor in ``targets`` where it fits (``restore/landing.py``), the file checked as it is read; returns
         the tensors of those that did not land (read into buffers). Raises SourceError."""
+        with self._reading():
+            _, kept = land_rank_file(self.where, self.rank_file, self._layout, storage,
+                                     {n: targets[n] for n in names if n in targets})
+        by_name = {e.name: e for e in self._layout.tensors}
+        return {n: tensor_at(kept[n][0], by_name[n], kept[n][1]) for n in names if n in kept}
+
+    @contextmanager
+    def _reading(self):
+        """What goes wrong reading it, as a SourceError that says which file and why."""
         try:
-            layout, _, kept = land_rank_file(self.where, self.rank_file, storage,
-                                             {n: targets[n] for n in names if n in targets}, self._layout)
-        except LandingError as exc:
-            raise SourceError(str(exc)) from None
+            yield
         except FileNotFoundError:
             raise SourceError(f"{self.where} is missing") from None
-        except (OSError, FormatError) as exc:
+        except LandingError as exc:
+            raise SourceError(str(exc)) from None
+        except (OSError, FormatError, ProtocolError) as exc:
             raise SourceError(f"{self.where} is unreadable: {exc}") from None
-        by_name = {e.name: e for e in layout.tensors}
-        return {n: tensor_at(kept[n][0], by_name[n], kept[n][1]) for n in names if n in kept}
 
     def _map_slot(self) -> None:
         if self._layout is not None:

@@ -108,8 +108,13 @@ def main():
 
     landings = []  # (tensors read straight into the live state, tensors kept in a buffer) per rank file read
     land = restore_sources.land_rank_file
-    restore_sources.land_rank_file = lambda *a: (lambda out: landings.append((len(out[1]), len(out[2]))) or out)(
-        land(*a))
+
+    def counted(*args):
+        landed, kept = land(*args)
+        landings.append((len(landed), len(kept)))
+        return landed, kept
+
+    restore_sources.land_rank_file = counted
     for leg in ("memory", "storage"):
         if leg == "storage":
             engine = api.current_engine()
