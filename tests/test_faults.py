@@ -467,7 +467,10 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
         clusters, reference, tmp_path):
     """Without replicas, node 1 is lost after iteration 8: storage holds 5, the survivor's memory 7 and 8 -
     and 5, because the agent keeps the slot of the newest committed iteration until a newer one commits.
-    The survivor restores 5 from memory, the lost node from storage, and training continues exactly."""
+    The survivor restores 5 from memory, the lost node from storage, and training continues exactly.
+
+    The restart takes a GPU rank's path (``MEGATRON_PEC_CHECK_ON_DEVICE=1``): the lost node's rank file lands
+    through the staging buffers, and its items are checked where they landed, as on the device."""
     c = clusters(tmp_path, "frare")
     no_replicas = RARE + ["--pec-replicas", "0"]  # the lost node then has storage only
     c.launch(no_replicas, **held(1, after=8))
@@ -478,10 +481,12 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
     assert c.wait_exit(60, nodes=[0])[0] != 0
     assert committed(c.save) == [5]
 
-    c.launch(no_replicas)
+    c.launch(no_replicas, env={"MEGATRON_PEC_CHECK_ON_DEVICE": "1"})
     assert c.wait_exit(LAUNCH_TIMEOUT) == {0: 0, 1: 0}, c.logs()
     restores = c.restores(2)
     assert {r: (x.iteration, x.source) for r, x in restores.items()} == {0: (5, "memory"), 1: (5, "storage")}
+    assert re.search(r"rank 1: restored iteration 5 from storage.*; \d+ item\(s\) from storage checked where "
+                     r"they landed$", c.log(1, 2), re.M), c.log(1, 2)[-3000:]
     assert reference.check_losses(c, launches=[2]) == ITERS - 5
     check_sound(c.save)
 

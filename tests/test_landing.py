@@ -1,11 +1,14 @@
 """A rank file read straight into the live host tensors (``restore/landing.py``): the loader reads and checks
 only its header (deciding writes nothing), the restore reads the file in step 6; every byte lands where the
 restore would have copied it, runs contiguous in the file and in memory are one read, a tensor without such
-a place is kept in a buffer of its own, and a corrupt file is refused by its checksum. Real files through
-``PosixStorage``; no Megatron."""
+a place is kept in a buffer of its own, and a corrupt file is refused by its checksum. Device tensors land
+through a ring of staging buffers (``restore/staging.py``; here a host "device", as
+``MEGATRON_PEC_CHECK_ON_DEVICE=1`` runs it on CPU ranks), each buffer handed out again only once read, copied
+and summed. Real files through ``PosixStorage``; no Megatron."""
 
 import zlib
 
+import numpy
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from megatron_pec.format.protocol import RankFile, SlotHeader
 from megatron_pec.format.stformat import encode_header, layout
 from megatron_pec.restore.landing import LandingError, land_rank_file
 from megatron_pec.restore.sources import Source, SourceError, read_checked_header
+from megatron_pec.restore.staging import DeviceStaging
 from megatron_pec.store.storage import PosixStorage
 
 SPECS = [("dense/a", torch.float32, 1000), ("dense/b", torch.float32, 24), ("dense/c", torch.bfloat16, 7),
@@ -20,9 +24,18 @@ SPECS = [("dense/a", torch.float32, 1000), ("dense/b", torch.float32, 24), ("den
 
 
 class CountingStorage(PosixStorage):
+    """Records the size and address of each piece it is handed, as it reads it."""
+
     def read_checked_into(self, path, pieces):
-        self.pieces = [len(memoryview(p).cast("B")) for p in pieces]
-        return super().read_checked_into(path, pieces)
+        self.pieces, self.addresses = [], []
+
+        def counted():
+            for piece in pieces:
+                self.pieces.append(len(memoryview(piece).cast("B")))
+                self.addresses.append(numpy.frombuffer(piece, dtype=numpy.uint8).ctypes.data)
+                yield piece
+
+        return super().read_checked_into(path, counted())
 
 
 def rank_file(tmp_path, flip: int | None = None):
@@ -110,3 +123,44 @@ def test_a_truncated_file_lands_nothing(tmp_path):
         land_rank_file(path, entry, header, PosixStorage(), live)
     assert all(torch.count_nonzero(t) == 0 for t in live.values())
 
+
+
+def test_device_tensors_land_through_a_ring_of_staging_buffers(tmp_path):
+    """Two buffers of 256 bytes: the file's 6 KiB pass through them 24 times, each copied into its place; the
+    crc32 the storage took while reading (the buffers rewritten meanwhile) still matches."""
+    path, entry, saved = rank_file(tmp_path)
+    live, storage = live_tensors(), CountingStorage()
+    staging = DeviceStaging(torch.device("cpu"), buffers=2, buffer_bytes=256)
+    landed, kept = land_rank_file(path, entry, header_of(path, entry), storage, live, staging)
+    assert set(landed) == {"dense/a", "dense/b", "dense/c", "L1.E0/w"} and set(kept) == {"L1.E0/x"}
+    for name in landed:
+        assert torch.equal(live[name], saved[name]), name
+    # the header, then each landing stretch in buffers of at most 256 bytes, then x's own buffer
+    staged = storage.pieces[1:-1]
+    assert sum(staged) == (1024 + 300) * 4 + 7 * 2 and max(staged) == 256
+    assert len(set(storage.addresses[1:-1])) == 2 and staging.copies == len(staged)
+    assert storage.pieces[-1] == 5 * 4
+
+
+def test_a_corrupt_file_is_refused_through_the_staging_too(tmp_path):
+    path, entry, _ = rank_file(tmp_path, flip=4001)
+    with pytest.raises(LandingError, match="fails its checksum"):
+        land_rank_file(path, entry, header_of(path, entry), PosixStorage(), live_tensors(),
+                       DeviceStaging(torch.device("cpu"), buffers=2, buffer_bytes=256))
+
+
+def test_a_buffer_handed_out_again_is_summed_before_it_is_read_into_again(tmp_path):
+    """The storage's crc32 runs behind its reads, in a thread: one 4 KiB buffer handed out 256 times still
+    gives the file's crc32."""
+    data = numpy.random.default_rng(0).integers(0, 256, 1 << 20, dtype=numpy.uint8).tobytes()
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    buffer = bytearray(4096)
+    assert PosixStorage().read_checked_into(str(path), (buffer for _ in range(256))) == zlib.crc32(data)
+
+
+def test_a_staging_is_for_the_device_the_targets_are_on():
+    host = {"a": torch.zeros(4)}
+    assert DeviceStaging.for_targets(host) is None  # (host tensors land directly)
+    assert DeviceStaging.for_targets(host, host_too=True).device == torch.device("cpu")
+    assert DeviceStaging.for_targets({}, host_too=True) is None

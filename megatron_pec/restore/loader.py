@@ -32,6 +32,7 @@ from megatron_pec.job_facts import JobFacts
 from megatron_pec.memory.slots import SlotFiles
 from megatron_pec.common.errors import CheckpointError, StorageUnreachable
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
+from megatron_pec.integrity.kinds import is_sum64
 from megatron_pec.pec.state import PecState
 from megatron_pec.common.phases import Phases
 from megatron_pec.format import reduced_record
@@ -116,7 +117,8 @@ class RestorePlan:
     report: lost_tokens.PltReport | None
     resharded: bool = False                 # saved by another layout: no older file holds this rank's slices
     # item -> (its recorded checksum, where it came from): memory items the restore verifies once the
-    # bytes are on the device, or while the host copies them (``Loader(checked_after_copy=True)``)
+    # bytes are on the device, or while the host copies them (``Loader(checked_after_copy=True)``); on a
+    # device, the items of the rank files it reads there too
     check_after_copy: dict[str, tuple] = field(default_factory=dict)
     # slice name -> (its item, its byte offset in the item) of those items' slices, for a host copy that
     # sums them (``Loader(summed_by_copy=True)``)
@@ -138,8 +140,12 @@ class RestorePlan:
                 f"{n} at {v}" for v, n in sorted(counts.items(), reverse=True)) + ")"
         elif older:
             line += "; experts from older versions: " + ", ".join(f"{i}@{v}" for i, v in sorted(older.items()))
-        if self.check_after_copy:
-            line += f"; {len(self.check_after_copy)} item(s) from node memory checked where they landed"
+        files = {source.where for source, _ in self.reads}
+        stored = sum(where in files for _, where in self.check_after_copy.values())
+        if len(self.check_after_copy) > stored:
+            line += f"; {len(self.check_after_copy) - stored} item(s) from node memory checked where they landed"
+        if stored:
+            line += f"; {stored} item(s) from storage checked where they landed"
         log.info(line, rank=rank)
         if self.report is not None and rank == 0:
             for text in self.report.format_lines():
@@ -473,6 +479,15 @@ class Loader:
         position = {name: i for i, name in enumerate(self.names)}
         return [bool(merged[position[n]]) for n in self.held]
 
+    def _checked_where_it_lands(self, item: str, source: Source) -> bool:
+        """Whether the restore checks ``item`` where it lands: node memory's items checked after the copy, and
+        on a device the items of a rank file it reads there (beside the file's CRC-32: the copy to the device
+        checked too, where the file records the item's sum64)."""
+        if source.kind == "memory":
+            return source.checked_after_copy
+        return source.read_later and self.checked_after_copy and not self.summed_by_copy \
+            and is_sum64(source.item_checks.get(item))
+
     # ---- 5. decide -------------------------------------------------------------------------------------
     def _decide(self, target: int, plan: dict[str, Source], accounted: list[list[int]],
                 state: PecState | None, newest: int = -1) -> RestorePlan:
@@ -490,7 +505,7 @@ class Loader:
                 places.update(source.item_offsets(names))
         versions = {item: source.items[item] for item, source in plan.items()}
         after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
-                      if source.kind == "memory" and source.checked_after_copy}
+                      if self._checked_where_it_lands(item, source)}
         pec, report, tokens_at_target = account(self.ctx, target, state, accounted)
         return RestorePlan(target, dense.described, versions, tensors, SmallState.loads(dense.header.small), pec,
                            tokens_at_target, report, check_after_copy=after_copy, newest=newest, places=places,

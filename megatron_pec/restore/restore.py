@@ -22,6 +22,7 @@ from megatron_pec.integrity.checksum import first_mismatch
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
 from megatron_pec.restore.sources import SourceError
+from megatron_pec.restore.staging import DeviceStaging
 from megatron_pec.store.checkpoint_dir import CheckpointDir
 
 
@@ -61,19 +62,26 @@ class RestoreParts:
 
 class FileReads:
     """Step 6's reads of the plan's rank files (``RestorePlan.reads``), given the tensors the restore writes:
-    each file straight into them (``Source.read_into``), for the slices ``names``; called with those
-    tensors, returns the tensors of the slices that did not land. A failure is kept in ``problem``, not
-    raised: the restore goes on to its collectives, and the check after it excludes the iteration."""
+    each file straight into them (``Source.read_into``; into device tensors through a ring of page-locked
+    buffers, ``DeviceStaging``), for the slices ``names``; called with those tensors, returns the tensors of
+    the slices that did not land. A failure is kept in ``problem``, not raised: the restore goes on to its
+    collectives, and the check after it excludes the iteration.
 
-    def __init__(self, reads: list, storage):
+    ``staged_on_host``: host tensors go through the staging too, as device tensors would (the GPU path on
+    CPU ranks: ``MEGATRON_PEC_CHECK_ON_DEVICE=1``)."""
+
+    def __init__(self, reads: list, storage, staged_on_host: bool = False):
         self.reads, self.storage, self.problem = reads, storage, None
+        self.staged_on_host = staged_on_host
         self.names = {name for _, names in reads for name in names}
 
     def __call__(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
+        staging = DeviceStaging.for_targets({n: targets[n] for n in self.names if n in targets},
+                                            host_too=self.staged_on_host)
         for source, names in self.reads:
             try:
-                out.update(source.read_into(self.storage, targets, names))
+                out.update(source.read_into(self.storage, targets, names, staging))
             except SourceError as exc:
                 self.problem = self.problem or str(exc)
         return out
@@ -98,9 +106,10 @@ class Restore:
         # without one, by the copy that sums them (one pass over the bytes, not two).
         summed_by_copy = load_optim and not self.parts.check_on_device
         by_device = load_optim and self.parts.check_on_device and self.parts.stager is not None
-        # ... and a rank file read whole is read in step 6, straight into the tensors it restores.
+        # ... and a rank file read whole is read in step 6, straight into the tensors it restores (on a device
+        # through page-locked buffers, its items then checked there too).
         loader = Loader(self._load_context(phases), directory, checked_after_copy=by_device or summed_by_copy,
-                        summed_by_copy=summed_by_copy, read_later=summed_by_copy)
+                        summed_by_copy=summed_by_copy, read_later=summed_by_copy or by_device)
         with phases("the rest of the loader"):  # (the loader's own phases inside)
             found = loader.candidates()
         excluded: set[int] = set()
@@ -114,9 +123,10 @@ class Restore:
             if isinstance(plan, Refused):
                 problem = plan.why
             else:
-                reads = FileReads(plan.reads, directory.storage)
+                reads = FileReads(plan.reads, directory.storage,
+                                  staged_on_host=by_device and self.config.check_on_device)
                 summed = self._apply(plan, finetune, scheduler, rng_key_prefix, phases, reads)
-                with phases("checking where it landed"):  # (the items restored from node memory)
+                with phases("checking where it landed"):  # (node memory's items; on a device a read file's too)
                     problem = reads.problem or self._checked(plan, summed, phases)
                 if self.adapter.collectives.all_ok(problem is None):
                     return self._restored(directory, plan, finetune, phases)

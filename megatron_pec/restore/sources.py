@@ -84,13 +84,14 @@ class Source:
             if self.header is None and self.kind == "storage":
                 self.header = SlotHeader.from_metadata(self._layout.metadata)
 
-    def read_into(self, storage: Storage, targets: dict, names: set[str]) -> dict:
+    def read_into(self, storage: Storage, targets: dict, names: set[str], staging=None) -> dict:
         """A source opened ``read_later``: its whole file read now, each of ``names`` straight into its
-        tensor in ``targets`` where it fits (``restore/landing.py``), the file checked as it is read; returns
-        the tensors of those that did not land (read into buffers). Raises SourceError."""
+        tensor in ``targets`` where it fits (``restore/landing.py``; device tensors through ``staging``, a
+        ``restore.staging.DeviceStaging``), the file checked as it is read; returns the tensors of those that
+        did not land (read into buffers). Raises SourceError."""
         with self._reading():
             _, kept = land_rank_file(self.where, self.rank_file, self._layout, storage,
-                                     {n: targets[n] for n in names if n in targets})
+                                     {n: targets[n] for n in names if n in targets}, staging)
         by_name = {e.name: e for e in self._layout.tensors}
         return {n: tensor_at(kept[n][0], by_name[n], kept[n][1]) for n in names if n in kept}
 

@@ -178,7 +178,7 @@ class MscStorage:
             crc = crc32(buf[o:o + min(PART, length - o)], crc)
         return buf, crc
 
-    def read_checked_into(self, path: str, pieces: list) -> int:
+    def read_checked_into(self, path: str, pieces: Iterable) -> int:
         """``read_checked``'s parallel ranges, then copied into the pieces (a network read dwarfs the copy)."""
         buf, crc = self.read_checked(path)
         at = 0

@@ -19,6 +19,7 @@ memory (tmpfs slots) is not storage: ``memory/`` owns it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import importlib
@@ -66,9 +67,11 @@ class Storage(Protocol):
     def read_checked(self, path: str) -> tuple[memoryview, int]:
         """The whole object and its crc32, computed while it is read."""
 
-    def read_checked_into(self, path: str, pieces: list) -> int:
+    def read_checked_into(self, path: str, pieces: Iterable) -> int:
         """The whole object into ``pieces`` (writable buffers whose sizes add up to the object's), filled
-        in turn, and its crc32, computed while it is read; EIO when the object ends before."""
+        in turn, and its crc32, computed while it is read; EIO when the object ends before. A piece is
+        filled before the next one is asked for, which may hand out the same buffer again (a ring of
+        staging buffers: ``restore/staging.py``)."""
 
     def size(self, path: str) -> int: ...
 
@@ -231,14 +234,18 @@ class PosixStorage:
             actual = crc.result()
         return buf, actual
 
-    def read_checked_into(self, path: str, pieces: list) -> int:
+    def read_checked_into(self, path: str, pieces: Iterable) -> int:
         """Each piece filled straight from the file (no buffer between), its crc32 summed in the background
-        while the next is read."""
-        crc = RunningCrc()
+        while the next is read; a buffer handed out again waits until the crc has taken its earlier bytes."""
+        crc, summing = RunningCrc(), set()  # (the addresses of the pieces the crc may not have taken yet)
         try:
             with open(path, "rb", buffering=0) as f:
                 for piece in pieces:
                     view, got = memoryview(piece).cast("B"), 0
+                    if _address(view) in summing:
+                        crc.caught_up()
+                        summing.clear()
+                    summing.add(_address(view))
                     while got < len(view):
                         n = f.readinto(view[got:got + CHUNK])
                         if not n:
@@ -334,6 +341,11 @@ def _writer_alive(pid: int) -> bool:
     except (PermissionError, OverflowError, ValueError):
         return True
     return True
+
+
+def _address(view: memoryview) -> int:
+    """Where a writable buffer's bytes start."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
 
 
 class RunningCrc:

@@ -50,7 +50,8 @@ _RESTORED = re.compile(r"megatron-pec: rank (\d+): restored iteration (\d+) from
                        r"(memory|storage|peer memory \(node \d+\))"
                        r"(?:, (\d+) iteration\(s\) behind the newest snapshot of any rank)?"
                        r"(?:; experts from older versions: (.*?))?"
-                       r"(?:; \d+ item\(s\) from node memory checked where they landed)?$", re.M)
+                       r"(?:; \d+ item\(s\) from node memory checked where they landed)?"
+                       r"(?:; \d+ item\(s\) from storage checked where they landed)?$", re.M)
 _PLT = re.compile(r"megatron-pec: PLT ([0-9.]+)% \((\d+) of (\d+) expert-tokens lost", re.M)
 
 

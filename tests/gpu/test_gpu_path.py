@@ -188,3 +188,35 @@ def test_token_counts_reach_the_host_without_the_training_thread_waiting():
     assert counts.tolist() == torch.arange(12).reshape(3, 4).tolist()  # (read before the next take refills it)
     assert counter.take().wait().tolist() == [[1] * 4] * 3
     assert counter.take().wait() is counts  # (one page-locked buffer, refilled: no allocation per save)
+
+
+def test_a_rank_file_lands_on_the_device_through_page_locked_buffers(tmp_path):
+    """A restore from storage on a GPU rank: the file's tensors reach the device tensors through the ring
+    of page-locked buffers (several passes through it), bit for bit, its crc32 checked as it is read; a
+    tensor on the host lands directly."""
+    import zlib
+
+    from megatron_pec.format.protocol import RankFile
+    from megatron_pec.format.stformat import encode_header, layout, read_header
+    from megatron_pec.restore.landing import land_rank_file
+    from megatron_pec.restore.staging import DeviceStaging
+    from megatron_pec.store.storage import PosixStorage
+
+    specs = [("dense/a", torch.float32, 3 << 20), ("dense/b", torch.bfloat16, 1001), ("L1.E0/w", torch.float32, 77)]
+    saved = {name: torch.randn(n).to(dtype) for name, dtype, n in specs}
+    entries = layout(specs)
+    head = encode_header(entries, {"iteration": "1"})
+    data = b"".join(bytes(saved[e.name].view(torch.uint8).numpy()) for e in entries)
+    path = tmp_path / "rank.safetensors"
+    path.write_bytes(head + data)
+    entry = RankFile(file="rank.safetensors", size=len(head) + len(data), crc32=zlib.crc32(head + data),
+                     items=["dense", "L1.E0"], header_crc32=zlib.crc32(head))
+    _, header = read_header(lambda o, n: PosixStorage().read_range(str(path), o, n), entry.size)
+    live = {"dense/a": torch.zeros(3 << 20, device="cuda"), "dense/b": torch.zeros(1001, dtype=torch.bfloat16,
+                                                                                     device="cuda"),
+            "L1.E0/w": torch.zeros(77)}
+    staging = DeviceStaging(torch.device("cuda", torch.cuda.current_device()), buffers=2, buffer_bytes=1 << 20)
+    landed, kept = land_rank_file(str(path), entry, header, PosixStorage(), live, staging)
+    assert set(landed) == set(live) and not kept and staging.copies > 12
+    for name, tensor in live.items():
+        assert torch.equal(tensor.cpu(), saved[name]), name
