@@ -381,6 +381,7 @@ def lose_node_1_and_restore_from_its_replica(c: Cluster) -> tuple[int, int]:
     return lost_at, target
 
 
+@pytest.mark.slow  # (~25 s: the full campaign's replica_holder_kill scenario, run with -m campaign or -m slow)
 def test_replica_holder_killed_mid_transfer_then_the_node_is_lost(clusters, reference, tmp_path):
     """Node 0's agent is SIGKILLed halfway through receiving node 1's third snapshot: the half-received
     replica never becomes one, training goes on, node 0's trainer starts a new agent, node 1 sends it a
@@ -491,6 +492,7 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
     check_sound(c.save)
 
 
+@pytest.mark.slow  # (~38 s: the full campaign's relaunch_finished scenario, run with -m campaign or -m slow)
 def test_a_finished_job_relaunched_restores_its_last_iteration_whole_every_time(clusters, tmp_path):
     """Issue 29: train to 24 (persisted every 10, snapshot-K 2 / persist-K 1), then launch the same job twice
     more, the second time with another PEC configuration. The end of training is a planned exit: 24 is
@@ -513,6 +515,7 @@ def test_a_finished_job_relaunched_restores_its_last_iteration_whole_every_time(
         check_sound(c.save)
 
 
+@pytest.mark.slow  # (~22 s: the default run has it in the real Megatron-LM loop, test_megatron_lm_loop.py)
 def test_planned_exit_under_pec_loses_nothing(clusters, reference, tmp_path):
     """Issue 29: snapshot-K 2 / persist-K 1 and --exit-interval 7 between persists (every 5): the trainers
     save 7 once more with every expert before they detach, the restart restores 7 with PLT 0.0000% and

@@ -72,7 +72,9 @@ def cluster(tmp_path, shm_dir):
         c.close()
 
 
-@pytest.mark.parametrize("pec", [False, True], ids=["every_expert", "snapshot_k2"])
+# (~30 s each on 2 cores: the default run takes every expert; the restore of older expert versions with the
+# frozen parameter and extra state runs with -m slow)
+@pytest.mark.parametrize("pec", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["every_expert", "snapshot_k2"])
 def test_frozen_parameter_and_extra_state_survive_sigkill_from_memory_and_storage(cluster, tmp_path, pec):
     flags = EVERY + (PEC if pec else [])
     logs = tmp_path / "state_log"

@@ -81,7 +81,8 @@ def killed_and_restored(tmp_path, shm_dir, job, *extra, after_kill=lambda: None)
 
 @pytest.mark.parametrize("asked,implied_k_flags", [
     ([], None),
-    (["--pec-snapshot-k", "2", "--pec-persist-k", "1"], ["--pec-snapshot-k", "2", "--pec-persist-k", "1"]),
+    pytest.param(["--pec-snapshot-k", "2", "--pec-persist-k", "1"], ["--pec-snapshot-k", "2", "--pec-persist-k", "1"],
+                 marks=pytest.mark.slow),  # (~55 s on 2 cores: the default run takes the K = all case)
 ], ids=["k-all", "snapshot-k-2"])
 def test_the_tightest_budget_saves_whole_without_stalls_and_restores_with_its_ks_plt(tmp_path, shm_dir, asked,
                                                                                      implied_k_flags):
