@@ -26,11 +26,11 @@ MCORE019_TESTS=(tests/test_roundtrip.py "${NEWEST_ONLY[@]}" tests/test_token_cou
                 tests/test_layout.py "${RESHARD_MCORE019[@]}"
                 tests/test_state_parity.py::test_example_trainer_restore_equals_the_state_it_saved
                 tests/test_state_kinds.py::test_grad_scaler_before_the_first_step_rerun_state_machine_and_override_iteration)
-# Unit tests that import no Megatron (nor run anything that does) give the same result on either release:
-# they run once, on the oldest.
+# Unit tests that import no Megatron (nor run anything that does; test_fused_sums' workers take only the CPU
+# stand-ins of torch.cuda) give the same result on either release: they run once, on the oldest.
 MEGATRON_FREE=(tests/test_agent.py tests/test_agent_session.py tests/test_budget.py tests/test_checkpoint_dir.py
                tests/test_coalesce.py tests/test_copy_waves.py tests/test_expert_values.py tests/test_format.py
-               tests/test_landing.py tests/test_loader.py tests/test_node_memory.py tests/test_pec_book.py
+               tests/test_fused_sums.py tests/test_landing.py tests/test_loader.py tests/test_node_memory.py tests/test_pec_book.py
                tests/test_peers.py tests/test_phases.py tests/test_pinning.py tests/test_plan_agreement.py
                tests/test_plt.py tests/test_policy.py tests/test_protocol.py tests/test_reduced_record.py
                tests/test_save_history.py tests/test_save_steps.py tests/test_small_state_record.py
