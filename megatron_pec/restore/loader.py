@@ -485,8 +485,7 @@ class Loader:
         checked too, where the file records the item's sum64)."""
         if source.kind == "memory":
             return source.checked_after_copy
-        return source.read_later and self.checked_after_copy and not self.summed_by_copy \
-            and is_sum64(source.item_checks.get(item))
+        return source.read_later and not self.summed_by_copy and is_sum64(source.item_checks.get(item))
 
     # ---- 5. decide -------------------------------------------------------------------------------------
     def _decide(self, target: int, plan: dict[str, Source], accounted: list[list[int]],

@@ -28,9 +28,10 @@ class DeviceStaging:
         cuda = self.device.type == "cuda"
         self._ring = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(buffers)]
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:  # (built once the targets are allocated: its copies follow that work)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._copied: list = [None] * buffers  # per buffer: a blocking event after its last copy (None: free)
         self._next = 0
-        self._started = False
         self.copies = 0  # (tests look: copies enqueued)
 
     @staticmethod
@@ -51,9 +52,6 @@ class DeviceStaging:
         ``Storage.read_checked_into``'s pieces: each one, once read (the next one asked for), is copied into
         its place in ``target``. A buffer is handed out again only once its copy is done."""
         size = len(self._ring[0])
-        if not self._started and self._stream is not None:  # (the copies follow what allocated the targets)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._started = True
         for at in range(0, target.numel(), size):
             n = min(size, target.numel() - at)
             k = self._next

@@ -242,10 +242,11 @@ class PosixStorage:
             with open(path, "rb", buffering=0) as f:
                 for piece in pieces:
                     view, got = memoryview(piece).cast("B"), 0
-                    if _address(view) in summing:
+                    address = _address(view)
+                    if address in summing:
                         crc.caught_up()
                         summing.clear()
-                    summing.add(_address(view))
+                    summing.add(address)
                     while got < len(view):
                         n = f.readinto(view[got:got + CHUNK])
                         if not n:
