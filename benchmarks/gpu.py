@@ -302,6 +302,8 @@ def main(argv=None) -> int:
             out["storage_floors"] = measured.get("floors")
             out["copy_enqueue"] = measured.get("copy_enqueue")
             clock.done("worker", f"{len(measured['rows'])} rows, errors: {measured.get('errors') or 'none'}")
+    except KeyboardInterrupt:  # a lent GPU's time limit (timeout -s INT): keep the rows measured so far
+        out["errors"]["interrupted"] = "stopped by SIGINT before every row was measured"
     finally:
         for root in (shm, Path(SHM_ROOT) / run_id):
             launch.stop_agents(root)

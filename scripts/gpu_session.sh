@@ -1,40 +1,50 @@
 #!/usr/bin/env bash
 # A lent GPU's whole session in one call (the device tool runs it in a copy of the checkout, with the
-# wheels of scripts/gpu_wheels.sh carried in .whl/): install them, the project's own GPU benchmark as
-# committed, then the GPU tests in the time left. Everything it learns lands in $OUT.
+# wheels of scripts/gpu_wheels.sh carried in .whl/): install them, the checksum kernel's load in a fresh
+# process, tests/gpu, the project's own GPU benchmark as committed, then the overhead probe's copy paths in
+# the time left. Everything it learns lands in $OUT as at most 6 files (the device tool brings back 8).
 #
 #   bash scripts/gpu_wheels.sh                    # here, with pip access
-#   OUT=/tmp/out bash scripts/gpu_session.sh      # there (BENCH_S / TOTAL_S cap the parts)
+#   OUT=/tmp/out bash scripts/gpu_session.sh      # there (TESTS_S, BENCH_S, TOTAL_S cap the parts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pec_gpu_out}
-BENCH_S=${BENCH_S:-470}  # the benchmark is the measurement that counts: it goes first
-TOTAL_S=${TOTAL_S:-585}  # the tests get what is left of this, leaving time to copy the logs back
+TESTS_S=${TESTS_S:-90}
+BENCH_S=${BENCH_S:-400}  # the benchmark is the measurement that counts; SIGINT at its limit keeps its rows
+TOTAL_S=${TOTAL_S:-565}  # the probe gets what is left of this, leaving time to pack and copy the logs back
 start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+LOGS=$(mktemp -d /tmp/pec_session_XXXX)
 mkdir -p "$OUT"
 SITE=/tmp/pec_site
-python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/install.log" 2>&1
+python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$LOGS/install.log" 2>&1
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
 { nvidia-smi; nproc; free -g; df -h /dev/shm
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
-  > "$OUT/machine.txt" 2>&1
-# the checksum kernel's load alone in a fresh process, twice (the second finds Triton's cache warm): where
-# a relaunched trainer's load spends its time
+  > "$LOGS/machine.txt" 2>&1
+# the checksum kernel's load alone in a fresh process, twice (the second finds Triton's cache warm)
 for attempt in cold warm; do
-  timeout 60 python3 scripts/kernel_load_profile.py > "$OUT/kernel_load_$attempt.txt" 2>&1
+  timeout 40 python3 scripts/kernel_load_profile.py > "$LOGS/kernel_load_$attempt.txt" 2>&1
 done
+timeout "$TESTS_S" python3 -m pytest tests/gpu -q -rs > "$LOGS/tests_gpu.log" 2>&1
+echo "tests/gpu exit $? at $(elapsed) s" | tee -a "$OUT/summary.txt"
 # BENCH_ARGS: e.g. --peers pec_all (the peers' rows from an earlier run on the same kind of GPU stand)
-timeout "$BENCH_S" python3 -m benchmarks.gpu --json "$OUT/gpu.json" ${BENCH_ARGS:-} > "$OUT/benchmark.log" 2>&1
-echo "benchmarks.gpu exit $? after $(( $(date +%s) - start )) s" >> "$OUT/benchmark.log"
-# one file of every run's log and metrics (not the checkpoints beside them: gigabytes)
-(cd /tmp && tar -czf "$OUT/runs.tar.gz" pec_gpu_*/*.jsonl pec_gpu_*/*.json \
-   $(ls pec_gpu_*/*.log | grep -v peers.log) 2>/dev/null)
-grep -h -B3 -A30 Traceback /tmp/pec_gpu_*/*.log 2>/dev/null | head -400 > "$OUT/tracebacks.txt"
-left=$(( TOTAL_S - ($(date +%s) - start) ))
-if [ "$left" -gt 30 ]; then
-  timeout "$left" python3 -m pytest tests/gpu -q -rs > "$OUT/tests_gpu.log" 2>&1
-  echo "pytest tests/gpu exit $? ($left s allowed)" >> "$OUT/tests_gpu.log"
+timeout -s INT -k 20 "$BENCH_S" python3 -m benchmarks.gpu --json "$OUT/gpu.json" ${BENCH_ARGS:-} \
+  > "$LOGS/benchmark.log" 2>&1
+echo "benchmarks.gpu exit $? at $(elapsed) s" | tee -a "$OUT/summary.txt"
+left=$(( TOTAL_S - $(elapsed) ))
+if [ "$left" -gt 60 ]; then  # the copy paths beside the benchmark's default one (PROBE_PARTS, PROBE_PROGRAMS)
+  PROBE_PARTS=${PROBE_PARTS:-kernel,engine} PROBE_PROGRAMS=${PROBE_PROGRAMS:-4} OUT=$LOGS \
+    timeout "$left" python3 scripts/gpu_overhead_probe.py > "$LOGS/probe.log" 2>&1
+  echo "overhead probe exit $? at $(elapsed) s ($left s allowed)" | tee -a "$OUT/summary.txt"
 else
-  echo "no time left for tests/gpu ($left s)" > "$OUT/tests_gpu.log"
+  echo "no time left for the overhead probe ($left s)" | tee -a "$OUT/summary.txt"
 fi
-tail -n 3 "$OUT/benchmark.log" "$OUT/tests_gpu.log"
+# every run's log and metrics (not the checkpoints beside them: gigabytes), then the session's own logs
+(cd /tmp && tar -czf "$OUT/runs.tar.gz" pec_gpu_*/*.jsonl pec_gpu_*/*.json \
+   $(ls pec_gpu_*/*.log pec_gpu_diag_*/*.log 2>/dev/null | grep -v peers.log) 2>/dev/null)
+grep -h -B3 -A30 Traceback /tmp/pec_gpu_*/*.log /tmp/pec_gpu_diag_*/*.log 2>/dev/null | head -400 \
+  > "$LOGS/tracebacks.txt"
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
+tail -n 4 "$LOGS/tests_gpu.log"; grep -E "^\[diag" "$LOGS/probe.log" 2>/dev/null | cut -c1-400
+tail -n 40 "$LOGS/benchmark.log"
