@@ -74,6 +74,9 @@ def test_a_snapshot_enqueues_as_much_with_10_runs_as_with_10000(tmp_path):
     # copies them
     assert sum("_foreach_copy_" in op for op in result["10000"]["enqueue_thread_ops"]) == 2
     assert not any("_foreach_copy_" in op for op in result["10000 by kernel"]["enqueue_thread_ops"])
+    # nor does the training thread pair the runs the kernel copies (their views are the enqueue thread's)
+    assert result["10000 by kernel"]["training_thread_views"] == 0
+    assert result["10000"]["training_thread_views"] == 2
 
 
 @pytest.mark.parametrize("addr,pos,log2", [(0, 0, 3), (4, 0, 2), (8, 4, 2), (2, 0, 1), (6, 4, 1), (1, 0, 0),

@@ -26,7 +26,8 @@ starves (``scripts/gpu_copy_probe.py``, the traces of ``scripts/gpu_overhead_pro
 (Triton cannot compile, the slots are not page-locked) the copy engine copies, in waves (``copy_waves.py``).
 
 The training thread enqueues a fixed number of operations per snapshot whatever the number of items
-and runs. On the GPU it only records an event on its stream: the stager's enqueue thread makes the copy
+and runs. On the GPU it only records an event on its stream (and, where the kernel copies, pairs none of the
+runs it copies: only runs in host memory): the stager's enqueue thread makes the copy
 stream wait for it and launches the copy and its sums (or issues the copy engine's copies, one
 ``cudaMemcpyAsync`` per run, ~8 us each on an H200, then the sums' launch) and their copy to the host, in
 order, off the training thread. The training thread never waits for the device on that path: the sums'
@@ -105,11 +106,18 @@ class Staging:
         """Start copying the slices of each item of ``placement`` into the slot it names (on the GPU by the
         kernel: at ``finish``)."""
         stager = self.stager
-        dst, src, host_dst, host_src = stager.pairs(placement, self.live)
+        # (on the kernel's path the launch at ``finish`` copies the device runs: only host runs are paired here)
+        paired = {item: slot for item, slot in placement.items() if stager.host_runs(item)} if self.by_kernel \
+            else placement
+        dst, src, host_dst, host_src = stager.pairs(paired, self.live)
         self.placed.update({item: slot for item, slot in placement.items() if item in stager.bound_items})
         if host_dst:  # (in host memory: copied here, by the host, never by a device kernel)
             with torch.no_grad():
                 torch._foreach_copy_(host_dst, host_src)
+        if self.by_kernel:
+            if self._produced is None and any(stager.device_runs(item) for item in placement):
+                self._record_produced()
+            return
         if not dst:
             return
         if stager.stream is None:
@@ -117,10 +125,7 @@ class Staging:
                 torch._foreach_copy_(dst, src)
             return
         if self._produced is None:
-            self._produced = torch.cuda.Event()
-            self._produced.record()  # (on the training stream, after the optimizer step that produced the state)
-        if self.by_kernel:
-            return
+            self._record_produced()
         produced = self._produced
 
         def copy():
@@ -128,6 +133,10 @@ class Staging:
             copy_in_waves(dst, src, record=stager.record)  # (never a whole snapshot queued on the copy engine)
 
         stager.enqueue(copy)  # (a save skipped after this copy still has it in flight: ``Stager.close`` waits)
+
+    def _record_produced(self) -> None:
+        self._produced = torch.cuda.Event()
+        self._produced.record()  # (on the training stream, after the optimizer step that produced the state)
 
     def drop(self, placement: dict[str, int]) -> None:
         """These items were copied for nothing (the save's agreement left them out): not part of it (on the
@@ -294,6 +303,11 @@ class Stager:
             host = self.host_runs(item)
             addresses = self._destinations[key] = [t.data_ptr() for i, t in enumerate(dst) if i not in host]
         return addresses
+
+    def device_runs(self, item: str) -> int:
+        """How many of ``item``'s runs are in device memory (once bound; 0 for an item the rank does not hold)."""
+        starts = self.bound_items.get(item)
+        return 0 if starts is None else len(starts[0]) - len(self.host_runs(item))
 
     def host_runs(self, item: str) -> tuple[int, ...]:
         """Indices of ``item``'s runs whose live tensors are in host memory (once bound; mostly none)."""

@@ -167,6 +167,13 @@ def launches(out: str, slot_dir: str) -> None:
             return enqueue(run)
 
         stager.enqueue = counted
+        runs_views, views_of = [], stager.runs  # (the runs' views each copy pairs, by thread)
+
+        def viewed(*args):
+            runs_views.append(threading.get_ident())
+            return views_of(*args)
+
+        stager.runs = viewed
         with count:
             staging = stager.begin(live)
             staging.copy({"dense": 1})
@@ -174,6 +181,7 @@ def launches(out: str, slot_dir: str) -> None:
             staging.finish()
         stager.synchronize()
         result[f"{runs}{' by kernel' if by_kernel else ''}"] = {"training_thread_ops": count.ops, "enqueue_thread_ops": enqueued.ops,
+                             "training_thread_views": runs_views.count(threading.get_ident()),
                              "kernel_launches": len(kernel_launches) - before,
                              "copy_runs": len(stager.runs_of("dense")) + len(stager.runs_of("L1.E0"))}
         stager.close()
