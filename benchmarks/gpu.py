@@ -12,8 +12,10 @@ its saver still persisting).
 Rows, each from a torchrun of one rank:
 
 * the example trainer (``examples/gpt_moe``): ``base`` (no checkpoints), ``all`` (every expert) and
-  ``pec2`` (snapshot-K 2 / persist-K 1) on the schedule, ``killed`` (as ``all``, SIGKILLed in optimizer step
-  ``KILL_AT``) and its restart from node memory, timed against the host-to-device floor;
+  ``pec2`` (snapshot-K 2 / persist-K 1) on the schedule, ``paired`` (every expert, a snapshot every 4th
+  iteration: a snapshot's cost against the steps beside it, ``paired_cost.py``), ``killed`` (as ``all``,
+  SIGKILLed in optimizer step ``KILL_AT``) and its restart from node memory, timed against the
+  host-to-device floor;
 * the benchmark worker (``benchmarks.worker --mode schedule``, the same model): megatron-pec (every
   expert), DLRover's flash checkpoint, Megatron's ``torch_dist`` async (``async_strategy`` "mcore"
   without nvidia-resiliency-ext, "nvrx" with it; the row says which) and Megatron's own local
@@ -49,6 +51,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import paired_cost
 from benchmarks.common import REPO, RESULTS, SHM_ROOT, allocated_bytes, files_under, loadavg, machine, p90
 from benchmarks.schedule import schedules
 from megatron_pec.testing import launch
@@ -244,6 +247,12 @@ def example_rows(out: dict, workdir: Path, shm: Path, model: list[str], sizes: S
         row["agent_cpu_s_per_snapshot"] = agent_cpu_per_snapshot(shm / name / "node0", snapshots)
         out["rows"][f"example: megatron-pec {'K=all' if name == 'all' else 'snapshot-K 2 / persist-K 1'}"] = row
         clock.done(name, f"exit {r['code']}, skipped {row['skipped']}, step overhead {row['step_overhead']}")
+    ckpt = ["--save", str(workdir / "ck_paired"), "--pec-shm-dir", str(shm), "--pec-job-id", "paired", *paired_cost.FLAGS]
+    r = example("paired", workdir, model, sizes.iters, ckpt, env)
+    out["paired_all"] = paired_cost.paired_cost(r["rows"], WARMUP)
+    launch.stop_agents(shm / "paired")
+    shown = out["paired_all"] and f"{out['paired_all']['overhead'] * 100:+.1f}%"
+    clock.done("paired", f"exit {r['code']}, a K=all snapshot's cost paired within the run: {shown}")
 
 
 def restart_row(out: dict, workdir: Path, shm: Path, model: list[str], sizes: Sizes, env: dict, cuda: bool,
@@ -344,23 +353,9 @@ def markdown(out: dict, command: str) -> str:
         f"{name}: {r['node_memory_what']}" + ("" if r.get("node_memory_bytes") is not None else " (not measured)")
         for name, r in out["rows"].items()) + "."]
     for name, r in out["rows"].items():
-        extra = []
-        if r.get("first_over_later") is not None:
-            extra.append(f"first save {ms(r['first_save_s'])} ms = {r['first_over_later']:.1f}x the later ones")
-        if r.get("agent_cpu_s_per_snapshot") is not None:
-            extra.append(f"node agent's CPU per snapshot {ms(r['agent_cpu_s_per_snapshot'])} ms")
-        if r.get("step_overhead_mean") is not None:
-            extra.append(f"step overhead {r['step_overhead_mean'] * 100:+.1f}% as the run's mean (persists "
-                         "included)")
-        if r.get("persist_blocking_s_median") is not None:
-            extra.append(f"a persist blocks {ms(r['persist_blocking_s_median'])} ms (median)")
-        if r.get("async_strategy") is not None or (r.get("family") == "torch_dist"):
-            extra.append(f"async_strategy {r.get('async_strategy') or 'mcore (this megatron-core has only its own)'}")
-        if r.get("h2d_floor_s") and r.get("restore_memory_s"):
-            extra.append(f"restore from memory = {r['restore_memory_s'] / r['h2d_floor_s']:.2f}x the H2D floor")
-        if extra:
-            lines.append(f"* {name}: " + "; ".join(extra) + ".")
+        lines += row_notes(name, r)
     lines += step_parts_markdown(out)
+    lines += paired_cost.markdown(out.get("paired_all"), "A K=all snapshot's cost on the example's step")
     fl, sf = out.get("floors"), out.get("storage_floors")
     if fl:
         lines.append(f"* Copy floors for {fl['bytes'] / 1e6:.0f} MB: device -> page-locked host {ms(fl['d2h_s'])} ms, "
@@ -379,6 +374,25 @@ def markdown(out: dict, command: str) -> str:
     lines += [f"* {name}: {error}" for name, error in out.get("errors", {}).items() if name in METHOD_ERRORS_ELSEWHERE]
     lines += enqueue_markdown(out.get("copy_enqueue"))
     return "\n".join(lines) + "\n"
+
+
+def row_notes(name: str, r: dict) -> list[str]:
+    """The line below the table for one row: what its columns do not say."""
+    extra = []
+    if r.get("first_over_later") is not None:
+        extra.append(f"first save {ms(r['first_save_s'])} ms = {r['first_over_later']:.1f}x the later ones")
+    if r.get("agent_cpu_s_per_snapshot") is not None:
+        extra.append(f"node agent's CPU per snapshot {ms(r['agent_cpu_s_per_snapshot'])} ms")
+    if r.get("step_overhead_mean") is not None:
+        extra.append(f"step overhead {r['step_overhead_mean'] * 100:+.1f}% as the run's mean (persists "
+                     "included)")
+    if r.get("persist_blocking_s_median") is not None:
+        extra.append(f"a persist blocks {ms(r['persist_blocking_s_median'])} ms (median)")
+    if r.get("async_strategy") is not None or (r.get("family") == "torch_dist"):
+        extra.append(f"async_strategy {r.get('async_strategy') or 'mcore (this megatron-core has only its own)'}")
+    if r.get("h2d_floor_s") and r.get("restore_memory_s"):
+        extra.append(f"restore from memory = {r['restore_memory_s'] / r['h2d_floor_s']:.2f}x the H2D floor")
+    return [f"* {name}: " + "; ".join(extra) + "."] if extra else []
 
 
 METHOD_ERRORS_ELSEWHERE = {"worker", "copy enqueue"}  # (errors that are no method's: listed below the table)

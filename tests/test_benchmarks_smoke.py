@@ -281,3 +281,22 @@ def test_the_gpu_rows_say_where_a_longer_step_goes():
     out = {"rows": {"example: megatron-pec K=all": row}, "example_base": cpu_only}
     line = gpu.step_parts_markdown(out)[0]
     assert "no checkpoints 108.5 / 50.0 / -" in line and "megatron-pec K=all 108.5 / 50.0 / 88.5" in line
+
+
+def test_a_snapshots_cost_is_paired_with_the_steps_beside_it_so_drift_cancels():
+    """benchmarks.gpu's paired estimate: a run whose step drifts by 50% over its iterations, each snapshot (every
+    4th iteration) blocking 1 ms and slowing the step after it by 4 ms: its cost is 5 ms whatever the drift,
+    where comparing medians with another run would see the drift."""
+    from benchmarks import paired_cost
+
+    def step(i):
+        return 0.100 + 0.050 * i / 40  # (the drift)
+
+    rows = [{"iteration": i, "step_s": step(i) + (0.004 if i % 4 == 1 and i > 1 else 0.0),
+             "save_blocking_s": 0.001 if i % 4 == 0 else None} for i in range(1, 41)]
+    paired = paired_cost.paired_cost(rows, warmup=5)
+    assert paired["snapshots"] == 8  # (8, 12, ..., 36: each with the two steps after it recorded; 40 has none)
+    assert all(abs(c - 0.005) < 1e-12 for c in paired["costs_s"])  # (the drift cancels)
+    assert abs(paired["overhead"] - paired["cost_s_median"] / paired["clean_step_s_median"]) < 1e-12
+    assert "+3.9% of the clean step" in paired_cost.markdown(paired, "K=all")[0]
+    assert paired_cost.paired_cost([r for r in rows if r["iteration"] < 8], warmup=5) is None
