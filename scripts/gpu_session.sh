@@ -2,7 +2,7 @@
 # A lent GPU's whole session in one call (the device tool runs it in a copy of the checkout, with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/): install them, the checksum kernel's load in a fresh
 # process, tests/gpu, the project's own GPU benchmark as committed, then the overhead probe's copy paths in
-# the time left. Everything it learns lands in $OUT as at most 6 files (the device tool brings back 8).
+# the time left. Everything it learns lands in $OUT as 5 files (the device tool brings back at most 8).
 #
 #   bash scripts/gpu_wheels.sh                    # here, with pip access
 #   OUT=/tmp/out bash scripts/gpu_session.sh      # there (TESTS_S, BENCH_S, TOTAL_S cap the parts)
