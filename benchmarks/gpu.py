@@ -250,7 +250,7 @@ def example_rows(out: dict, workdir: Path, shm: Path, model: list[str], sizes: S
     ckpt = ["--save", str(workdir / "ck_paired"), "--pec-shm-dir", str(shm), "--pec-job-id", "paired", *paired_cost.FLAGS]
     r = example("paired", workdir, model, sizes.iters, ckpt, env)
     out["paired_all"] = paired_cost.paired_cost(r["rows"], WARMUP)
-    launch.stop_agents(shm / "paired")
+    launch.stop_agents(shm / "paired")  # (memory only, nothing to persist: the runs after it start on a quiet machine)
     shown = out["paired_all"] and f"{out['paired_all']['overhead'] * 100:+.1f}%"
     clock.done("paired", f"exit {r['code']}, a K=all snapshot's cost paired within the run: {shown}")
 
