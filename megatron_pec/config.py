@@ -76,7 +76,7 @@ def _add_node_memory(g) -> None:
                    help="keep node-memory slot files when the agent exits")
     g.add_argument("--pec-copy-engine", action="store_true",
                    help="(GPU) copy snapshots to node memory with the GPU's copy engine instead of the checksum "
-                        "kernel's launch, which copies on 16 of its cores while it sums; the copy engine makes the "
+                        "kernel's launch, which copies on 4 of its cores while it sums; the copy engine makes the "
                         "training step's own small device-to-host copies wait behind a snapshot (default: the "
                         "kernel, where the GPU addresses the page-locked node memory as the host does)")
     g.add_argument("--pec-node-memory", default=None, metavar="BUDGET",

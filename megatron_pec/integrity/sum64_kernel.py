@@ -24,11 +24,11 @@ import triton.language as tl
 BLOCK = 1024  # units per step of a program
 # Programs of a copy: few, so the copy takes a few of the GPU's cores beside training and none of its copy
 # engines (the training step's own small device-to-host copies queue there behind whatever is queued: 33 ms
-# behind a K=all snapshot's on an H200). On the H200, 8 programs of 1024 units already copied at 52 GB/s
-# into page-locked node memory, the copy engine's rate (scripts/gpu_copy_probe.py); beside the example's
-# training 16 took 50 ms, and the step's kernels ran slower meanwhile (its own copies waited 4-10 ms for
-# them): fewer may cost training less (MEGATRON_PEC_COPY_PROGRAMS, scripts/gpu_overhead_probe.py, measures).
-COPY_PROGRAMS = 16
+# behind a K=all snapshot's on an H200). On the H200 a K=all snapshot's cost on the example's step, paired
+# within one run (scripts/gpu_paired_probe.py), was 30 ms on 16 programs and 33 ms by the copy engine, but
+# 3.0 ms on 4 and 1.6 ms on 2: the copy's bytes bound it (4 and 16 both took 47-50 ms beside training), and
+# 16 programs slowed the step's own kernels all the while. 4 leave room in a step for the copy to end.
+COPY_PROGRAMS = 4
 
 
 # (the counts are not specialised on: Triton would compile anew for a count of 1 or a multiple of 16)

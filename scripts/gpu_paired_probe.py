@@ -1,0 +1,36 @@
+"""A K=all snapshot's cost on the example's step, paired within one run (benchmarks/paired_cost.py), for each
+copy path in turn: the checksum kernel on N programs (MEGATRON_PEC_COPY_PROGRAMS) and the copy engine
+(--pec-copy-engine). A probe for choosing the default path on a GPU (~35 s a path on an H200); each path's
+line prints as its run ends. PAIRED_PATHS (default "kernel4,engine,kernel16,kernel2") picks them.
+
+    python3 scripts/gpu_paired_probe.py     # on the GPU machine, with scripts/gpu_wheels.sh's wheels
+"""
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import gpu, paired_cost  # noqa: E402
+from megatron_pec.testing import launch  # noqa: E402
+
+import torch  # noqa: E402
+
+model = gpu.GPU_MODEL if torch.cuda.is_available() else gpu.CPU_MODEL  # (CPU: a dry run of this script)
+workdir = Path(tempfile.mkdtemp(prefix="pec_gpu_paired_"))
+shm = Path("/dev/shm") / workdir.name
+env = {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
+t0 = time.monotonic()
+for path in os.environ.get("PAIRED_PATHS", "kernel4,engine,kernel16,kernel2").split(","):
+    extra, env_extra = (["--pec-copy-engine"], {}) if path == "engine" else \
+        ([], {"MEGATRON_PEC_COPY_PROGRAMS": path.removeprefix("kernel")})
+    flags = ["--save", str(workdir / f"ck_{path}"), "--pec-shm-dir", str(shm), "--pec-job-id", path,
+             *paired_cost.FLAGS, *extra]
+    r = gpu.example(path, workdir, model, 40, flags, dict(env, **env_extra))
+    launch.stop_agents(shm / path)
+    p = paired_cost.paired_cost(r["rows"], gpu.WARMUP)
+    row = gpu.example_row(r, None, None)
+    shown = p and (f"{p['cost_s_median'] * 1e3:.1f} ms a snapshot = {p['overhead'] * 100:+.1f}% of the clean step "
+                   f"{p['clean_step_s_median'] * 1e3:.1f} ms; costs (ms) {[round(c * 1e3, 1) for c in p['costs_s']]}")
+    print(f"[paired +{time.monotonic() - t0:4.0f}s] {path}: exit {r['code']}, blocking median "
+          f"{row['blocking_s_median'] and row['blocking_s_median'] * 1e3:.2f} ms; {shown}", flush=True)
