@@ -40,7 +40,11 @@ if [[ -n $MEGATRON_CORE ]]; then
   "${pip[@]}" --ignore-requires-python --no-deps "megatron-core==$MEGATRON_CORE"
 fi
 echo "[bootstrap] installing megatron-pec and test dependencies into $VENV"
-"${pip[@]}" -e ".[test]"
+# (one environment at a time where flock is at hand: the editable install writes megatron_pec.egg-info into
+# the checkout, and run_tests.sh builds both environments at once)
+locked=()
+command -v flock > /dev/null && locked=(flock .)
+"${locked[@]}" "${pip[@]}" -e ".[test]"
 if [[ -n $MEGATRON_CORE ]]; then
   have=$("$VENV/bin/python" -W ignore -c "import megatron.core as m; print(m.__version__)" 2>/dev/null)
   [[ $have == "$MEGATRON_CORE" || $have == "$MEGATRON_CORE"+* ]] || { echo "[bootstrap] expected megatron-core $MEGATRON_CORE, got $have" >&2; exit 1; }
