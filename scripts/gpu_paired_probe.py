@@ -21,7 +21,12 @@ workdir = Path(tempfile.mkdtemp(prefix="pec_gpu_paired_"))
 shm = Path("/dev/shm") / workdir.name
 env = {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
 t0 = time.monotonic()
-for path in os.environ.get("PAIRED_PATHS", "kernel4,engine,kernel16,kernel2").split(","):
+paths = os.environ.get("PAIRED_PATHS", "kernel4,engine,kernel16,kernel2").split(",")
+unknown = [p for p in paths if p != "engine" and not p.removeprefix("kernel").isdigit()]
+if unknown:
+    sys.exit(f"PAIRED_PATHS: {unknown} are not copy paths: name 'engine' or 'kernelN' (N programs), "
+             "e.g. kernel4,engine")
+for path in paths:
     extra, env_extra = (["--pec-copy-engine"], {}) if path == "engine" else \
         ([], {"MEGATRON_PEC_COPY_PROGRAMS": path.removeprefix("kernel")})
     flags = ["--save", str(workdir / f"ck_{path}"), "--pec-shm-dir", str(shm), "--pec-job-id", path,
@@ -32,5 +37,6 @@ for path in os.environ.get("PAIRED_PATHS", "kernel4,engine,kernel16,kernel2").sp
     row = gpu.example_row(r, None, None)
     shown = p and (f"{p['cost_s_median'] * 1e3:.1f} ms a snapshot = {p['overhead'] * 100:+.1f}% of the clean step "
                    f"{p['clean_step_s_median'] * 1e3:.1f} ms; costs (ms) {[round(c * 1e3, 1) for c in p['costs_s']]}")
+    blocking = row["blocking_s_median"]
     print(f"[paired +{time.monotonic() - t0:4.0f}s] {path}: exit {r['code']}, blocking median "
-          f"{row['blocking_s_median'] and row['blocking_s_median'] * 1e3:.2f} ms; {shown}", flush=True)
+          f"{'-' if blocking is None else f'{blocking * 1e3:.2f}'} ms; {shown}", flush=True)
