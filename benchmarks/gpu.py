@@ -247,12 +247,20 @@ def example_rows(out: dict, workdir: Path, shm: Path, model: list[str], sizes: S
         row["agent_cpu_s_per_snapshot"] = agent_cpu_per_snapshot(shm / name / "node0", snapshots)
         out["rows"][f"example: megatron-pec {'K=all' if name == 'all' else 'snapshot-K 2 / persist-K 1'}"] = row
         clock.done(name, f"exit {r['code']}, skipped {row['skipped']}, step overhead {row['step_overhead']}")
-    ckpt = ["--save", str(workdir / "ck_paired"), "--pec-shm-dir", str(shm), "--pec-job-id", "paired", *paired_cost.FLAGS]
-    r = example("paired", workdir, model, sizes.iters, ckpt, env)
-    out["paired_all"] = paired_cost.paired_cost(r["rows"], WARMUP)
-    launch.stop_agents(shm / "paired")  # (memory only, nothing to persist: the runs after it start on a quiet machine)
+    r, out["paired_all"] = paired_run("paired", workdir, shm, model, sizes.iters, env)
     shown = out["paired_all"] and f"{out['paired_all']['overhead'] * 100:+.1f}%"
     clock.done("paired", f"exit {r['code']}, a K=all snapshot's cost paired within the run: {shown}")
+
+
+def paired_run(name: str, workdir: Path, shm: Path, model: list[str], iters: int, env: dict,
+               extra: tuple = ()) -> tuple[dict, dict | None]:
+    """The example with a K=all snapshot every ``paired_cost.EVERY`` iterations, in node memory only (``extra``:
+    more flags, e.g. a copy path): its run and a snapshot's cost paired within it (``paired_cost``)."""
+    ckpt = ["--save", str(workdir / f"ck_{name}"), "--pec-shm-dir", str(shm), "--pec-job-id", name,
+            *paired_cost.FLAGS, *extra]
+    r = example(name, workdir, model, iters, ckpt, env)
+    launch.stop_agents(shm / name)  # (memory only, nothing to persist: the runs after it start on a quiet machine)
+    return r, paired_cost.paired_cost(r["rows"], WARMUP)
 
 
 def restart_row(out: dict, workdir: Path, shm: Path, model: list[str], sizes: Sizes, env: dict, cuda: bool,

@@ -11,29 +11,25 @@ import tempfile
 import time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu, paired_cost  # noqa: E402
-from megatron_pec.testing import launch  # noqa: E402
+from benchmarks import gpu  # noqa: E402
 
 import torch  # noqa: E402
 
 model = gpu.GPU_MODEL if torch.cuda.is_available() else gpu.CPU_MODEL  # (CPU: a dry run of this script)
+iters = gpu.SIZES["cuda" if torch.cuda.is_available() else "cpu"].iters
 workdir = Path(tempfile.mkdtemp(prefix="pec_gpu_paired_"))
 shm = Path("/dev/shm") / workdir.name
 env = {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
 t0 = time.monotonic()
 paths = os.environ.get("PAIRED_PATHS", "kernel4,engine,kernel16,kernel2").split(",")
-unknown = [p for p in paths if p != "engine" and not p.removeprefix("kernel").isdigit()]
+unknown = [name for name in paths if name != "engine" and not name.removeprefix("kernel").isdigit()]
 if unknown:
     sys.exit(f"PAIRED_PATHS: {unknown} are not copy paths: name 'engine' or 'kernelN' (N programs), "
              "e.g. kernel4,engine")
 for path in paths:
-    extra, env_extra = (["--pec-copy-engine"], {}) if path == "engine" else \
-        ([], {"MEGATRON_PEC_COPY_PROGRAMS": path.removeprefix("kernel")})
-    flags = ["--save", str(workdir / f"ck_{path}"), "--pec-shm-dir", str(shm), "--pec-job-id", path,
-             *paired_cost.FLAGS, *extra]
-    r = gpu.example(path, workdir, model, 40, flags, dict(env, **env_extra))
-    launch.stop_agents(shm / path)
-    p = paired_cost.paired_cost(r["rows"], gpu.WARMUP)
+    extra, env_extra = (("--pec-copy-engine",), {}) if path == "engine" else \
+        ((), {"MEGATRON_PEC_COPY_PROGRAMS": path.removeprefix("kernel")})
+    r, p = gpu.paired_run(path, workdir, shm, model, iters, dict(env, **env_extra), extra)
     row = gpu.example_row(r, None, None)
     shown = p and (f"{p['cost_s_median'] * 1e3:.1f} ms a snapshot = {p['overhead'] * 100:+.1f}% of the clean step "
                    f"{p['clean_step_s_median'] * 1e3:.1f} ms; costs (ms) {[round(c * 1e3, 1) for c in p['costs_s']]}")
