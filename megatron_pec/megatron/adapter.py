@@ -22,6 +22,7 @@ from megatron_pec.common.collectives import Collectives
 from megatron_pec.format.item_names import ExpertId
 from megatron_pec.megatron import collect, contiguous, global_layout, layout, modelstate, restore
 from megatron_pec.megatron.optstate import OptimizerState
+from megatron_pec.megatron.slice_copy import SliceCopy
 from megatron_pec.megatron.tokens import TokenCounter
 from megatron_pec.common.phases import Phases
 from megatron_pec.format.protocol import RankLayout
@@ -276,7 +277,8 @@ class MegatronAdapter:
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
                 load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None,
-                places: dict[str, tuple[str, int]] | None = None, reads=None) -> dict[str, str] | None:
+                places: dict[str, tuple[str, int]] | None = None, reads=None,
+                while_copying=None) -> dict[str, str] | None:
         """Load step 6 on this rank: saved slices into the optimizer shards, then model params (the DDP
         param all-gather), scheduler, RNG and Megatron's ``args`` side effects; each part timed in
         ``phases``.
@@ -285,21 +287,26 @@ class MegatronAdapter:
         (item, byte offset in the item)), the copy sums those slices' items as it copies them (host tensors):
         returns item -> sum64 of the bytes copied (None without). ``reads`` (``restore.FileReads``): the slices
         of its ``names`` are read straight into the optimizer's tensors (those that do not fit there come
-        back as tensors to copy).
+        back as tensors to copy). ``while_copying()``: called once the copies are enqueued, while a device's
+        may still run (every copy has landed when this returns).
         """
         phases = phases or Phases()
         if not finetune:  # (as Megatron: a fine-tune does not check the arguments)
             modelstate.check_args(self.args, small.args, small.checkpoint_version)
+        copy = SliceCopy([s.name for s in self.slot_slices])  # (in slot order, so that runs of slices coalesce)
+        if load_optim and places is None and reads is None and not self.has_state and self._params_stay:
+            with phases("copy"):  # (a relaunch: the main params' copy runs while the moments are allocated)
+                copy.first(self._param_views(), tensors)
         with phases("optimizer state"):
             targets = self._restore_targets(small, set(tensors) | (reads.names if reads is not None else set()),
                                             load_optim)
         if reads is not None:
             with phases("reading and checking"):
                 tensors = {**tensors, **reads(targets)}
-        with phases("copy"):  # (in slot order, so that runs of slices coalesce)
-            names = [s.name for s in self.slot_slices if s.name in targets and s.name in tensors]
-            summed = restore.copy_slices([targets[n] for n in names], [tensors[n] for n in names],
-                                         [places.get(n) for n in names] if places else None)
+        with phases("copy"):
+            summed = copy.rest(targets, tensors, places)
+        if while_copying is not None:
+            while_copying()
         with phases("param sync"):
             restore.sync_model_params(self.model, self.optimizer)
             if not load_optim and self._half_precision and not getattr(self.args, "load_main_params_from_ckpt", False):
@@ -324,6 +331,8 @@ class MegatronAdapter:
             elif load_rng:
                 restore.restore_rng(small.rng)
             restore.restore_args(self.args, small, finetune, getattr(self.args, "override_ckpt_iteration", None))
+        with phases("copy"):
+            copy.wait()
         return summed
 
     def _restore_targets(self, small: SmallState, restored: set[str], load_optim: bool) -> dict[str, torch.Tensor]:
@@ -343,6 +352,12 @@ class MegatronAdapter:
         # (binding anew places the state contiguously: its values need no copy when every slice of it is
         # overwritten next)
         return self.live_views(keep_values=not all(s.name in restored for s in self.slot_slices))
+
+    @property
+    def _params_stay(self) -> bool:
+        """Loading the optimizer's state leaves its main params where they are (a precision-aware optimizer
+        keeps them in that state)."""
+        return not any(getattr(opt.config, "use_precision_aware_optimizer", False) for opt in self.optimizers)
 
     @property
     def _half_precision(self) -> bool:

@@ -23,10 +23,11 @@ from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 @torch.no_grad()
 def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor],
-                places: list[tuple[str, int] | None] | None = None) -> dict[str, str] | None:
+                places: list[tuple[str, int] | None] | None = None, non_blocking: bool = False) -> dict[str, str] | None:
     """Each saved slice into its live view. With ``places`` (per slice: its item and byte offset in the
     item, or None: not summed), the slices placed are copied by host copies that sum what they copy:
-    returns item -> sum64 of its bytes copied (None without ``places``)."""
+    returns item -> sum64 of its bytes copied (None without ``places``). ``non_blocking``: a copy to a device
+    may still run when this returns (the caller waits for the device's stream before the sources change)."""
     summed = None
     if places is not None:
         picked = [i for i, place in enumerate(places) if place is not None]
@@ -35,7 +36,7 @@ def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor],
         live, saved = [live[i] for i in plain], [saved[i] for i in plain]
     live, saved = coalesced(live, saved)
     if live:  # one call, not one per run: a large MoE rank holds thousands
-        torch._foreach_copy_(live, saved)
+        torch._foreach_copy_(live, saved, non_blocking=non_blocking)
     return summed
 
 

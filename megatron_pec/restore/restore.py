@@ -36,7 +36,8 @@ class RestoreAdapter(Protocol):
 
     def restore(self, small: SmallState, tensors: dict[str, torch.Tensor], scheduler, *, load_optim: bool,
                 load_rng: bool, finetune: bool, rng_key_prefix: str = "", phases: Phases | None = None,
-                places: dict[str, tuple[str, int]] | None = None, reads=None) -> dict[str, str] | None: ...
+                places: dict[str, tuple[str, int]] | None = None, reads=None,
+                while_copying=None) -> dict[str, str] | None: ...
 
     def iteration_after_load(self, iteration: int, finetune: bool) -> int: ...
 
@@ -153,12 +154,15 @@ class Restore:
         """Load step 6: the plan into Megatron (through the adapter; the plan's rank files read into place
         by ``reads``) and into the PEC bookkeeping. Returns the sums the copy took of the plan's ``places``
         (None: none)."""
-        config = self.config
+        config, stager = self.config, self.parts.stager
+        # (the device sums bound while the copy to the device runs: ``_checked`` launches them once it landed)
+        bind = (lambda: stager.bind_sums(self.adapter.live_views(), phases)) \
+            if plan.check_after_copy and stager is not None and self.parts.check_on_device else None
         summed = self.adapter.restore(plan.small, plan.tensors, scheduler,
                                       load_optim=not (config.no_load_optim or finetune),
                                       load_rng=not (config.no_load_rng or finetune), finetune=finetune,
                                       rng_key_prefix=rng_key_prefix, phases=phases, places=plan.places or None,
-                                      reads=reads if plan.reads else None)
+                                      reads=reads if plan.reads else None, while_copying=bind)
         with phases("PEC state"):
             self.parts.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
         return summed

@@ -379,12 +379,15 @@ class Stager:
                                          for item, (_, _, src) in self._run_starts.items()})
         return self._sums
 
+    def bind_sums(self, live: dict, phases: Phases) -> RunSums:
+        """``sums(live)``, timed (the kernel's load and the chunk table: built once per binding)."""
+        with phases("binding the device sums"):
+            return self.sums(live)
+
     def checked(self, live: dict, expected: dict[str, tuple[str, str]], phases: Phases) -> str | None:
         """Items restored into ``live``, checked where they landed: their sums equal ``expected`` (item ->
         (sum64, where it was read)); else what does not."""
-        with phases("binding the device sums"):  # (the kernel's load and the chunk table: built once)
-            sums = self.sums(live)
-        pending = sums.start(expected)
+        pending = self.bind_sums(live, phases).start(expected)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
         return first_mismatch(expected, pending.digests(), "checked on the device after the copy")
