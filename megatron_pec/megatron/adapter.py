@@ -294,19 +294,30 @@ class MegatronAdapter:
         if not finetune:  # (as Megatron: a fine-tune does not check the arguments)
             modelstate.check_args(self.args, small.args, small.checkpoint_version)
         copy = SliceCopy([s.name for s in self.slot_slices])  # (in slot order, so that runs of slices coalesce)
-        if load_optim and places is None and reads is None and not self.has_state and self._params_stay:
-            with phases("copy"):  # (a relaunch: the main params' copy runs while the moments are allocated)
-                copy.first(self._param_views(), tensors)
-        with phases("optimizer state"):
-            targets = self._restore_targets(small, set(tensors) | (reads.names if reads is not None else set()),
-                                            load_optim)
-        if reads is not None:
-            with phases("reading and checking"):
-                tensors = {**tensors, **reads(targets)}
-        with phases("copy"):
-            summed = copy.rest(targets, tensors, places)
-        if while_copying is not None:
-            while_copying()
+        try:
+            if load_optim and places is None and reads is None and not self.has_state \
+                    and restore.main_params_stay(self.optimizers):
+                with phases("copy"):  # (a relaunch: the main params' copy runs while the moments are allocated)
+                    copy.first(self._param_views(), tensors)
+            with phases("optimizer state"):
+                targets = self._restore_targets(small, set(tensors) | (reads.names if reads is not None else set()),
+                                                load_optim)
+            if reads is not None:
+                with phases("reading and checking"):
+                    tensors = {**tensors, **reads(targets)}
+            with phases("copy"):
+                summed = copy.rest(targets, tensors, places)
+            if while_copying is not None:
+                while_copying()
+            self._restore_beyond_slices(small, scheduler, load_optim, load_rng, finetune, rng_key_prefix, phases)
+        finally:
+            with phases("copy"):  # (every copy landed before its sources may change, after an error too)
+                copy.wait()
+        return summed
+
+    def _restore_beyond_slices(self, small: SmallState, scheduler, load_optim: bool, load_rng: bool, finetune: bool,
+                               rng_key_prefix: str, phases: Phases) -> None:
+        """Load step 6 after the slices' copy: model params, scheduler, RNG and Megatron's ``args``."""
         with phases("param sync"):
             restore.sync_model_params(self.model, self.optimizer)
             if not load_optim and self._half_precision and not getattr(self.args, "load_main_params_from_ckpt", False):
@@ -331,9 +342,6 @@ class MegatronAdapter:
             elif load_rng:
                 restore.restore_rng(small.rng)
             restore.restore_args(self.args, small, finetune, getattr(self.args, "override_ckpt_iteration", None))
-        with phases("copy"):
-            copy.wait()
-        return summed
 
     def _restore_targets(self, small: SmallState, restored: set[str], load_optim: bool) -> dict[str, torch.Tensor]:
         """The optimizer's state from ``small`` (hyperparameters, step; allocated where it has none), and the
@@ -352,12 +360,6 @@ class MegatronAdapter:
         # (binding anew places the state contiguously: its values need no copy when every slice of it is
         # overwritten next)
         return self.live_views(keep_values=not all(s.name in restored for s in self.slot_slices))
-
-    @property
-    def _params_stay(self) -> bool:
-        """Loading the optimizer's state leaves its main params where they are (a precision-aware optimizer
-        keeps them in that state)."""
-        return not any(getattr(opt.config, "use_precision_aware_optimizer", False) for opt in self.optimizers)
 
     @property
     def _half_precision(self) -> bool:

@@ -58,6 +58,12 @@ def sync_model_params(model_chunks, optimizer) -> None:
                 group.start_param_sync(force_sync=True)
 
 
+def main_params_stay(optimizers: list) -> bool:
+    """Loading the optimizer's state leaves its main params where they are (a precision-aware optimizer
+    keeps them in that state)."""
+    return not any(getattr(opt.config, "use_precision_aware_optimizer", False) for opt in optimizers)
+
+
 _ALIASED: "weakref.WeakKeyDictionary[object, bool]" = weakref.WeakKeyDictionary()
 
 
