@@ -26,6 +26,9 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir):
         assert len(r["landings"]) == 3 and all(n > 0 and kept == 0 for n, kept in r["landings"]), r["landings"]
         assert r["fresh_structure"] == {"same": True, "own_steps": True}, \
             "a fresh optimizer's restored state differs from what Megatron's load_state_dict leaves"
+        # ... and its moments were allocated already placed: one tensor per bucket and kind, not one per param
+        fresh = r["fresh_moments"]
+        assert fresh["moment_storages"] < fresh["moment_tensors"] / 4, fresh
         # Saves asked the optimizer for its state_dict with one parameter per group (no walk over
         # every parameter), and that gives exactly Megatron's full state_dict.
         assert r["state_dict"]["trimmed_used"] is True

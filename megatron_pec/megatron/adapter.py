@@ -355,7 +355,9 @@ class MegatronAdapter:
             return self._param_views()
         if not load_optim:
             return self._param_views()
-        if not restore.restore_optimizer(self.optimizer, restore.fit_optimizer_state(small.optimizer, self.optimizers)):
+        moments = functools.partial(contiguous.fresh_moments, self.optimizers, self.slot_slices)
+        if not restore.restore_optimizer(self.optimizer, restore.fit_optimizer_state(small.optimizer, self.optimizers),
+                                         moments):
             self._live = None  # the optimizer's tensors were replaced (allocated anew)
         # (binding anew places the state contiguously: its values need no copy when every slice of it is
         # overwritten next)

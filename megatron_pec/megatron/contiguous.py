@@ -16,12 +16,8 @@ import torch
 from megatron_pec.megatron.collect import Slice, main_param, state_kinds
 
 
-@torch.no_grad()
-def place_state_contiguously(optimizers: list, slot_slices: list[Slice], keep_values: bool = True) -> None:
-    """Move each bucket's state tensors (per kind) into one tensor, params in ``slot_slices``' order.
-    Tensors already laid out so, or not all alike (dtype, device, layout), stay. The extra memory at
-    any moment is one bucket's tensors of one kind. ``keep_values=False``: their values are not
-    copied (a restore overwrites every one of them next)."""
+def _buckets(optimizers: list, slot_slices: list[Slice]):
+    """(optimizer, the main params of one bucket in ``slot_slices``' order) for every bucket of a slice."""
     order: dict[tuple, dict[int, None]] = {}  # (optimizer, buffer, dtype, bucket) -> its params' entries
     for s in slot_slices:
         if s.kind == "param":
@@ -29,7 +25,36 @@ def place_state_contiguously(optimizers: list, slot_slices: list[Slice], keep_va
     for (oi, gi, dtype, bi), entries in order.items():
         opt = optimizers[oi]
         params = list(opt.gbuf_ranges[gi][dtype][bi]["param_map"])
-        states = [opt.optimizer.state.get(main_param(opt, params[ei])) for ei in entries]
+        yield opt, [main_param(opt, params[ei]) for ei in entries]
+
+
+@torch.no_grad()
+def fresh_moments(optimizers: list, slot_slices: list[Slice], kinds: tuple[str, ...]) -> dict:
+    """A fresh optimizer's state tensors of ``kinds`` (uninitialised: a restore overwrites them next), already
+    placed as ``place_state_contiguously`` places them: main param -> kind -> its view of one tensor per bucket
+    and kind. One allocation per bucket and kind, not one per param and kind and then one more to place them
+    (on a GPU each allocation of the caching allocator's is a driver call the first time)."""
+    out: dict = {}
+    for _, mains in _buckets(optimizers, slot_slices):
+        if any(m.dtype != mains[0].dtype or m.device != mains[0].device for m in mains):
+            continue  # (not alike: each gets its own, as the optimizer allocates them)
+        total = sum(m.numel() for m in mains)
+        for kind in kinds:
+            flat, offset = torch.empty(total, dtype=mains[0].dtype, device=mains[0].device), 0
+            for m in mains:
+                out.setdefault(m, {})[kind] = flat[offset:offset + m.numel()].view(m.shape)
+                offset += m.numel()
+    return out
+
+
+@torch.no_grad()
+def place_state_contiguously(optimizers: list, slot_slices: list[Slice], keep_values: bool = True) -> None:
+    """Move each bucket's state tensors (per kind) into one tensor, params in ``slot_slices``' order.
+    Tensors already laid out so, or not all alike (dtype, device, layout), stay. The extra memory at
+    any moment is one bucket's tensors of one kind. ``keep_values=False``: their values are not
+    copied (a restore overwrites every one of them next)."""
+    for opt, mains in _buckets(optimizers, slot_slices):
+        states = [opt.optimizer.state.get(m) for m in mains]
         if not all(states):
             continue
         for kind in state_kinds(opt):
@@ -56,4 +81,4 @@ def _packable(tensors: list) -> bool:
     return not all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(tensors, tensors[1:]))
 
 
-__all__ = ["place_state_contiguously"]
+__all__ = ["fresh_moments", "place_state_contiguously"]

@@ -22,8 +22,8 @@ from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 
 @torch.no_grad()
-def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor],
-                places: list[tuple[str, int] | None] | None = None, non_blocking: bool = False) -> dict[str, str] | None:
+def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor], places: list[tuple[str, int] | None] | None = None,
+                non_blocking: bool = False) -> dict[str, str] | None:
     """Each saved slice into its live view. With ``places`` (per slice: its item and byte offset in the
     item, or None: not summed), the slices placed are copied by host copies that sum what they copy:
     returns item -> sum64 of its bytes copied (None without ``places``). ``non_blocking``: a copy to a device
@@ -142,21 +142,25 @@ def fit_optimizer_state(saved, optimizers: list):
     return fitted[0] if len(fitted) == 1 else fitted
 
 
-def restore_optimizer(optimizer, state: dict) -> bool:
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def restore_optimizer(optimizer, state: dict, moments=None) -> bool:
     """The saved optimizer state_dict (hyperparameters, step) into ``optimizer``; the Adam moments
     come next, as slices. Megatron's load_state_dict reallocates and deep-copies every moment; a
     restore into a running job (torch Adam, every param's state present) is done in place instead,
-    and so is the allocation of a fresh optimizer's moments. Returns whether the optimizer's state
-    tensors are the same objects as before."""
+    and so is the allocation of a fresh optimizer's moments: ``moments(kinds)``, where given, allocates
+    them (main param -> kind -> tensor, ``contiguous.fresh_moments``; a param it lacks gets its own). Returns
+    whether the optimizer's state tensors are the same objects as before."""
     had_state = any(o.optimizer.state for o in distributed_optimizers(optimizer))
-    if _load_in_place(optimizer, state):
+    if _load_in_place(optimizer, state, moments):
         return had_state
     optimizer.load_state_dict(state)
     untie_steps(optimizer)
     return False
 
 
-def _load_in_place(optimizer, state) -> bool:
+def _load_in_place(optimizer, state, moments=None) -> bool:
     """What Megatron's DistributedOptimizer.load_state_dict leaves behind without apex/TE (each live
     param group updated from the saved group of the same identity, every param's ``step`` set to the
     saved one, and in a fresh optimizer, a restart, the moments it allocates: the slices overwrite
@@ -201,14 +205,17 @@ def _load_in_place(optimizer, state) -> bool:
     if len(steps) != 1 or None in steps:
         return False
     step = float(steps.pop())
+    placed = moments(ADAM_MOMENTS) if moments is not None and any(fresh for *_, fresh in plans) else {}
     with torch.no_grad():
         for inner, matched, params, fresh in plans:
             for live, group in zip(inner.param_groups, matched):
                 live.update({k: v for k, v in group.items() if k != "params"})
             for p in params:
                 if fresh:  # (Megatron's allocation, cast to the param as torch's load_state_dict casts it)
-                    inner.state[p] = {"exp_avg": torch.empty_like(p), "exp_avg_sq": torch.empty_like(p),
-                                      "step": torch.tensor(step, dtype=torch.float)}
+                    mine = placed.get(p, {})
+                    inner.state[p] = {kind: mine[kind] if kind in mine else torch.empty_like(p)
+                                      for kind in ADAM_MOMENTS}
+                    inner.state[p]["step"] = torch.tensor(step, dtype=torch.float)
                 else:
                     inner.state[p]["step"].fill_(step)
     return True

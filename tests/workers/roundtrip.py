@@ -63,15 +63,18 @@ def optimizer_structure(optimizer) -> list:
     return out
 
 
+def moments(optimizer) -> dict:
+    """How many tensors and how many storages hold the moments."""
+    tensors = [t for o in optimizer.chained_optimizers for state in o.optimizer.state.values()
+               for k, t in state.items() if k.startswith("exp_avg")]
+    return {"moment_tensors": len(tensors), "moment_storages": len({t.untyped_storage().data_ptr() for t in tensors})}
+
+
 def copies(engine, optimizer) -> dict:
     """How a full save copies (slices, coalesced runs) and how many storages hold the moments."""
     items = dict.fromkeys(s.item for s in engine.adapter.slot_slices)
-    storages = {t.untyped_storage().data_ptr() for o in optimizer.chained_optimizers
-                for state in o.optimizer.state.values() for k, t in state.items() if k.startswith("exp_avg")}
     return {"slices": len(engine.adapter.slot_slices), "runs": sum(len(engine.stager.runs_of(i)) for i in items),
-            "moment_tensors": sum(1 for o in optimizer.chained_optimizers for state in o.optimizer.state.values()
-                                  for k in state if k.startswith("exp_avg")),
-            "moment_storages": len(storages)}
+            **moments(optimizer)}
 
 
 def main():
@@ -132,13 +135,15 @@ def main():
     result["save_phases"] = save_phases
     # A restart's optimizer has no state yet: the restore allocates it without Megatron's load_state_dict
     # (torch's is quadratic in the params), leaving exactly what that would have left.
-    structures = {}
+    structures, allocated = {}, {}
     for leg, megatron_path in (("restart", False), ("restart, Megatron's load_state_dict", True)):
         restore.clear_optimizer_state(optimizer)
         api.current_engine().adapter.state_replaced()
         recording = restore._load_in_place
         if megatron_path:
             restore._load_in_place = lambda *a: False
+        else:  # (how the fresh moments were allocated: before anything placed them)
+            restore._load_in_place = lambda *a: (recording(*a), allocated.update(moments(optimizer)))[0]
         loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
         restore._load_in_place = recording
         after = capture(args, model, optimizer, scheduler)
@@ -147,6 +152,7 @@ def main():
         result[leg] = {"returned": list(loaded), "differences": differences(at_n, after), "losses": resumed}
     result["fresh_structure"] = {"same": structures["restart"] == structures["restart, Megatron's load_state_dict"],
                                  "own_steps": all(o["own_steps"] for o in structures["restart"])}
+    result["fresh_moments"] = allocated
     result["in_place"] = in_place
     result["landings"] = landings
     # fp32 training: each main-param shard views its model param, so a restore skips Megatron's copy of
