@@ -263,28 +263,48 @@ def paired_run(name: str, workdir: Path, shm: Path, model: list[str], iters: int
     return r, paired_cost.paired_cost(r["rows"], WARMUP)
 
 
+def restart_flags(workdir: Path, shm: Path, job: str) -> list[str]:
+    """A job of the example that saves on ``SCHEDULE`` and loads what it saved (the kill-and-restart runs)."""
+    return ["--save", str(workdir / f"ck_{job}"), "--load", str(workdir / f"ck_{job}"), "--pec-shm-dir", str(shm),
+            "--pec-job-id", job, *SCHEDULE.megatron_flags()]
+
+
+def kill_in_step(n: int) -> dict:
+    """The environment that SIGKILLs rank 0 in the n-th optimizer step of its process."""
+    return {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{n}:0"}
+
+
+def state_bytes(shm: Path, job: str) -> int | None:
+    """Rank 0's state as its node-memory plan records it: what a restore reads (None: no plan)."""
+    plan = shm / job / "node0" / "rank0.memory.json"
+    return json.loads(plan.read_text())["state_bytes"] if plan.exists() else None
+
+
+def restore_in(log: str) -> dict | None:
+    """Rank 0's restore as its log says it: what it restored (iteration and source), its seconds and phases."""
+    restore, line = RESTORE.search(log), RESTORED.search(log)
+    if restore is None or line is None:
+        return None
+    return {"restored": f"{line.group(1)} from {line.group(2)}", "seconds": float(restore.group(1)),
+            "phases": restore.group(2)}
+
+
 def restart_row(out: dict, workdir: Path, shm: Path, model: list[str], sizes: Sizes, env: dict, cuda: bool,
                 clock: Clock) -> None:
     """A trainer SIGKILLed in optimizer step ``KILL_AT``, relaunched: its restore from node memory, with its
     phases, against the host-to-device floor of the bytes restored."""
-    ck = ["--save", str(workdir / "ck_k"), "--load", str(workdir / "ck_k"), "--pec-shm-dir", str(shm),
-          "--pec-job-id", "killed", *SCHEDULE.megatron_flags()]
-    fault = {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{KILL_AT}:0"}
-    example("killed", workdir, model, sizes.iters, ck, dict(env, **fault))
-    plan = shm / "killed" / "node0" / "rank0.memory.json"  # (the rank's state: what a restore reads)
-    restored_bytes = json.loads(plan.read_text())["state_bytes"] if plan.exists() else None
+    ck = restart_flags(workdir, shm, "killed")
+    example("killed", workdir, model, sizes.iters, ck, dict(env, **kill_in_step(KILL_AT)))
+    restored_bytes = state_bytes(shm, "killed")
     clock.done("killed", f"killed in optimizer step {KILL_AT}")
-    resumed = example("resumed", workdir, model, sizes.iters, ck, env)
-    restore, line = RESTORE.search(resumed["log"]), RESTORED.search(resumed["log"])
+    restore = restore_in(example("resumed", workdir, model, sizes.iters, ck, env)["log"]) or {}
     out["floors"] = floors(restored_bytes or 2**26, cuda)
-    out["restore"] = {"restored": f"{line.group(1)} from {line.group(2)}" if line else None,
-                      "restore_memory_s": float(restore.group(1)) if restore else None, "bytes": restored_bytes,
-                      "phases": restore.group(2) if restore else None,
-                      "over_h2d_floor": float(restore.group(1)) / out["floors"]["h2d_s"] if restore else None}
-    out["rows"]["example: megatron-pec K=all"].update(restore_memory_s=out["restore"]["restore_memory_s"],
-                                                      h2d_floor_s=out["floors"]["h2d_s"])
-    clock.done("resumed", f"restored {out['restore']['restored']} in {out['restore']['restore_memory_s']} s "
-                          f"({out['restore']['phases']})")
+    seconds = restore.get("seconds")
+    out["restore"] = {"restored": restore.get("restored"), "restore_memory_s": seconds, "bytes": restored_bytes,
+                      "phases": restore.get("phases"),
+                      "over_h2d_floor": seconds / out["floors"]["h2d_s"] if seconds else None}
+    out["rows"]["example: megatron-pec K=all"].update(restore_memory_s=seconds, h2d_floor_s=out["floors"]["h2d_s"])
+    clock.done("resumed", f"restored {out['restore']['restored']} in {seconds} s ({out['restore']['phases']})")
 
 
 def main(argv=None) -> int:

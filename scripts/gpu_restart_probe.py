@@ -8,7 +8,6 @@ Each restore's line prints as it ends, its phases with it.
     python3 scripts/gpu_restart_probe.py     # on the GPU machine, with scripts/gpu_wheels.sh's wheels
     RESTARTS=5 python3 scripts/gpu_restart_probe.py
 """
-import json
 import os
 import statistics
 import sys
@@ -23,33 +22,30 @@ import torch  # noqa: E402
 
 cuda = torch.cuda.is_available()
 model = gpu.GPU_MODEL if cuda else gpu.CPU_MODEL  # (CPU: a dry run of this script)
+iters = gpu.SIZES["cuda" if cuda else "cpu"].iters
 restarts = int(os.environ.get("RESTARTS", "3"))
 workdir = Path(tempfile.mkdtemp(prefix="pec_gpu_restart_"))
 shm = Path("/dev/shm") / workdir.name
 env = {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
-# (a fault fires on the n-th time its point is reached in a process: a relaunch's first step is its 1st)
-first, again = (dict(env, MEGATRON_PEC_FAULT=f"optimizer_step=kill@{n}:0") for n in (gpu.KILL_AT, 1))
-ck = ["--save", str(workdir / "ck"), "--load", str(workdir / "ck"), "--pec-shm-dir", str(shm),
-      "--pec-job-id", "restart", *gpu.SCHEDULE.megatron_flags()]
+ck = gpu.restart_flags(workdir, shm, "restart")
 t0 = time.monotonic()
-iters = gpu.SIZES["cuda" if cuda else "cpu"].iters
-killed = gpu.example("killed", workdir, model, iters, ck, first)
-plan = shm / "restart" / "node0" / "rank0.memory.json"
-restored_bytes = json.loads(plan.read_text())["state_bytes"] if plan.exists() else 2**26
+killed = gpu.example("killed", workdir, model, iters, ck, dict(env, **gpu.kill_in_step(gpu.KILL_AT)))
+restored_bytes = gpu.state_bytes(shm, "restart") or 2**26
 floor = gpu.floors(restored_bytes, cuda)["h2d_s"]
 print(f"[restart +{time.monotonic() - t0:4.0f}s] killed in optimizer step {gpu.KILL_AT} (exit {killed['code']}); "
       f"{restored_bytes / 1e6:.0f} MB to restore, host-to-device floor {floor * 1e3:.1f} ms", flush=True)
 took = []
 for n in range(restarts):
-    r = gpu.example(f"resumed{n}", workdir, model, iters, ck, again)
-    restore, line = gpu.RESTORE.search(r["log"]), gpu.RESTORED.search(r["log"])
-    if restore is None or line is None:
+    # (a fault fires on the n-th time its point is reached in a process: a relaunch's first step is its 1st)
+    r = gpu.example(f"resumed{n}", workdir, model, iters, ck, dict(env, **gpu.kill_in_step(1)))
+    restore = gpu.restore_in(r["log"])
+    if restore is None:
         print(f"[restart +{time.monotonic() - t0:4.0f}s] relaunch {n}: no restore (exit {r['code']}, "
               f"see {r['log_path']})", flush=True)
         continue
-    took.append(float(restore.group(1)))
-    print(f"[restart +{time.monotonic() - t0:4.0f}s] relaunch {n}: restored {line.group(1)} from {line.group(2)} in "
-          f"{took[-1] * 1e3:.1f} ms = {took[-1] / floor:.2f}x the floor ({restore.group(2)})", flush=True)
+    took.append(restore["seconds"])
+    print(f"[restart +{time.monotonic() - t0:4.0f}s] relaunch {n}: restored {restore['restored']} in "
+          f"{took[-1] * 1e3:.1f} ms = {took[-1] / floor:.2f}x the floor ({restore['phases']})", flush=True)
 launch.stop_agents(shm / "restart")
 if took:
     print(f"[restart] median of {len(took)}: {statistics.median(took) * 1e3:.1f} ms = "

@@ -22,12 +22,12 @@ from megatron_pec.megatron.collect import distributed_optimizers, module_buffers
 
 
 @torch.no_grad()
-def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor], places: list[tuple[str, int] | None] | None = None,
-                non_blocking: bool = False) -> dict[str, str] | None:
+def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor],
+                places: list[tuple[str, int] | None] | None = None) -> dict[str, str] | None:
     """Each saved slice into its live view. With ``places`` (per slice: its item and byte offset in the
     item, or None: not summed), the slices placed are copied by host copies that sum what they copy:
-    returns item -> sum64 of its bytes copied (None without ``places``). ``non_blocking``: a copy to a device
-    may still run when this returns (the caller waits for the device's stream before the sources change)."""
+    returns item -> sum64 of its bytes copied (None without ``places``). A copy to a device may still run
+    when this returns: the caller waits for the device's stream before the sources change (``SliceCopy``)."""
     summed = None
     if places is not None:
         picked = [i for i, place in enumerate(places) if place is not None]
@@ -36,7 +36,7 @@ def copy_slices(live: list[torch.Tensor], saved: list[torch.Tensor], places: lis
         live, saved = [live[i] for i in plain], [saved[i] for i in plain]
     live, saved = coalesced(live, saved)
     if live:  # one call, not one per run: a large MoE rank holds thousands
-        torch._foreach_copy_(live, saved, non_blocking=non_blocking)
+        torch._foreach_copy_(live, saved, non_blocking=True)
     return summed
 
 

@@ -52,7 +52,7 @@ class SliceCopy:
 
     def _enqueue(self, live: list, saved: list, places: list | None) -> dict[str, str] | None:
         self.devices |= {t.device for t in live if t.device.type == "cuda"}
-        return restore.copy_slices(live, saved, places, non_blocking=True)
+        return restore.copy_slices(live, saved, places)
 
 
 __all__ = ["SliceCopy"]

@@ -155,9 +155,10 @@ class Restore:
         by ``reads``) and into the PEC bookkeeping. Returns the sums the copy took of the plan's ``places``
         (None: none)."""
         config, stager = self.config, self.parts.stager
-        # (the device sums bound while the copy to the device runs: ``_checked`` launches them once it landed)
+        # (where ``_checked`` checks on the device - no host copy sums the items - its sums are bound while the
+        # copy to the device runs, and launched once it landed)
         bind = (lambda: stager.bind_sums(self.adapter.live_views(), phases)) \
-            if plan.check_after_copy and stager is not None and self.parts.check_on_device else None
+            if plan.check_after_copy and not plan.places else None
         summed = self.adapter.restore(plan.small, plan.tensors, scheduler,
                                       load_optim=not (config.no_load_optim or finetune),
                                       load_rng=not (config.no_load_rng or finetune), finetune=finetune,
