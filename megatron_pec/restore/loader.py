@@ -19,6 +19,7 @@ no scatter. Nothing here knows Megatron, writes a file or changes another object
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_pec.common import log
@@ -404,7 +405,7 @@ class Loader:
             return plan, error, self._vote(target, plan, error, newest)
 
     @staticmethod
-    def _newest_version(item: str, target: int, memory, manifest_t: Manifest | None) -> int | None:
+    def _newest_version(item: str, target: int, memory: Sequence[Source], manifest_t: Manifest | None) -> int | None:
         """The newest version of ``item`` at or before ``target`` this rank can read (``memory``: the node-memory
         sources holding ``item``)."""
         versions = [s.items[item] for s in memory if s.items.get(item, target + 1) <= target]
