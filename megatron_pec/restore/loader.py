@@ -408,18 +408,18 @@ class Loader:
     def _newest_version(item: str, target: int, memory: Sequence[Source], manifest_t: Manifest | None) -> int | None:
         """The newest version of ``item`` at or before ``target`` this rank can read (``memory``: the node-memory
         sources holding ``item``)."""
-        versions = [s.items[item] for s in memory if s.items.get(item, target + 1) <= target]
+        versions = [s.items[item] for s in memory if s.items[item] <= target]
         if manifest_t is not None and item in manifest_t.experts:
             versions.append(manifest_t.experts[item])
         return max(versions, default=None)
 
-    def _sources(self, dense: Source | None, versions: dict[str, int | None], memory: dict[str, list[Source]],
+    def _sources(self, dense: Source | None, versions: dict[str, int | None], holding: dict[str, list[Source]],
                  stored: dict[int, Source], manifest_t: Manifest | None) -> dict[str, Source | None]:
         """The dense source and, per held expert, a source of the given version (None: none here);
-        ``memory``: ``_by_item``'s."""
+        ``holding``: ``_by_item``'s."""
         plan = {NON_EXPERT: dense}
         for item, version in versions.items():
-            plan[item] = expert_source_for(item, version, memory.get(item, ()), stored, self.directory, self.rank,
+            plan[item] = expert_source_for(item, version, holding.get(item, ()), stored, self.directory, self.rank,
                                            manifest_t) if version is not None else None
         return plan
 
