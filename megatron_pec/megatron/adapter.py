@@ -170,7 +170,7 @@ class MegatronAdapter:
     @property
     def has_state(self) -> bool:
         """The optimizer holds its state (Adam's moments exist once it has stepped)."""
-        return collect.has_state(self.optimizer)
+        return collect.stepped(self.optimizers)
 
     def small_state(self, scheduler, iteration: int, flops: float, rng_key_prefix: str = "",
                     data_iterator=None) -> SmallState:
@@ -180,9 +180,9 @@ class MegatronAdapter:
         modelstate.check_rerun_room(rerun, self._rerun_room)
         # (the record built once, every field at once: a save makes it at every iteration)
         return collect.small_state(self.optimizer, scheduler, self.args, iteration, flops, self.buffers,
-                                   self.optimizer_state.state_dict, self._grad_scalers, rng_key_prefix=rng_key_prefix,
-                                   frozen=self._frozen, extra_state=self.model_state.extra_states(),
-                                   rerun_state_machine=rerun, args=self.saved_args)
+                                   self.optimizer_state.state_dict, self._grad_scalers, self.optimizers,
+                                   rng_key_prefix=rng_key_prefix, frozen=self._frozen, rerun_state_machine=rerun,
+                                   extra_state=self.model_state.extra_states(), args=self.saved_args)
 
     def save_dataloader_state(self, data_iterator, iteration: int) -> None:
         """A persistent save with --dataloader-save: the train iterator's state, through Megatron-LM's own

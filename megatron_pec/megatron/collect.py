@@ -176,9 +176,14 @@ def check_state_keys(optimizer) -> None:
 
 
 def has_state(optimizer) -> bool:
-    """Whether every inner optimizer has taken a step (holds per-param state). Reads the state
-    dicts without indexing them: they are defaultdicts."""
-    return all(any(state for state in o.optimizer.state.values()) for o in distributed_optimizers(optimizer))
+    """Whether every inner optimizer has taken a step (holds per-param state)."""
+    return stepped(distributed_optimizers(optimizer))
+
+
+def stepped(optimizers: list) -> bool:
+    """``has_state`` of the ``distributed_optimizers`` found once (a save asks at every iteration). Reads
+    the state dicts without indexing them: they are defaultdicts."""
+    return all(any(state for state in o.optimizer.state.values()) for o in optimizers)
 
 
 def stateless_views(slices: list[Slice], optimizer) -> dict[str, torch.Tensor]:
@@ -222,7 +227,7 @@ def rng_state() -> dict:
                for name, value in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     state = {"random": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
              "tracker": tracker}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (initialized implies available; is_available() costs more per save)
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -280,20 +285,20 @@ def _detached(obj):
 
 
 def small_state(optimizer, scheduler, train_args, iteration: int, flops: float, buffers=(), state_dict=None,
-                grad_scalers=None, **beyond) -> SmallState:
+                grad_scalers=None, optimizers=None, **beyond) -> SmallState:
     """Everything besides the slices that Megatron's checkpoint holds for this rank (``buffers``:
     ``buffer_refs``; ``state_dict``: what computes the optimizer's, default its own ``state_dict``),
     none of it live state: it may be encoded later, while training goes on (``train_args``: Megatron's
     arguments, for the sample counters). The model's state beyond
     the optimizer (frozen, extra state, rerun state, ...) is the adapter's: ``beyond``, fields of the
     record; ``grad_scalers``: what gives the grad scalers' state, saved on its own before the first step
-    (after it, the optimizer's state holds it)."""
-    stepped = has_state(optimizer)
+    (after it, the optimizer's state holds it); ``optimizers``: its ``distributed_optimizers``, if found before."""
+    has = stepped(optimizers) if optimizers is not None else has_state(optimizer)
     return SmallState(
         buffers=host_copies(module_buffers(buffers)),
         iteration=iteration,
         # None before the first step: Megatron's state_dict needs a step count then missing
-        optimizer=_detached((state_dict or optimizer.state_dict)()) if stepped else None,
+        optimizer=_detached((state_dict or optimizer.state_dict)()) if has else None,
         scheduler=_detached(scheduler.state_dict()) if scheduler is not None else None,
         rng=rng_state(),
         num_floating_point_operations_so_far=flops,
@@ -301,7 +306,7 @@ def small_state(optimizer, scheduler, train_args, iteration: int, flops: float, 
         skipped_train_samples=getattr(train_args, "skipped_train_samples", 0),
         consumed_valid_samples=getattr(train_args, "consumed_valid_samples", 0),
         checkpoint_version=3.0,
-        grad_scaler=None if stepped or grad_scalers is None else grad_scalers(),
+        grad_scaler=None if has or grad_scalers is None else grad_scalers(),
         **beyond,
     )
 

@@ -23,12 +23,13 @@ class OptimizerState:
 
     def __init__(self, optimizer, rank: int = 0):
         self.optimizer, self.rank = optimizer, rank
+        self.inner = distributed_optimizers(optimizer)  # (found once: a save asks at every iteration)
         self.trimmed_ok: bool | None = None  # None: not checked yet
 
     def state_dict(self) -> dict | list:
         if self.trimmed_ok is False:
             return self.optimizer.state_dict()
-        with _one_param_per_group(distributed_optimizers(self.optimizer)):
+        with _one_param_per_group(self.inner):
             trimmed = self.optimizer.state_dict()
         if self.trimmed_ok is None:
             full = self.optimizer.state_dict()
