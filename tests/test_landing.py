@@ -24,7 +24,13 @@ SPECS = [("dense/a", torch.float32, 1000), ("dense/b", torch.float32, 24), ("den
 
 
 class CountingStorage(PosixStorage):
-    """Records the size and address of each piece it is handed, as it reads it."""
+    """Records the size and address of each piece it is handed, as it reads it, and the files it is asked to
+    fetch ahead."""
+
+    prefetched: tuple = ()
+
+    def prefetch(self, path):
+        self.prefetched += (path,)
 
     def read_checked_into(self, path, pieces):
         self.pieces, self.addresses = [], []
@@ -85,6 +91,7 @@ def test_every_byte_lands_where_the_restore_copies_it(tmp_path):
     storage.pieces = None
     source.open(storage, read_later=True)
     assert source.read_later and storage.pieces is None  # (no data read while the loader decides)
+    assert storage.prefetched == (path,)  # (... but fetched ahead meanwhile, once its header checked)
     rest = source.read_into(storage, live, {"dense/a", "L1.E0/w", "L1.E0/x"})
     assert set(rest) == {"L1.E0/x"} and torch.equal(rest["L1.E0/x"], saved["L1.E0/x"])
     assert torch.equal(live["dense/a"], saved["dense/a"]) and torch.equal(live["L1.E0/w"], saved["L1.E0/w"])
@@ -111,6 +118,17 @@ def test_a_corrupt_file_is_refused_by_its_checksum(tmp_path):
     source.open(PosixStorage(), read_later=True)  # (the header is sound)
     with pytest.raises(SourceError, match="fails its checksum"):
         source.read_into(PosixStorage(), live_tensors(), {"dense/a"})
+
+
+def test_a_file_whose_header_fails_its_checksum_is_not_fetched_ahead(tmp_path):
+    path, entry, _ = rank_file(tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(10)
+        f.write(b"#")
+    source, storage = Source("storage", 4, {"dense": 4, "L1.E0": 4}, path, {}, rank_file=entry), CountingStorage()
+    with pytest.raises(SourceError, match="header checksum"):
+        source.open(storage, read_later=True)
+    assert storage.prefetched == ()
 
 
 def test_a_truncated_file_lands_nothing(tmp_path):

@@ -4,7 +4,10 @@ built from its description, that the job's storage reaches the node agent, and t
 package writes a checkpoint file around the seam."""
 
 import ast
+import ctypes
+import mmap
 import os
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +66,43 @@ def test_a_prefix_goes_whole_and_a_missing_one_is_no_error(tmp_path):
 
 
 # ---- a storage from its description ------------------------------------------------------------------
+def _cached_fraction(path) -> float:
+    """The share of ``path``'s pages in the page cache (mincore over a private mapping of it)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    resident = (ctypes.c_ubyte * pages)()
+    start = ctypes.c_char.from_buffer(mapping)
+    try:
+        failed = ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(ctypes.addressof(start)),
+                                                          ctypes.c_size_t(size), resident)
+    finally:
+        del start
+        mapping.close()
+    assert not failed, os.strerror(ctypes.get_errno())
+    return sum(page & 1 for page in resident) / pages
+
+
+def test_a_file_fetched_ahead_comes_into_the_page_cache(tmp_path):
+    path = tmp_path / "rank.safetensors"
+    path.write_bytes(os.urandom(32 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if _cached_fraction(path) > 0.5:
+        pytest.skip(f"{tmp_path}'s file system keeps its files in memory (tmpfs?): nothing to fetch ahead")
+    PosixStorage().prefetch(str(path))  # (returns at once: a thread asks the kernel)
+    deadline = time.monotonic() + 20
+    while _cached_fraction(path) < 0.99 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _cached_fraction(path) >= 0.99
+    PosixStorage().prefetch(str(tmp_path / "missing"))  # (a hint: what is missing shows when it is read)
+
+
 def test_a_storage_is_built_from_its_description(tmp_path, monkeypatch):
     assert type(open_storage("")) is PosixStorage and open_storage("posix").spec == "posix"
     spec = f"megatron_pec.testing.recording_storage:RecordingStorage?{tmp_path / 'log'}"

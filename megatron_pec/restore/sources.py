@@ -25,7 +25,7 @@ from megatron_pec.memory.layout import MemoryLayout, is_pool
 from megatron_pec.format.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
 from megatron_pec.memory.slots import open_slot
 from megatron_pec.format.stformat import FormatError, Header, decode_header, read_header, tensor_at, tensor_views
-from megatron_pec.store.storage import Storage
+from megatron_pec.store.storage import Storage, prefetch
 
 
 class SourceError(RuntimeError):
@@ -73,6 +73,7 @@ class Source:
                     self._check(item_checks(self._buffer, self._layout, expected))
             elif items is None and read_later:
                 self._layout = read_checked_header(self.where, self.rank_file, storage)
+                prefetch(storage, self.where)  # (read by the restore once the plan is agreed)
                 self.read_later = True
                 self._verified = set(self.items)  # (its data is checked as the restore reads it)
             elif items is None:

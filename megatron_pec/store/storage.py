@@ -67,6 +67,10 @@ class Storage(Protocol):
     def read_checked(self, path: str) -> tuple[memoryview, int]:
         """The whole object and its crc32, computed while it is read."""
 
+    def prefetch(self, path: str) -> None:
+        """Optional (``prefetch`` below): ``path`` will be read whole soon; start fetching it now, in the
+        background (a restore agrees on its plan meanwhile). A hint: errors show when it is read."""
+
     def read_checked_into(self, path: str, pieces: Iterable) -> int:
         """The whole object into ``pieces`` (writable buffers whose sizes add up to the object's), filled
         in turn, and its crc32, computed while it is read; EIO when the object ends before. A piece is
@@ -117,6 +121,13 @@ def open_storage(spec: str) -> Storage:
     return factory(spec)
 
 
+def prefetch(storage: Storage, path: str) -> None:
+    """``storage.prefetch(path)`` where the storage has it (a site's own storage may not)."""
+    fetch = getattr(storage, "prefetch", None)
+    if fetch is not None:
+        fetch(path)
+
+
 def spec_argument(spec: str, what: str) -> str:
     """What a ``package.module:Class?<argument>`` description gives its class after "?" (``what`` names it in
     the error); ValueError when there is none."""
@@ -143,6 +154,7 @@ def _msc(spec: str) -> Storage:
 register_scheme("msc", _msc)  # Megatron's --enable-msc paths, msc://<profile>/<path>
 
 
+PREFETCH_PIECE = 4 << 20  # bytes asked for per call (within any kernel's readahead limit)
 _PARTIAL = re.compile(r"\.tmp(\d+)$")  # PosixStorage's temporary name: <name>.tmp<writer's pid>
 _LOCK = ".pec.lock"
 
@@ -217,6 +229,11 @@ class PosixStorage:
         """``length`` bytes of ``path`` from ``offset``, in a writable buffer; raises EIO if the
         file ends before (it shrank while being read)."""
         return self._read(path, offset, length, None)
+
+    def prefetch(self, path: str) -> None:
+        """The kernel reads the file into the page cache (POSIX_FADV_WILLNEED), asked from a thread: for a
+        large file the call itself waits while the disk's queue is full."""
+        threading.Thread(target=_will_need, args=(path,), name="pec-prefetch", daemon=True).start()
 
     def read_checked(self, path: str) -> tuple[memoryview, int]:
         """The whole file in a writable buffer (tensors view it without copies) and its crc32, each
@@ -331,6 +348,22 @@ class PosixStorage:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _will_need(path: str) -> None:
+    """Ask for the whole file a piece at a time: the kernel reads at most its readahead size (8 MiB here)
+    per call."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # (the read says what is wrong)
+    try:
+        for offset in range(0, os.fstat(fd).st_size, PREFETCH_PIECE):
+            os.posix_fadvise(fd, offset, PREFETCH_PIECE, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # (a file system without it: read as before)
+    finally:
+        os.close(fd)
+
+
 def _writer_alive(pid: int) -> bool:
     """Whether the process writing a temporary file (named after its pid) still runs on this host: an
     agent persisting while a trainer restarts. (A writer on another node is not seen: its file goes,
@@ -378,5 +411,5 @@ class RunningCrc:
         return self.crc
 
 
-__all__ = ["Storage", "PosixStorage", "RunningCrc", "open_storage", "register_scheme", "spec_argument",
+__all__ = ["Storage", "PosixStorage", "RunningCrc", "open_storage", "prefetch", "register_scheme", "spec_argument",
            "SCHEMES", "CHUNK"]
