@@ -1,15 +1,15 @@
 """The storage seam (``store/storage.py``): what ``PosixStorage`` promises behind the object-shaped
-protocol (commit as a compare-and-swap, create once, partial writes its own business), how a storage is
-built from its description, that the job's storage reaches the node agent, and that nothing in the
+protocol (commit as a compare-and-swap, create once, partial writes its own business, a file fetched ahead
+into the page cache), how a storage is built from its description, that the job's storage reaches the node agent, and that nothing in the
 package writes a checkpoint file around the seam."""
 
 import ast
 import ctypes
 import mmap
 import os
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,7 +65,7 @@ def test_a_prefix_goes_whole_and_a_missing_one_is_no_error(tmp_path):
     assert s.list(str(tmp_path)) == [] and s.list(str(tmp_path / "iter")) == []
 
 
-# ---- a storage from its description ------------------------------------------------------------------
+# ---- a file fetched ahead (a restore reads it once the ranks agreed) -----------------------------------
 def _cached_fraction(path) -> float:
     """The share of ``path``'s pages in the page cache (mincore over a private mapping of it)."""
     size = os.path.getsize(path)
@@ -100,9 +100,9 @@ def test_a_file_fetched_ahead_comes_into_the_page_cache(tmp_path):
     while _cached_fraction(path) < 0.99 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _cached_fraction(path) >= 0.99
-    PosixStorage().prefetch(str(tmp_path / "missing"))  # (a hint: what is missing shows when it is read)
 
 
+# ---- a storage from its description ------------------------------------------------------------------
 def test_a_storage_is_built_from_its_description(tmp_path, monkeypatch):
     assert type(open_storage("")) is PosixStorage and open_storage("posix").spec == "posix"
     spec = f"megatron_pec.testing.recording_storage:RecordingStorage?{tmp_path / 'log'}"
