@@ -1,7 +1,7 @@
 """The storage seam (``store/storage.py``): what ``PosixStorage`` promises behind the object-shaped
 protocol (commit as a compare-and-swap, create once, partial writes its own business, a file fetched ahead
-into the page cache), how a storage is built from its description, that the job's storage reaches the node agent, and that nothing in the
-package writes a checkpoint file around the seam."""
+into the page cache), how a storage is built from its description, that the job's storage reaches the
+node agent, and that nothing in the package writes a checkpoint file around the seam."""
 
 import ast
 import ctypes
