@@ -53,11 +53,15 @@ class ThreadCollectives:
 
 class RecordingSource(Source):
     corrupt = False
+    fetched = 0  # times the loader asked it to fetch its file ahead
 
     def open(self, storage, items=None, read_later=False):
         if self.corrupt:
             raise SourceError(f"{self.where} fails its checksum")
         self.opened = getattr(self, "opened", set()) | set(items or self.items)
+
+    def fetch_ahead(self, storage):
+        self.fetched += 1
 
 
 def memory_slot(iteration: int, versions: dict[ExpertId, int]) -> RecordingSource:
@@ -181,3 +185,5 @@ def test_a_rank_that_cannot_read_the_agreed_iteration_makes_every_rank_fall_back
     assert results[0][0] == results[1][0] == (8, {NON_EXPERT: 8, "L1.E0": 8, "L1.E1": 8})
     assert results[0][1] == [Refused(10, None)]
     assert results[1][1] == [Refused(10, "slot@10 fails its checksum")]
+    # only the plan every rank agreed on is fetched ahead, each source once
+    assert [s.fetched for r in (0, 1) for s in slots[r]] == [0, 1, 0, 1]

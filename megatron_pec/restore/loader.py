@@ -311,6 +311,8 @@ class Loader:
             raise CheckpointError(found.error or ANOTHER_RANK_FAILED)
         if not agreed.every_rank_can:
             return Refused(target, unreadable)
+        for source in {id(s): s for s in plan.values() if s is not None}.values():
+            source.fetch_ahead(self.storage)  # (the disk streams it while this rank decides and allocates)
         with self.ctx.phases("deciding"):
             return self._decide(target, plan, agreed.accounted, agreed.state, agreed.newest)
 

@@ -73,7 +73,6 @@ class Source:
                     self._check(item_checks(self._buffer, self._layout, expected))
             elif items is None and read_later:
                 self._layout = read_checked_header(self.where, self.rank_file, storage)
-                prefetch(storage, self.where)  # (read by the restore once the plan is agreed)
                 self.read_later = True
                 self._verified = set(self.items)  # (its data is checked as the restore reads it)
             elif items is None:
@@ -84,6 +83,13 @@ class Source:
                 self._read_items(storage, wanted - self._verified)
             if self.header is None and self.kind == "storage":
                 self.header = SlotHeader.from_metadata(self._layout.metadata)
+
+    def fetch_ahead(self, storage: Storage) -> None:
+        """A source opened ``read_later`` in a plan every rank agreed on: the storage starts fetching its file,
+        which the restore reads whole once the optimizer's state is allocated (not before the agreement:
+        one rank's fetch would queue ahead of another's header reads on a shared disk)."""
+        if self.read_later:
+            prefetch(storage, self.where)
 
     def read_into(self, storage: Storage, targets: dict, names: set[str], staging=None) -> dict:
         """A source opened ``read_later``: its whole file read now, each of ``names`` straight into its
