@@ -69,7 +69,7 @@ class Storage(Protocol):
 
     def prefetch(self, path: str) -> None:
         """Optional (``prefetch`` below): ``path`` will be read whole soon; start fetching it now, in the
-        background (a restore agrees on its plan meanwhile). A hint: errors show when it is read."""
+        background (a restore decides and allocates meanwhile). A hint: errors show when it is read."""
 
     def read_checked_into(self, path: str, pieces: Iterable) -> int:
         """The whole object into ``pieces`` (writable buffers whose sizes add up to the object's), filled
@@ -349,8 +349,8 @@ class PosixStorage:
 
 
 def _will_need(path: str) -> None:
-    """Ask for the whole file a piece at a time: the kernel reads at most its readahead size (8 MiB here)
-    per call."""
+    """Ask for the whole file a piece at a time: the kernel reads at most its readahead size per call (8 MiB
+    where this was measured)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -358,8 +358,8 @@ def _will_need(path: str) -> None:
     try:
         for offset in range(0, os.fstat(fd).st_size, PREFETCH_PIECE):
             os.posix_fadvise(fd, offset, PREFETCH_PIECE, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass  # (a file system without it: read as before)
+    except (OSError, AttributeError):
+        pass  # (a file system or a platform without it: read as before)
     finally:
         os.close(fd)
 
