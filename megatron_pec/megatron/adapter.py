@@ -84,7 +84,7 @@ class MegatronAdapter:
         self.args, self.model, self.optimizer = args, model_chunks, optimizer
         self.optimizers = collect.distributed_optimizers(optimizer)  # refuses setups we cannot checkpoint
         self.rank = torch.distributed.get_rank()
-        self.optimizer_state = OptimizerState(optimizer, self.rank)
+        self.optimizer_state = OptimizerState(optimizer, self.optimizers)
         self.world_size = torch.distributed.get_world_size()
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()

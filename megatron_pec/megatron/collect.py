@@ -293,7 +293,7 @@ def small_state(optimizer, scheduler, train_args, iteration: int, flops: float, 
     the optimizer (frozen, extra state, rerun state, ...) is the adapter's: ``beyond``, fields of the
     record; ``grad_scalers``: what gives the grad scalers' state, saved on its own before the first step
     (after it, the optimizer's state holds it); ``optimizers``: its ``distributed_optimizers``, if found before."""
-    has = stepped(optimizers) if optimizers is not None else has_state(optimizer)
+    has = stepped(optimizers if optimizers is not None else distributed_optimizers(optimizer))
     return SmallState(
         buffers=host_copies(module_buffers(buffers)),
         iteration=iteration,

@@ -15,15 +15,14 @@ import contextlib
 
 from megatron_pec.common import log
 from megatron_pec.format import small_state
-from megatron_pec.megatron.collect import distributed_optimizers
 
 
 class OptimizerState:
     """``state_dict()`` of one Megatron optimizer at a cost independent of its parameter count."""
 
-    def __init__(self, optimizer, rank: int = 0):
-        self.optimizer, self.rank = optimizer, rank
-        self.inner = distributed_optimizers(optimizer)  # (found once: a save asks at every iteration)
+    def __init__(self, optimizer, inner: list):
+        """``inner``: its ``collect.distributed_optimizers``, found once (a save asks at every iteration)."""
+        self.optimizer, self.inner = optimizer, inner
         self.trimmed_ok: bool | None = None  # None: not checked yet
 
     def state_dict(self) -> dict | list:
