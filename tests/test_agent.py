@@ -345,6 +345,44 @@ def test_regions_never_overwrite_the_newest_version_in_flight_or_pinned_ones():
     assert book.home() == 0 and book.capacity() == 1 and book.pinned[1] and book.pinned[POOL + 1]
 
 
+def test_what_a_snapshot_may_overwrite_is_kept_up_to_date_through_every_change():
+    """The book works out what may be overwritten when the agent's answers change it, not when a save
+    asks: after each of a random run of writes, announcements, answers, skips and pins, the home slot,
+    capacity and writable regions it keeps are what working them out from scratch gives."""
+    import random
+
+    from megatron_pec.format.protocol import Pin
+
+    items = ["dense", "L1.E0", "L1.E1", "L1.E2"]
+    book, rng, iteration = RegionBook(items, pool=5), random.Random(0), 0
+
+    def kept_as_worked_out():
+        fresh = book._work_out_writable()
+        assert (book.writable() == fresh).all()
+        assert book.capacity() == int(fresh[POOL:].sum())
+        assert book.home() == (None if book.hold else book._home(fresh))
+
+    for _ in range(300):
+        step = rng.choice(["write", "write", "answer", "skip", "pin"])
+        home = book.home()
+        if step == "write" and home is not None:
+            iteration += 1
+            experts = rng.sample(items[1:], min(book.capacity(), rng.randint(0, 3)))
+            placed = book.place(home, ["dense", *experts])
+            book.writing(iteration, placed)
+            kept_as_worked_out()  # (in flight, not yet answered)
+            if rng.random() < 0.2:
+                book.skipped(placed)
+            else:
+                book.announced(iteration, placed)
+        elif step == "answer" and book.pending:
+            book.released(book.pending[0][0], rng.random() < 0.9)
+        elif step == "pin":
+            pins = [Pin(iteration, rng.choice([None, ["dense"], ["L1.E1"]]), newest=rng.random() < 0.5)]
+            book.pin(pins if rng.random() < 0.7 else [], hold=rng.choice([None, None, "a replica lags"]))
+        kept_as_worked_out()
+
+
 def test_one_iteration_saved_twice_answers_each_save_and_pins_the_later_version():
     """A planned exit saves the iteration of its last snapshot once more: the book keeps both announcements
     apart (answered in order), the later version is the newest, and a pin of each item's newest version

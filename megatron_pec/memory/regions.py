@@ -9,7 +9,9 @@ reading it), or a version the agent pinned (being persisted or sent to a peer - 
 item as they are done - or the newest persisted dense state, which survivors of a node loss restore).
 The agent records and pins (``memory/history.py``, ``agent/pins.py``); this book, on the trainer, follows
 what it was told and chooses the regions. Per-region state is kept as arrays: a save decides in a few
-numpy operations, whatever the number of experts.
+numpy operations, whatever the number of experts. Which regions may be overwritten is worked out when the
+agent's answers change it, on the listener thread, not by the save that asks (a dozen numpy calls right
+after a training step took 0.1 ms of the training thread).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class RegionBook:
         # in that order, and one iteration may be announced twice (a planned exit's save after its snapshot)
         self.pending: list[tuple[int, list[int]]] = []
         self.stale: dict[int, str] = {}  # regions overwritten by attempts not announced yet -> the item written
+        self._refresh()
 
     @property
     def regions(self) -> int:
@@ -78,7 +81,23 @@ class RegionBook:
         self._pin()
 
     def _pin(self) -> None:
+        """(every change of the agent's answers ends here: regions recorded, freed, pinned)"""
         self.pinned = self._pinned(self.pins)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """What a snapshot may overwrite, worked out anew (on the listener thread, where the agent's
+        answers change it: the save that asks reads it)."""
+        self._writable = self._work_out_writable()
+        self._derived: tuple[int | None, int] | None = self._derive()  # (home slot, capacity); None: stale
+
+    def _derive(self) -> tuple[int | None, int]:
+        return self._home(self._writable), int(self._writable[POOL:].sum())
+
+    def _derived_now(self) -> tuple[int | None, int]:
+        if self._derived is None:  # (a snapshot was written since the agent last answered)
+            self._derived = self._derive()
+        return self._derived
 
     def _pinned(self, pins: list[Pin]) -> numpy.ndarray:
         pinned = numpy.zeros(self.regions, dtype=bool)
@@ -129,7 +148,11 @@ class RegionBook:
 
     # ---- a snapshot ------------------------------------------------------------------------------
     def writable(self, pinned: numpy.ndarray | None = None) -> numpy.ndarray:
-        """[region]: whether it may be overwritten now (``pinned``: other pins than the agent's)."""
+        """[region]: whether it may be overwritten now (``pinned``: other pins than the agent's; without,
+        the book's own array: read it, do not change it)."""
+        return self._writable if pinned is None else self._work_out_writable(pinned)
+
+    def _work_out_writable(self, pinned: numpy.ndarray | None = None) -> numpy.ndarray:
         writable = (self.state == FREE) | (self.state == RECORDED)
         writable &= ~(self.pinned if pinned is None else pinned)
         writable[self.newest[self.newest >= 0]] = False
@@ -140,11 +163,11 @@ class RegionBook:
         """The home slot for the next snapshot's header and dense state: the home whose dense region may
         be overwritten (the older one); None when neither may (the snapshot must be skipped, or wait) or
         the agent holds the snapshot back."""
-        return None if self.hold else self._home(self.writable())
+        return None if self.hold else self._derived_now()[0]
 
     def capacity(self) -> int:
         """Experts the next snapshot can write: the pool regions it may overwrite."""
-        return int(self.writable()[POOL:].sum())
+        return self._derived_now()[1]
 
     def may_free(self) -> bool:
         """Waiting for the agent can give the pool a region: a snapshot is in flight (once recorded, its
@@ -197,6 +220,8 @@ class RegionBook:
         for item, slot in placement.items():
             self.holder[slot], self.version[slot], self.state[slot] = self.index[item], iteration, PENDING
             self.stale[slot] = item
+        self._writable[list(placement.values())] = False  # (in flight)
+        self._derived = None
 
     def announced(self, iteration: int, placement: dict[str, int]) -> dict[str, list[int]]:
         """Snapshot ``iteration`` (``placement``: its regions) goes to the agent; returns the regions
@@ -216,6 +241,7 @@ class RegionBook:
         next announcement)."""
         for slot in placement.values():
             self._free(slot)
+        self._refresh()
 
     def _free(self, slot: int) -> None:
         self.holder[slot], self.version[slot], self.state[slot] = -1, -1, FREE
