@@ -351,6 +351,8 @@ def test_what_a_snapshot_may_overwrite_is_kept_up_to_date_through_every_change()
     capacity and writable regions it keeps are what working them out from scratch gives."""
     import random
 
+    import numpy
+
     from megatron_pec.format.protocol import Pin
 
     items = ["dense", "L1.E0", "L1.E1", "L1.E2"]
@@ -361,6 +363,10 @@ def test_what_a_snapshot_may_overwrite_is_kept_up_to_date_through_every_change()
         assert (book.writable() == fresh).all()
         assert book.capacity() == int(fresh[POOL:].sum())
         assert book.home() == (None if book.hold else book._home(fresh))
+        pool = numpy.nonzero(fresh[POOL:])[0] + POOL
+        oldest_first = pool[numpy.argsort(book.version[pool], kind="stable")].tolist()
+        experts = items[1:1 + min(len(pool), 3)]
+        assert book.place(None, experts) == dict(zip(experts, oldest_first))
 
     for _ in range(300):
         step = rng.choice(["write", "write", "answer", "skip", "pin"])

@@ -89,15 +89,9 @@ class RegionBook:
         """What a snapshot may overwrite, worked out anew (on the listener thread, where the agent's
         answers change it: the save that asks reads it)."""
         self._writable = self._work_out_writable()
-        self._derived: tuple[int | None, int] | None = self._derive()  # (home slot, capacity); None: stale
-
-    def _derive(self) -> tuple[int | None, int]:
-        return self._home(self._writable), int(self._writable[POOL:].sum())
-
-    def _derived_now(self) -> tuple[int | None, int]:
-        if self._derived is None:  # (a snapshot was written since the agent last answered)
-            self._derived = self._derive()
-        return self._derived
+        # (the home slot, the pool regions that may be overwritten in the order ``place`` takes them)
+        pool = numpy.nonzero(self._writable[POOL:])[0] + POOL
+        self._derived = self._home(self._writable), pool[numpy.argsort(self.version[pool], kind="stable")].tolist()
 
     def _pinned(self, pins: list[Pin]) -> numpy.ndarray:
         pinned = numpy.zeros(self.regions, dtype=bool)
@@ -163,11 +157,11 @@ class RegionBook:
         """The home slot for the next snapshot's header and dense state: the home whose dense region may
         be overwritten (the older one); None when neither may (the snapshot must be skipped, or wait) or
         the agent holds the snapshot back."""
-        return None if self.hold else self._derived_now()[0]
+        return None if self.hold else self._derived[0]
 
     def capacity(self) -> int:
         """Experts the next snapshot can write: the pool regions it may overwrite."""
-        return self._derived_now()[1]
+        return len(self._derived[1])
 
     def may_free(self) -> bool:
         """Waiting for the agent can give the pool a region: a snapshot is in flight (once recorded, its
@@ -207,11 +201,10 @@ class RegionBook:
         experts = [item for item in items if item != NON_EXPERT]
         out = {NON_EXPERT: home} if len(experts) < len(items) else {}
         if experts:
-            writable = numpy.nonzero(self.writable()[POOL:])[0] + POOL
+            writable = self._derived[1]  # (free ones first, then the oldest)
             if len(writable) < len(experts):
                 raise RuntimeError(f"{len(experts)} experts to write and {len(writable)} pool regions free")
-            chosen = writable[numpy.argsort(self.version[writable], kind="stable")[:len(experts)]]
-            out.update(zip(experts, chosen.tolist()))
+            out.update(zip(experts, writable))
         return out
 
     def writing(self, iteration: int, placement: dict[str, int]) -> None:
@@ -219,9 +212,12 @@ class RegionBook:
         short changed them too)."""
         for item, slot in placement.items():
             self.holder[slot], self.version[slot], self.state[slot] = self.index[item], iteration, PENDING
+            self._writable[slot] = False  # (in flight; one element at a time: cheaper than one indexed write)
             self.stale[slot] = item
-        self._writable[list(placement.values())] = False  # (in flight)
-        self._derived = None
+        home, pool = self._derived  # (kept up to date here: the rest of this save's copy places again)
+        written = set(placement.values())
+        self._derived = (self._home(self._writable) if home in written else home,
+                         [slot for slot in pool if slot not in written])
 
     def announced(self, iteration: int, placement: dict[str, int]) -> dict[str, list[int]]:
         """Snapshot ``iteration`` (``placement``: its regions) goes to the agent; returns the regions
