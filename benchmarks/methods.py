@@ -287,12 +287,9 @@ class Pec(Method):
 
 def _stop_agent(node_dir: str, grace_s: float = 3.0) -> None:
     """Stop the node agent this benchmark started, if it did not exit after every trainer detached
-    (rank 0; SIGTERM: the agent's own clean shutdown, which removes its slots).
-
-    Works around megatron_pec/agent/server.py ``_work``: a ``flush`` job (sent by every
-    load_checkpoint) does not reset ``pending_work``, so an agent whose last job was a flush counts
-    as busy forever and never exits (neither on detach nor on its idle timeout).
-    """
+    (rank 0; SIGTERM: the agent's own clean shutdown, which removes its slots): the next method measures
+    with no agent of this one left running, whatever state a failed measurement left it in. (An agent
+    whose last job was a flush once counted as busy forever; ``Trainers.done`` fixed that.)"""
     from megatron_pec.testing import launch
 
     if torch.distributed.get_rank() == 0:
