@@ -94,27 +94,32 @@ def _weighted(words: numpy.ndarray, row_sums=_numpy_row_sums) -> tuple[int, int]
     """(sum of words, sum of (index + 1) * word) of int64 ``words``, as Python ints mod 2**64.
 
     Rows of COLUMNS words: the column sums weight each word by its place in its row, the row sums by
-    its row; two passes, each a plain int64 reduction (numpy wraps on overflow, as we want)."""
+    its row; two passes, each a plain int64 reduction (numpy's array reductions and dot products wrap on
+    overflow without a warning, as we want; no scalar arithmetic is done in numpy). Called per MiB piece
+    by a restore's summed copy: the row indices are kept, not made again."""
+    global _ROW_INDEX
     n = len(words)
     rows = n // COLUMNS
     a = b = 0
-    with numpy.errstate(over="ignore"):
-        if rows:
-            grid = words[:rows * COLUMNS].reshape(rows, COLUMNS)
-            columns = grid.sum(axis=0, dtype=numpy.int64)
-            rows_summed = row_sums(grid)
-            a += int(columns.sum(dtype=numpy.int64))
-            b += int(numpy.dot(_ARANGE1[:COLUMNS], columns))
-            b += COLUMNS * int(numpy.dot(numpy.arange(rows, dtype=numpy.int64), rows_summed))
-        tail = words[rows * COLUMNS:]
-        if len(tail):
-            a_tail = int(tail.sum(dtype=numpy.int64))
-            a += a_tail
-            b += int(numpy.dot(_ARANGE1[:len(tail)], tail)) + rows * COLUMNS * a_tail
+    if rows:
+        grid = words[:rows * COLUMNS].reshape(rows, COLUMNS)
+        columns = grid.sum(axis=0, dtype=numpy.int64)
+        rows_summed = row_sums(grid)
+        if rows > len(_ROW_INDEX):
+            _ROW_INDEX = numpy.arange(2 * rows, dtype=numpy.int64)
+        a += int(columns.sum(dtype=numpy.int64))
+        b += int(numpy.dot(_ARANGE1, columns))
+        b += COLUMNS * int(numpy.dot(_ROW_INDEX[:rows], rows_summed))
+    tail = words[rows * COLUMNS:]
+    if len(tail):
+        a_tail = int(tail.sum(dtype=numpy.int64))
+        a += a_tail
+        b += int(numpy.dot(_ARANGE1[:len(tail)], tail)) + rows * COLUMNS * a_tail
     return a & MASK, b & MASK
 
 
 _ARANGE1 = numpy.arange(1, COLUMNS + 1, dtype=numpy.int64)
+_ROW_INDEX = numpy.arange(64, dtype=numpy.int64)  # (grown to the most rows seen)
 
 
 def item_sums(buffer, header, items, chunk: int = 64 << 20) -> dict[str, str]:
