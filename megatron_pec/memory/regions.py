@@ -89,9 +89,10 @@ class RegionBook:
         """What a snapshot may overwrite, worked out anew (on the listener thread, where the agent's
         answers change it: the save that asks reads it)."""
         self._writable = self._work_out_writable()
-        # (the home slot, the pool regions that may be overwritten in the order ``place`` takes them)
+        self._next_home = self._home(self._writable)  # (what ``home`` answers, unless the agent holds back)
         pool = numpy.nonzero(self._writable[POOL:])[0] + POOL
-        self._derived = self._home(self._writable), pool[numpy.argsort(self.version[pool], kind="stable")].tolist()
+        order = numpy.argsort(self.version[pool], kind="stable")
+        self._pool_order = pool[order].tolist()  # pool regions that may be overwritten: free first, then oldest
 
     def _pinned(self, pins: list[Pin]) -> numpy.ndarray:
         pinned = numpy.zeros(self.regions, dtype=bool)
@@ -157,11 +158,11 @@ class RegionBook:
         """The home slot for the next snapshot's header and dense state: the home whose dense region may
         be overwritten (the older one); None when neither may (the snapshot must be skipped, or wait) or
         the agent holds the snapshot back."""
-        return None if self.hold else self._derived[0]
+        return None if self.hold else self._next_home
 
     def capacity(self) -> int:
         """Experts the next snapshot can write: the pool regions it may overwrite."""
-        return len(self._derived[1])
+        return len(self._pool_order)
 
     def may_free(self) -> bool:
         """Waiting for the agent can give the pool a region: a snapshot is in flight (once recorded, its
@@ -201,7 +202,7 @@ class RegionBook:
         experts = [item for item in items if item != NON_EXPERT]
         out = {NON_EXPERT: home} if len(experts) < len(items) else {}
         if experts:
-            writable = self._derived[1]  # (free ones first, then the oldest)
+            writable = self._pool_order
             if len(writable) < len(experts):
                 raise RuntimeError(f"{len(experts)} experts to write and {len(writable)} pool regions free")
             out.update(zip(experts, writable))
@@ -214,10 +215,11 @@ class RegionBook:
             self.holder[slot], self.version[slot], self.state[slot] = self.index[item], iteration, PENDING
             self._writable[slot] = False  # (in flight; one element at a time: cheaper than one indexed write)
             self.stale[slot] = item
-        home, pool = self._derived  # (kept up to date here: the rest of this save's copy places again)
+        # (kept up to date here, not worked out anew: the rest of this save's copy places again)
         written = set(placement.values())
-        self._derived = (self._home(self._writable) if home in written else home,
-                         [slot for slot in pool if slot not in written])
+        if self._next_home in written:
+            self._next_home = self._home(self._writable)
+        self._pool_order = [slot for slot in self._pool_order if slot not in written]
 
     def announced(self, iteration: int, placement: dict[str, int]) -> dict[str, list[int]]:
         """Snapshot ``iteration`` (``placement``: its regions) goes to the agent; returns the regions
