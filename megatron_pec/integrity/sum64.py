@@ -105,11 +105,12 @@ def _weighted(words: numpy.ndarray, row_sums=_numpy_row_sums) -> tuple[int, int]
         grid = words[:rows * COLUMNS].reshape(rows, COLUMNS)
         columns = grid.sum(axis=0, dtype=numpy.int64)
         rows_summed = row_sums(grid)
-        if rows > len(_ROW_INDEX):
-            _ROW_INDEX = numpy.arange(2 * rows, dtype=numpy.int64)
+        index = _ROW_INDEX  # (read once: another thread may replace it meanwhile, even by a shorter one)
+        if rows > len(index):
+            index = _ROW_INDEX = numpy.arange(2 * rows, dtype=numpy.int64)
         a += int(columns.sum(dtype=numpy.int64))
         b += int(numpy.dot(_ARANGE1, columns))
-        b += COLUMNS * int(numpy.dot(_ROW_INDEX[:rows], rows_summed))
+        b += COLUMNS * int(numpy.dot(index[:rows], rows_summed))
     tail = words[rows * COLUMNS:]
     if len(tail):
         a_tail = int(tail.sum(dtype=numpy.int64))

@@ -145,7 +145,7 @@ class MegatronAdapter:
         and zeros for the state (not bound: the first step creates the state tensors).
         ``keep_values=False``: a binding need not keep the state's values (see ``contiguous``)."""
         if self._live is None:
-            if collect.has_state(self.optimizer):
+            if self.has_state:
                 collect.check_state_keys(self.optimizer)
                 contiguous.place_state_contiguously(self.optimizers, self.slot_slices, keep_values)
             self._live = collect.live_views(self.slices, self.optimizer)

@@ -41,10 +41,11 @@ def numpy_state() -> tuple:
     state = numpy.random.get_state()
     if type(generator).__name__ != "MT19937" or not _checked(generator, state):
         return state  # (read by numpy at every save)
+    if generator is not _generator:
+        _generator = generator
+        _c_state = (ctypes.c_char * _STATE_BYTES).from_address(generator.ctypes.state_address)
     state[1].setflags(write=False)  # (shared by the saves until it changes)
-    _generator, _state = generator, state
-    _c_state = (ctypes.c_char * _STATE_BYTES).from_address(generator.ctypes.state_address)
-    _raw = _c_state.raw
+    _state, _raw = state, _c_state.raw
     return state
 
 
