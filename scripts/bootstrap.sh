@@ -20,7 +20,7 @@ if [[ ! -x $VENV/bin/python ]]; then
   "$PY" -m venv "$VENV"
 fi
 stamp=$VENV/.megatron-pec-bootstrap
-want=$( (cat pyproject.toml scripts/bootstrap.sh; echo "$MEGATRON_CORE") | sha256sum | cut -c1-16)
+want=$( (cat pyproject.toml setup.py scripts/bootstrap.sh megatron_pec/integrity/*.c; echo "$MEGATRON_CORE") | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   exit 0
 fi

@@ -18,6 +18,18 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
 
 
+@pytest.fixture(params=["kernel", "numpy"])
+def summed_by(request, monkeypatch):
+    """Each CPU implementation of sum64 in turn: the C kernel (where the install built it), numpy's reductions."""
+    from megatron_pec.integrity import sum64
+
+    if request.param == "kernel" and sum64._kernel is None:
+        pytest.skip("the C kernel is not built here (test_the_kernel_is_built_where_a_c_compiler_is says why)")
+    if request.param == "numpy":
+        monkeypatch.setattr(sum64, "_kernel", None)
+    return request.param
+
+
 @pytest.fixture
 def shm_dir():
     """A private node-memory root under /dev/shm, removed with any agent still using it."""

@@ -1,15 +1,18 @@
 """Issue 28: the checksum computed where the bytes are. One definition (two 64-bit sums over an item's
-words, ``megatron_pec/integrity/sum64.py``), two implementations - numpy on the CPU, torch on the device - that
-must agree bit for bit with each other and with the definition, however the bytes are cut into
-pieces and wherever they lie in memory."""
+words, ``megatron_pec/integrity/sum64.py``), three implementations - the C kernel and numpy on the CPU, torch
+on the device - that must agree bit for bit with each other and with the definition, however the bytes are cut
+into pieces and wherever they lie in memory."""
 
 import random
+import shutil
+import sysconfig
 
 import numpy
 import pytest
 import torch
 
 from megatron_pec.format.stformat import Header, layout
+from megatron_pec.integrity import sum64
 from megatron_pec.integrity.sum64 import DeviceSums, Sum64, digest, is_sum64, item_sums
 
 
@@ -26,12 +29,12 @@ def reference(data: bytes) -> str:
 
 @pytest.mark.filterwarnings("error")  # (sums wrap mod 2**64 without numpy's overflow warnings)
 @pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 8 * 4096 - 4, 8 * 4096, 8 * 4096 * 3 + 13, 8 * 4096 * 70 + 5])
-def test_the_numpy_sums_follow_the_definition(length):
+def test_the_cpu_sums_follow_the_definition(length, summed_by):
     data = numpy.random.default_rng(length).integers(0, 256, length, dtype=numpy.uint8).tobytes()
     assert Sum64().update(data).hexdigest() == reference(data)
 
 
-def test_pieces_of_any_size_and_alignment_give_the_same_sums():
+def test_pieces_of_any_size_and_alignment_give_the_same_sums(summed_by):
     rng = random.Random(3)
     data = numpy.random.default_rng(1).integers(0, 256, 3 * 8 * 4096 + 21, dtype=numpy.uint8).tobytes()
     whole = reference(data)
@@ -89,3 +92,39 @@ def test_a_flipped_bit_or_swapped_words_change_the_sums():
     swapped[0:8], swapped[800:808] = data[800:808], data[0:8]
     assert reference(bytes(flipped)) != before and reference(bytes(swapped)) != before
     assert Sum64().update(flipped).hexdigest() != before and Sum64().update(swapped).hexdigest() != before
+
+
+def test_the_kernel_is_built_where_a_c_compiler_is():
+    """``pip install`` builds ``_fused_sum64.c`` where a C compiler is (optional: without one the install goes
+    on, and numpy sums): here it must have, or the runs above only tested numpy."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}): the kernel cannot be built here")
+    assert sum64._kernel is not None, "megatron_pec/integrity/_fused_sum64.c was not built: run scripts/bootstrap.sh"
+
+
+@pytest.mark.parametrize("start", [0, 3, 8, 13])
+@pytest.mark.parametrize("length", [0, 5, 8 * 4096 * 2 + 11, 8 * 1000])
+def test_a_copy_is_exact_and_sums_what_it_copied(summed_by, start, length):
+    """``Sum64.copy`` (a restore's copy into the optimizer) from a read-only source at any item offset: the
+    bytes land unchanged and the sums are those of ``update`` over them."""
+    data = numpy.random.default_rng(length + start).integers(0, 256, length + 1, dtype=numpy.uint8)
+    source = data[1:]  # (one byte off 8-byte alignment in memory)
+    source.flags.writeable = False
+    target = numpy.zeros(length, dtype=numpy.uint8)
+    copied = Sum64(start).copy(target, source)
+    assert bytes(target) == bytes(source)
+    updated = Sum64(start).update(bytes(source))
+    assert (copied.a, copied.b, copied.length) == (updated.a, updated.b, updated.length)
+    assert Sum64().update(bytes(start)).copy(target, source).hexdigest() == reference(bytes(start) + bytes(source))
+
+
+def test_the_kernel_refuses_what_is_not_whole_words_of_one_length():
+    if sum64._kernel is None:
+        pytest.skip("the C kernel is not built here")
+    with pytest.raises(ValueError, match="not whole 64-bit words"):
+        sum64._kernel.sum_words(bytes(12))
+    with pytest.raises(ValueError, match="destination of 8 bytes, source of 16"):
+        sum64._kernel.copy_words(bytearray(8), bytes(16))
+    with pytest.raises(TypeError):
+        sum64._kernel.copy_words(bytes(8), bytes(8))  # (a read-only destination)

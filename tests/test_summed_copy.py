@@ -40,7 +40,7 @@ def slot_and_live():
 
 
 @pytest.mark.parametrize("piece", [module.PIECE, 1004, 8, 4])
-def test_the_copy_is_exact_and_its_sums_are_the_items(monkeypatch, piece):
+def test_the_copy_is_exact_and_its_sums_are_the_items(monkeypatch, piece, summed_by):
     monkeypatch.setattr(module, "PIECE", piece)
     order, saved, live, places, item_bytes = slot_and_live()
     sums = copy_slices([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
@@ -56,7 +56,7 @@ def test_pairs_in_any_order_give_the_same_sums():
     assert sums == {item: reference(data) for item, data in item_bytes.items()}
 
 
-def test_a_flipped_byte_changes_the_sum_of_its_item_only():
+def test_a_flipped_byte_changes_the_sum_of_its_item_only(summed_by):
     order, saved, live, places, item_bytes = slot_and_live()
     clean = copy_slices([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
     saved["d1"].view(torch.uint8)[17] ^= 0x04
@@ -65,7 +65,7 @@ def test_a_flipped_byte_changes_the_sum_of_its_item_only():
     assert live["d1"].view(torch.uint8)[17] == saved["d1"].view(torch.uint8)[17]
 
 
-def test_pieces_of_whole_rows_sum_as_the_definition():
+def test_pieces_of_whole_rows_sum_as_the_definition(summed_by):
     """Pieces long enough for rows of the two reductions (torch sums the rows here, numpy elsewhere): words
     with their high bits set wrap mod 2**64 alike, from an offset that is not a whole word."""
     rng = numpy.random.default_rng(7)

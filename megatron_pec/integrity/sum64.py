@@ -17,10 +17,13 @@ state lives and on the CPU alike, and they split exactly: the sums of a byte ran
 pieces, whatever their order and alignment (``Sum64.update`` takes pieces of any size). Signed or
 unsigned words give the same sums mod 2**64.
 
-Two implementations that agree bit for bit (``tests/test_sum64.py``):
+Implementations that agree bit for bit (``tests/test_sum64.py``):
 
-* ``item_sums`` / ``Sum64`` with numpy, on the CPU: over a slot or a rank file (CPU-only ranks, the
-  agent when it persists, restores from node memory on the CPU, ``verify``, ``export``);
+* ``item_sums`` / ``Sum64`` on the CPU: over a slot or a rank file (CPU-only ranks, the agent when it
+  persists, restores from node memory on the CPU, ``verify``, ``export``). The whole words go through a C
+  kernel (``_fused_sum64.c``, built at install where a C compiler is) in one pass, copying them on the way
+  where asked (``Sum64.copy``: a restore's copy checked at the cost of a plain copy); without it, through
+  numpy's two reductions (``_weighted``), after the copy;
 * ``DeviceSums`` with torch, on the tensors where a snapshot's bytes come from (the GPU, on the copy
   stream; on CPU tensors in the tests).
 """
@@ -31,6 +34,11 @@ import numpy
 
 from megatron_pec.integrity.byteruns import runs
 from megatron_pec.integrity.kinds import SUM64_PREFIX as PREFIX, is_sum64
+
+try:
+    from megatron_pec.integrity import _fused_sum64 as _kernel  # (the GIL released while it runs)
+except ImportError:  # (no C compiler at install: numpy's reductions)
+    _kernel = None
 MASK = (1 << 64) - 1
 COLUMNS = 4096  # words per row of the two reductions that weight each word by its index
 
@@ -40,34 +48,47 @@ def digest(a: int, b: int) -> str:
 
 
 class Sum64:
-    """The sums of a byte stream fed in pieces of any size and alignment (numpy, releases the GIL on
-    large pieces)."""
+    """The sums of a byte stream fed in pieces of any size and alignment (the kernel or numpy: each releases
+    the GIL on large pieces)."""
 
     def __init__(self, start: int = 0, row_sums=None):
         """``start``: the item byte the first piece begins at (the sums of a run that is a part of an
         item; the sums of an item's runs add up to the item's, mod 2**64). ``row_sums``: what sums each
-        row of an int64 grid (``_weighted``; default numpy's)."""
+        row of an int64 grid (``_weighted``, without the kernel; default numpy's)."""
         self.a = self.b = 0
         self.length = start  # stream bytes before the next piece
         self.row_sums = row_sums or _numpy_row_sums
 
     def update(self, data) -> "Sum64":
         view = numpy.frombuffer(data, dtype=numpy.uint8)
-        at = 0
-        head = (-self.length) % 8  # bytes that complete the current word
+        return self._feed(view, lambda start, stop: _word_sums(view[start:stop], self.row_sums))
+
+    def copy(self, target: numpy.ndarray, source: numpy.ndarray) -> "Sum64":
+        """Copy ``source`` into ``target`` (uint8 arrays of one length, ``target`` writable) and take the
+        sums of the bytes copied: with the kernel one pass over them, else a copy and numpy's sums after."""
+        if _kernel is None:
+            numpy.copyto(target, source)
+            return self.update(target)
+        head = min((-self.length) % 8, len(target))
+        tail = head + (len(target) - head) // 8 * 8
+        numpy.copyto(target[:head], source[:head])  # (the partial words, summed byte by byte from ``target``)
+        numpy.copyto(target[tail:], source[tail:])
+        return self._feed(target, lambda start, stop: _kernel.copy_words(target[start:stop], source[start:stop]))
+
+    def _feed(self, view: numpy.ndarray, word_sums) -> "Sum64":
+        """The bytes of ``view`` next in the stream: a partial word at either end byte by byte, the whole words
+        between by ``word_sums(start, stop)`` (their (A, B) as if the first were word 0)."""
+        head = min((-self.length) % 8, len(view))
+        tail = head + (len(view) - head) // 8 * 8
         if head:
-            at = min(head, len(view))
-            self._bytes(view[:at], self.length)
-        whole = (len(view) - at) // 8
-        if whole:
-            words = numpy.frombuffer(view[at:at + 8 * whole], dtype="<i8")
-            a, b = _weighted(words, self.row_sums)
-            first = (self.length + at) // 8
+            self._bytes(view[:head], self.length)
+        if tail > head:
+            a, b = word_sums(head, tail)
+            first = (self.length + head) // 8
             self.a += a
             self.b += b + first * a
-            at += 8 * whole
-        if at < len(view):
-            self._bytes(view[at:], self.length + at)
+        if tail < len(view):
+            self._bytes(view[tail:], self.length + tail)
         self.length += len(view)
         return self
 
@@ -88,6 +109,13 @@ class Sum64:
 
 def _numpy_row_sums(grid: numpy.ndarray) -> numpy.ndarray:
     return grid.sum(axis=1, dtype=numpy.int64)
+
+
+def _word_sums(data: numpy.ndarray, row_sums=_numpy_row_sums) -> tuple[int, int]:
+    """(A, B) of the whole 64-bit words in uint8 ``data``, mod 2**64: the kernel's one pass, or numpy's two."""
+    if _kernel is not None:
+        return _kernel.sum_words(data)
+    return _weighted(numpy.frombuffer(data, dtype="<i8"), row_sums)
 
 
 def _weighted(words: numpy.ndarray, row_sums=_numpy_row_sums) -> tuple[int, int]:
