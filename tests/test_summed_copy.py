@@ -42,6 +42,7 @@ def slot_and_live():
 @pytest.mark.parametrize("piece", [module.PIECE, 1004, 8, 4])
 def test_the_copy_is_exact_and_its_sums_are_the_items(monkeypatch, piece, summed_by):
     monkeypatch.setattr(module, "PIECE", piece)
+    monkeypatch.setattr(module, "PIECE_IN_ONE_PASS", piece)
     order, saved, live, places, item_bytes = slot_and_live()
     sums = copy_slices([live[n] for n in order], [saved[n] for n in order], [places[n] for n in order])
     for n in order:

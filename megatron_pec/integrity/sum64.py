@@ -107,6 +107,11 @@ class Sum64:
         return digest(self.a, self.b)
 
 
+def in_one_pass() -> bool:
+    """Whether ``Sum64.copy`` copies and sums in one pass (the kernel), not a copy and then numpy's sums."""
+    return _kernel is not None
+
+
 def _numpy_row_sums(grid: numpy.ndarray) -> numpy.ndarray:
     return grid.sum(axis=1, dtype=numpy.int64)
 
