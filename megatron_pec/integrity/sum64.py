@@ -39,6 +39,7 @@ try:
     from megatron_pec.integrity import _fused_sum64 as _kernel  # (the GIL released while it runs)
 except ImportError:  # (no C compiler at install: numpy's reductions)
     _kernel = None
+
 MASK = (1 << 64) - 1
 COLUMNS = 4096  # words per row of the two reductions that weight each word by its index
 
