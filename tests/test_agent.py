@@ -437,6 +437,24 @@ def test_a_restart_resumes_the_regions_of_its_timeline_only(trainers):
         other.close()
 
 
+def test_a_restore_of_an_iteration_storage_holds_writes_nothing_to_storage(trainers):
+    """Restored from node memory, an iteration committed with every item its snapshot wrote is persisted by
+    the committed files themselves: the agent leaves the checkpoint directory untouched - no node marker
+    written and deleted again at every restore, no commit said - however often a job restores it."""
+    t = trainers(0, nodes=1)
+    t.snapshot(10)
+    pec = checkpoints(t.root).pec_dir(10)
+    before = (sorted(os.listdir(pec)), os.stat(pec).st_mtime_ns, open(os.path.join(pec, "manifest.json"), "rb").read())
+    time.sleep(0.05)  # (a file made and removed would move the directory's time past the coarse clock's tick)
+    for run in ("run-2", "run-3"):
+        t.begin(run, 10)
+        t.client.request(Flush(), Flushed, timeout=30)  # (the persist of the restored iteration is done)
+        after = (sorted(os.listdir(pec)), os.stat(pec).st_mtime_ns,
+                 open(os.path.join(pec, "manifest.json"), "rb").read())
+        assert after == before
+    assert open(os.path.join(t.directory, "agent.log")).read().count("committed iteration 10") == 1
+
+
 def test_a_restarts_uncommitted_persist_keeps_its_dense_state_pinned(trainers):
     """Node 1 never commits, so every persist here stays uncommitted. The old run persisted 20; the
     restart resumes at 10 and persists 12: the agent pins 12's dense state (the old run's higher

@@ -110,6 +110,14 @@ class CheckpointDir:
             raise ManifestError(f"{self.manifest_path(iteration)} names iteration {manifest.iteration}")
         return manifest
 
+    def references(self, iteration: int, ranks: dict[str, RankFile]) -> bool:
+        """Whether ``iteration``'s commit references exactly ``ranks``' files, every rank's (False: not committed
+        or unreadable)."""
+        try:
+            return _files(self.read_manifest(iteration).ranks) == _files(ranks)
+        except ManifestError:
+            return False
+
     def read_tracker(self) -> str | None:
         try:
             return self.storage.read(self.tracker_path).decode().strip()
