@@ -287,8 +287,8 @@ class MegatronAdapter:
         (item, byte offset in the item)), the copy sums those slices' items as it copies them (host tensors):
         returns item -> sum64 of the bytes copied (None without). ``reads`` (``restore.FileReads``): the slices
         of its ``names`` are read straight into the optimizer's tensors (those that do not fit there come
-        back as tensors to copy). ``while_copying()``: called once the copies are enqueued, while a device's
-        may still run (every copy has landed when this returns).
+        back as tensors to copy). ``while_copying(summed)``: called once the copies are enqueued, while a device's
+        may still run (every copy has landed when this returns), with the sums the host copy took (None: none).
         """
         phases = phases or Phases()
         if not finetune:  # (as Megatron: a fine-tune does not check the arguments)
@@ -308,7 +308,7 @@ class MegatronAdapter:
             with phases("copy"):
                 summed = copy.rest(targets, tensors, places)
             if while_copying is not None:
-                while_copying()
+                while_copying(summed)
             self._restore_beyond_slices(small, scheduler, load_optim, load_rng, finetune, rng_key_prefix, phases)
         finally:
             with phases("copy"):  # (every copy landed before its sources may change, after an error too)

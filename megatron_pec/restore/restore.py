@@ -88,6 +88,28 @@ class FileReads:
         return out
 
 
+class LandedCheck:
+    """Whether every rank's restore landed as planned (load step 6's check, agreed by one all-reduce). A host copy
+    that summed what it copied knows before the param sync: the agreement starts then (``start``), its all-reduce
+    running beside the sync, and is awaited once the rest is restored (``agreed``); a check on the device starts
+    it once everything landed."""
+
+    def __init__(self, reads: FileReads, collectives: Collectives):
+        self.reads, self.collectives = reads, collectives
+        self.problem: str | None = None  # this rank's (None: it restored as planned)
+        self.agreement = None            # the all-reduce, once started
+
+    def start(self, problem: str | None) -> None:
+        """This rank's check came out with ``problem`` (None: all matched); a rank file that failed as it was
+        read is a problem too."""
+        self.problem = self.reads.problem or problem
+        self.agreement = self.collectives.start_reduce([int(self.problem is None)], "min")
+
+    def agreed(self) -> bool:
+        """Whether every rank restored as planned (``start`` first)."""
+        return bool(self.agreement.result()[0])
+
+
 class Restore:
     def __init__(self, parts: RestoreParts):
         self.parts = parts
@@ -126,23 +148,25 @@ class Restore:
             else:
                 reads = FileReads(plan.reads, directory.storage,
                                   staged_on_host=by_device and self.config.check_on_device)
-                summed = self._apply(plan, finetune, scheduler, rng_key_prefix, phases, reads)
+                check = LandedCheck(reads, self.adapter.collectives)
+                self._apply(plan, finetune, scheduler, rng_key_prefix, phases, reads, check)
                 with phases("checking where it landed"):  # (node memory's items; on a device a read file's too)
-                    problem = reads.problem or self._checked(plan, summed, phases)
-                if self.adapter.collectives.all_ok(problem is None):
+                    if check.agreement is None:
+                        check.start(self._checked_on_device(plan, phases))
+                    every_rank_restored = check.agreed()
+                problem = check.problem
+                if every_rank_restored:
                     return self._restored(directory, plan, finetune, phases)
             log.warning(f"cannot restore iteration {plan.iteration}: {problem or 'another rank cannot'}; "
                         "falling back to an older checkpoint", rank=self.rank)
             excluded.add(plan.iteration)
 
-    def _checked(self, plan: RestorePlan, summed: dict[str, str] | None, phases: Phases) -> str | None:
-        """What of ``plan.check_after_copy`` does not match where it landed: the sums its copy took
-        (``summed``), or else the device's."""
+    def _checked_on_device(self, plan: RestorePlan, phases: Phases) -> str | None:
+        """What of ``plan.check_after_copy`` does not match where it landed, by the device's sums (a host copy
+        that summed the items checked them as it copied: ``_apply``)."""
         if not plan.check_after_copy:
             return None
-        if summed is None:
-            return self.parts.stager.checked(self.adapter.live_views(), plan.check_after_copy, phases)
-        return first_mismatch(plan.check_after_copy, summed, "checked while copied")
+        return self.parts.stager.checked(self.adapter.live_views(), plan.check_after_copy, phases)
 
     def _load_context(self, phases: Phases) -> LoadContext:
         return LoadContext(job=self.parts.job, config=self.config, collectives=self.adapter.collectives,
@@ -150,23 +174,26 @@ class Restore:
                            phases=phases)
 
     def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases,
-               reads: "FileReads") -> dict[str, str] | None:
+               reads: "FileReads", check: "LandedCheck") -> None:
         """Load step 6: the plan into Megatron (through the adapter; the plan's rank files read into place
-        by ``reads``) and into the PEC bookkeeping. Returns the sums the copy took of the plan's ``places``
-        (None: none)."""
+        by ``reads``) and into the PEC bookkeeping. A host copy that sums the plan's ``places`` as it copies
+        them starts ``check`` then."""
         config, stager = self.config, self.parts.stager
-        # (where ``_checked`` checks on the device - no host copy sums the items - its sums are bound while the
-        # copy to the device runs, and launched once it landed)
-        bind = (lambda: stager.bind_sums(self.adapter.live_views(), phases)) \
-            if plan.check_after_copy and not plan.places else None
-        summed = self.adapter.restore(plan.small, plan.tensors, scheduler,
+
+        def while_copying(summed):
+            if summed is not None:  # (a host copy that summed what it copied: checked before the param sync)
+                check.start(first_mismatch(plan.check_after_copy, summed, "checked while copied"))
+            elif plan.check_after_copy and not plan.places:
+                # (checked on the device - no host copy sums the items: its sums are bound while the copy to the
+                # device runs, and launched once it landed)
+                stager.bind_sums(self.adapter.live_views(), phases)
+        self.adapter.restore(plan.small, plan.tensors, scheduler,
                                       load_optim=not (config.no_load_optim or finetune),
                                       load_rng=not (config.no_load_rng or finetune), finetune=finetune,
                                       rng_key_prefix=rng_key_prefix, phases=phases, places=plan.places or None,
-                                      reads=reads if plan.reads else None, while_copying=bind)
+                                      reads=reads if plan.reads else None, while_copying=while_copying)
         with phases("PEC state"):
             self.parts.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
-        return summed
 
     def _restored(self, directory: CheckpointDir, plan: RestorePlan, finetune: bool,
                   phases: Phases) -> tuple[int, float]:
