@@ -31,7 +31,7 @@ MCORE019_TESTS=(tests/test_roundtrip.py "${NEWEST_ONLY[@]}" tests/test_token_cou
 MEGATRON_FREE=(tests/test_agent.py tests/test_agent_session.py tests/test_budget.py tests/test_checkpoint_dir.py
                tests/test_coalesce.py tests/test_copy_waves.py tests/test_expert_values.py tests/test_format.py
                tests/test_fused_sums.py tests/test_landing.py tests/test_loader.py tests/test_node_memory.py
-               tests/test_numpy_rng.py tests/test_pec_book.py
+               tests/test_numpy_rng.py tests/test_pec_book.py tests/test_python_rng.py
                tests/test_peers.py tests/test_phases.py tests/test_pinning.py tests/test_plan_agreement.py
                tests/test_plt.py tests/test_policy.py tests/test_protocol.py tests/test_reduced_record.py
                tests/test_save_history.py tests/test_save_steps.py tests/test_small_state_record.py

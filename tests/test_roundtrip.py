@@ -34,6 +34,9 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir):
         assert r["state_dict"]["trimmed_used"] is True
         assert r["state_dict"]["same"]
         assert r["state_dict"]["largest_group"] > 1, "with one parameter per group nothing was left out"
+        # ... or rather built it from the param groups (no call into the optimizer), which gives the same
+        assert r["state_dict"]["from_groups_used"] is True
+        assert r["state_dict"]["from_groups_same"]
         # Each bucket's moments were placed in one tensor per kind without changing a value, and a
         # save copies runs of slices that are contiguous on both sides, not every slice on its own.
         c = r["coalesced"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.megatron.layout import param_pieces
 from megatron_pec.megatron.numpy_rng import numpy_state
+from megatron_pec.megatron.python_rng import python_state
 
 # Per-element optimizer state by optimizer class name: what each slice kind besides "param" is.
 # Megatron's distributed optimizer takes Adam (torch, apex, TE) and, from core_v0.19, Lion.
@@ -225,7 +225,7 @@ def rng_state() -> dict:
     # their state tensor is what is saved.
     tracker = {name: value.get_state() if isinstance(value, torch.Generator) else value
                for name, value in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
-    state = {"random": random.getstate(), "numpy": numpy_state(), "torch": torch.get_rng_state(),
+    state = {"random": python_state(), "numpy": numpy_state(), "torch": torch.get_rng_state(),
              "tracker": tracker}
     if torch.cuda.is_initialized():  # (initialized implies available; is_available() costs more per save)
         state["cuda"] = torch.cuda.get_rng_state()

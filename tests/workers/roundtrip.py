@@ -102,7 +102,10 @@ def main():
     trimmed_state = api.current_engine().adapter.optimizer_state
     with optstate._one_param_per_group(collect.distributed_optimizers(optimizer)):
         trimmed = small_state.dumps(optimizer.state_dict())
-    state_dict = {"trimmed_used": trimmed_state.trimmed_ok, "same": trimmed == small_state.dumps(optimizer.state_dict()),
+    full = small_state.dumps(optimizer.state_dict())
+    from_groups = small_state.dumps(optstate._from_groups(optimizer, collect.distributed_optimizers(optimizer)))
+    state_dict = {"trimmed_used": trimmed_state.trimmed_ok, "same": trimmed == full,
+                  "from_groups_used": trimmed_state.from_groups_ok, "from_groups_same": from_groups == full,
                   "largest_group": max(len(g["params"]) for o in optimizer.chained_optimizers
                                        for g in o.optimizer.param_groups)}
     reference = train(args, model, optimizer, scheduler, data, MORE)
