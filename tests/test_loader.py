@@ -38,6 +38,10 @@ def test_a_rank_with_nothing_to_restore_votes_with_as_many_values_as_one_that_pl
             self.sizes.append(len(values))
             return list(values)
 
+        def start_reduce(self, values, op):
+            result = self.reduce(values, op)
+            return SimpleNamespace(result=lambda: result)
+
     experts = tuple(ExpertId(1, e) for e in range(4))
     job = SimpleNamespace(rank=0, node_dir=str(tmp_path / "none"), fingerprint="f", topology={},
                           held_names={x: item_name(x) for x in experts[:2]}, all_experts=experts,

@@ -24,7 +24,8 @@ TARGET = 10
 
 
 class ThreadCollectives:
-    """``reduce`` over ranks that are threads of this process; counts the collectives called."""
+    """``reduce`` over ranks that are threads of this process (``start_reduce``: exchanged once its result is
+    asked, as a started all-reduce completes); counts the collectives called."""
 
     def __init__(self, world: int):
         self.rows = [None] * world
@@ -33,6 +34,8 @@ class ThreadCollectives:
 
     def of(self, rank: int):
         return SimpleNamespace(reduce=lambda values, op: self._reduce(rank, values, op),
+                               start_reduce=lambda values, op: SimpleNamespace(
+                                   result=lambda: self._reduce(rank, values, op)),
                                gather=lambda values, width: self._gather(rank, values, width))
 
     def _exchange(self, rank: int, values: list[int]) -> list[list[int]]:
@@ -71,9 +74,9 @@ def memory_slot(iteration: int, versions: dict[ExpertId, int]) -> RecordingSourc
     return RecordingSource("memory", iteration, items, f"slot@{iteration}", {}, header=header)
 
 
-def on_two_ranks(tmp_path, work):
+def on_two_ranks(tmp_path, work, collectives=None):
     """``work(loader)`` on two ranks (threads), each with its own Loader; (results, collectives called)."""
-    collectives = ThreadCollectives(2)
+    collectives = collectives or ThreadCollectives(2)
     config = PecConfig.from_args(argparse.Namespace(save=None, load=str(tmp_path), pec_job_id="j"))
     results, failures = {}, []
 
@@ -187,3 +190,59 @@ def test_a_rank_that_cannot_read_the_agreed_iteration_makes_every_rank_fall_back
     assert results[1][1] == [Refused(10, "slot@10 fails its checksum")]
     # only the plan every rank agreed on is fetched ahead, each source once
     assert [s.fetched for r in (0, 1) for s in slots[r]] == [0, 1, 0, 1]
+
+
+def test_the_decisions_own_part_is_made_while_the_ranks_vote(tmp_path, monkeypatch):
+    """What deciding needs of no other rank (the tensors, versions, small state: ``Loader._prepare``) is made
+    once, between starting the plan's all-reduce and awaiting it, and the decision takes it from there."""
+    from megatron_pec.restore.loader import Prepared
+
+    events = []
+    collectives = ThreadCollectives(2)
+    exchange = collectives._exchange
+    monkeypatch.setattr(collectives, "_exchange", lambda rank, values: events.append((rank, "vote")) or
+                        exchange(rank, values))
+    monkeypatch.setattr(Loader, "_prepare", lambda self, plan: events.append((self.rank, "prepare")) or Prepared(
+        {}, {}, [], versions(plan), {}, None))
+    experts = {ExpertId(1, 0): 10, ExpertId(1, 1): 10}
+    slots = {r: [memory_slot(10, experts)] for r in (0, 1)}
+    monkeypatch.setattr(loader, "memory_sources", lambda node_dir, rank, *_: slots[rank])
+    monkeypatch.setattr(loader, "account", lambda *a: (None, None, {}))
+    results, calls = on_two_ranks(tmp_path, planned_until_one_sticks, collectives)
+    assert calls == 1
+    for rank in (0, 1):
+        plan, refused = results[rank]
+        assert not refused and plan.iteration == 10 and plan.versions == {NON_EXPERT: 10, "L1.E0": 10, "L1.E1": 10}
+        assert [e for r, e in events if r == rank] == ["prepare", "vote"]  # (made once, before the vote's wait)
+
+
+def test_a_rank_whose_decision_fails_while_the_ranks_vote_still_votes_and_says_why_after(tmp_path, monkeypatch):
+    """A decision that fails on one rank (a slot whose tensors this run lacks) must not keep that rank from the
+    all-reduce (the others would wait for it): it votes, then raises the error, made anew, after the vote."""
+    experts = {ExpertId(1, 0): 10, ExpertId(1, 1): 10}
+    slots = {r: [memory_slot(10, experts)] for r in (0, 1)}
+    for (slot,) in slots.values():
+        slot.header.small = ""  # (decoded by the stand-in below)
+    prepare = Loader._prepare
+
+    def failing(self, plan):
+        if self.rank == 1:
+            raise SourceError("slot@10 lacks 3 tensors this run needs")
+        return prepare(self, plan)
+
+    monkeypatch.setattr(Loader, "_prepare", failing)
+    monkeypatch.setattr(loader, "memory_sources", lambda node_dir, rank, *_: slots[rank])
+    monkeypatch.setattr(loader, "account", lambda *a: (None, None, {}))
+    monkeypatch.setattr(loader.SmallState, "loads", staticmethod(lambda text: None))
+    collectives = ThreadCollectives(2)
+    outcome = {}
+
+    def plan_or_error(ld):
+        try:
+            return planned_until_one_sticks(ld)
+        except SourceError as exc:
+            outcome[ld.rank] = str(exc)
+
+    results, calls = on_two_ranks(tmp_path, plan_or_error, collectives)
+    assert calls == 1, "a rank left the vote"
+    assert outcome == {1: "slot@10 lacks 3 tensors this run needs"} and results[0][0].iteration == 10

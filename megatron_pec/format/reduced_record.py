@@ -21,7 +21,8 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-__all__ = ["MAX", "MIN", "scalar", "vector", "columns", "encode", "decode", "size", "all_reduce"]
+__all__ = ["MAX", "MIN", "scalar", "vector", "columns", "encode", "decode", "size", "all_reduce", "start_all_reduce",
+           "Reducing"]
 
 MAX, MIN = "max", "min"
 _KEY = "megatron_pec.reduced"  # the field metadata key holding its ``_Spec``
@@ -148,3 +149,20 @@ def all_reduce(record: R, n: int, reduce_max: Callable[[list[int]], list[int]]) 
     """``record`` reduced over the ranks: each field by its declared reduction. ``reduce_max``: the
     element-wise MAX all-reduce of a list of ints (``Collectives.reduce(values, "max")``), called once."""
     return decode(type(record), reduce_max(encode(record, n)), n, _present(record))
+
+
+class Reducing:
+    """An ``all_reduce`` started, not yet awaited: ``result()`` waits for it and decodes the reduced record."""
+
+    def __init__(self, record, n: int, start_reduce_max):
+        self.cls, self.n, self.optional = type(record), n, _present(record)
+        self.pending = start_reduce_max(encode(record, n))
+
+    def result(self):
+        return decode(self.cls, self.pending.result(), self.n, self.optional)
+
+
+def start_all_reduce(record: R, n: int, start_reduce_max) -> Reducing:
+    """``all_reduce`` in the background: ``start_reduce_max`` starts the MAX all-reduce of a list of ints and
+    returns what its ``result()`` waits for (``Collectives.start_reduce(values, "max")``)."""
+    return Reducing(record, n, start_reduce_max)

@@ -186,6 +186,18 @@ class Agreement:
     versions: dict[str, int | None] | None = None  # per held expert, where ranks planned different versions
 
 
+@dataclass
+class Prepared:
+    """The part of a decision (load step 5) that needs no other rank (``Loader._prepare``)."""
+
+    tensors: dict                          # slice name -> tensor (verified bytes, read-only views)
+    places: dict[str, tuple[str, int]]     # slice name -> (item, byte offset) for a host copy that sums them
+    reads: list                            # (rank file, slices) read in step 6
+    versions: dict[str, int]               # item -> version restored
+    after_copy: dict[str, tuple]           # item -> (its checksum, where it came from), checked where it lands
+    small: SmallState
+
+
 def _newest_committed(directory: CheckpointDir) -> Manifest | None:
     """The manifest of the newest committed iteration (another layout's too), if readable."""
     committed = directory.committed_iterations()
@@ -300,7 +312,8 @@ class Loader:
             return self._reshard(found.reshard)
         mine = found.iterations - excluded
         target = max(mine) if mine and found.error is None else None
-        plan, unreadable, agreed = self._plan(target, found)
+        prepared: list[tuple[dict, Prepared]] = []  # (plan, its decision's local part), made while the ranks vote
+        plan, unreadable, agreed = self._plan(target, found, prepared)
         if not agreed.failed and not agreed.same_iteration:
             with self.ctx.phases("agreeing"):
                 target = self._agree(mine)
@@ -314,7 +327,7 @@ class Loader:
         for source in {id(s): s for s in plan.values() if s is not None}.values():
             source.fetch_ahead(self.storage)  # (the disk streams it while this rank decides and allocates)
         with self.ctx.phases("deciding"):
-            return self._decide(target, plan, agreed.accounted, agreed.state, agreed.newest)
+            return self._decide(target, plan, agreed, next((p for planned, p in prepared if planned is plan), None))
 
     def _nothing(self, excluded: set[int], found: Candidates) -> None:
         """Nothing every rank can restore: from scratch, unless a rank could not reach the storage (it may
@@ -363,10 +376,13 @@ class Loader:
                            resharded=True)
 
     # ---- 4. ... and read it: each item's source, opened and verified -----------------------------------
-    def _plan(self, target: int | None, found: Candidates) -> tuple[dict, str | None, Agreement]:
+    def _plan(self, target: int | None, found: Candidates,
+              prepared: list | None = None) -> tuple[dict, str | None, Agreement]:
         """Sources for T's non-expert state and each held expert's version, agreed across ranks, opened
         and verified: (plan, this rank's error, the ``Agreement``). ``target``: the iteration this rank
         plans (None: none); ``found.error``: this rank could not list its sources (all ranks raise).
+        ``prepared``: where the decision's local part for this rank's first plan goes, made while the ranks
+        vote on it: (that plan, its ``Prepared``).
 
         Optimistic: each rank first plans the newest version of each expert it can read itself; the
         all-reduce that agrees on the plan also says whether every rank holding an expert planned
@@ -387,8 +403,12 @@ class Loader:
         plan = self._sources(dense, planned, holding, stored, manifest_t)
         with phases("reading and checking"):
             error = self._open(plan, target, dense_error)
+        meanwhile = None
+        if prepared is not None and error is None:
+            first = plan
+            meanwhile = lambda: self._prepare_meanwhile(first, prepared)  # noqa: E731
         with phases("agreeing"):
-            agreed = self._vote(target, plan, error, newest, planned=planned)
+            agreed = self._vote(target, plan, error, newest, planned=planned, meanwhile=meanwhile)
         if agreed.versions is None:
             return plan, error, agreed
         # Ranks planned different versions: every rank takes the oldest planned; where some rank lacks
@@ -442,7 +462,7 @@ class Loader:
         return error
 
     def _vote(self, target: int | None, plan: dict[str, Source | None], error: str | None, newest: int,
-              planned: dict | None = None, failed: bool = False) -> Agreement:
+              planned: dict | None = None, failed: bool = False, meanwhile=None) -> Agreement:
         """The ``Agreement`` on this rank's plan for ``target``: one MAX all-reduce of every rank's
         ``PlanVote`` (a rank that cannot contributes only its flags; ``newest``: the newest iteration it has
         a source of).
@@ -451,7 +471,7 @@ class Loader:
         versions each expert was planned at; unless all agree, ``versions`` is then, per held expert,
         the newest version every rank holding it can restore (the lowest planned), and the plans are
         redone from it whatever their errors were (a rank may have failed only for lack of the newer
-        version)."""
+        version). ``meanwhile()``: called while the all-reduce runs (its wait is mostly the other ranks')."""
         n = len(self.names)
         state = PecState.loads(plan[NON_EXPERT].header.pec) if error is None and n else None
         accounting = accounting_columns(plan, state, self.names) if state is not None else [[-1] * n] * ACCOUNT_VECTORS
@@ -462,7 +482,10 @@ class Loader:
             versions = [self._expert_vector(known, -2), self._expert_vector(known, NONE),
                         self._expert_vector({i: int(plan[i] is None and v is not None) for i, v in planned.items()}, 0)]
         mine = PlanVote(int(failed), int(error is not None), iteration, iteration, newest, accounting, *versions)
-        every = reduced_record.all_reduce(mine, n, lambda values: self.coll.reduce(values, "max"))
+        voting = reduced_record.start_all_reduce(mine, n, lambda values: self.coll.start_reduce(values, "max"))
+        if meanwhile is not None:
+            meanwhile()
+        every = voting.result()
         same_iteration = every.iteration == every.lowest_iteration >= 0
         agreed = Agreement(bool(every.failed), same_iteration, same_iteration and not every.cannot,
                            every.accounting, state, every.newest)
@@ -505,9 +528,18 @@ class Loader:
         return source.read_later and not self.summed_by_copy and is_sum64(source.item_checks.get(item))
 
     # ---- 5. decide -------------------------------------------------------------------------------------
-    def _decide(self, target: int, plan: dict[str, Source], accounted: list[list[int]],
-                state: PecState | None, newest: int = -1) -> RestorePlan:
-        dense = plan[NON_EXPERT]
+    def _decide(self, target: int, plan: dict[str, Source], agreed: Agreement,
+                prepared: "Prepared | None" = None) -> RestorePlan:
+        """The ``RestorePlan`` of ``plan``: its local part (``prepared`` while the ranks voted, else made now)
+        and the PLT accounting the vote completed."""
+        p = prepared or self._prepare(plan)
+        pec, report, tokens_at_target = account(self.ctx, target, agreed.state, agreed.accounted)
+        return RestorePlan(target, plan[NON_EXPERT].described, p.versions, p.tensors, p.small, pec, tokens_at_target,
+                           report, check_after_copy=p.after_copy, newest=agreed.newest, places=p.places, reads=p.reads)
+
+    def _prepare(self, plan: dict[str, Source]) -> "Prepared":
+        """What deciding on ``plan`` takes of this rank alone: the tensors per slice (or the rank files to read
+        them from), the versions, what is checked where it lands, the small state."""
         by_source: dict[int, tuple[Source, set[str]]] = {}
         for name, item in self.ctx.slice_items.items():
             by_source.setdefault(id(plan[item]), (plan[item], set()))[1].add(name)
@@ -522,9 +554,15 @@ class Loader:
         versions = {item: source.items[item] for item, source in plan.items()}
         after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
                       if self._checked_where_it_lands(item, source)}
-        pec, report, tokens_at_target = account(self.ctx, target, state, accounted)
-        return RestorePlan(target, dense.described, versions, tensors, SmallState.loads(dense.header.small), pec,
-                           tokens_at_target, report, check_after_copy=after_copy, newest=newest, places=places,
-                           reads=reads)
+        return Prepared(tensors, places, reads, versions, after_copy, SmallState.loads(plan[NON_EXPERT].header.small))
+
+    def _prepare_meanwhile(self, plan: dict[str, Source], prepared: list) -> None:
+        """``_prepare`` while the ranks vote on ``plan``: kept in ``prepared`` if it worked (what fails is said
+        after the vote, by ``_decide`` preparing it again: a rank raising before the vote would hang the others)."""
+        with self.ctx.phases("deciding"):
+            try:
+                prepared.append((plan, self._prepare(plan)))
+            except Exception:  # noqa: BLE001 - (raised again, after the vote, where it is made anew)
+                pass
 
 
