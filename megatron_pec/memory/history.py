@@ -290,9 +290,10 @@ class NodeMemory:
             if record.iteration != NO_HOME and not self.on_lineage(rank, record):
                 return f"holds iteration {record.iteration} of an abandoned timeline (run {record.run})"
             return "holds no complete snapshot and no recorded region"
-        if header is None:
+        if header is None and record.iteration != NO_HOME:
             record = dataclasses.replace(record, iteration=NO_HOME)
-        return dataclasses.replace(record, items=keep), header
+        # (a pool region's record is mostly kept whole: a listing goes through thousands of them)
+        return (record if len(keep) == len(record.items) else dataclasses.replace(record, items=keep)), header
 
     def restorable(self, rank: int, job: JobKey) -> tuple[list[tuple[int, str, SlotRecord, SlotHeader | None]], list[str]]:
         """(slot, path, record, home header) of every slot of ``rank`` that may serve a restore of ``job``, the
