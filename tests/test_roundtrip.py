@@ -48,7 +48,8 @@ def test_round_trip_memory_then_storage(tmp_path, shm_dir):
             assert r[leg]["differences"] == [], f"{leg}: state differs from iteration 6 in {r[leg]['differences']}"
             assert r[leg]["losses"] == r["reference"], f"{leg}: losses after restore differ"
         # Where a save's and a restore's time went (the benchmarks' breakdowns): every phase timed.
-        assert list(r["save_phases"]) == ["previous snapshot", "slot", "agreement", "copy", "plan", "metadata"], \
+        # (on a host rank the small state is captured before the copies: after them on a device rank)
+        assert list(r["save_phases"]) == ["previous snapshot", "metadata", "slot", "agreement", "copy", "plan"], \
             r["save_phases"]
         assert all(s >= 0 for s in r["save_phases"].values()) and r["save_phases"]["copy"] > 0
         for leg in ("memory", "storage"):

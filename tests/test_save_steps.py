@@ -136,7 +136,7 @@ def parts(log, session=None, book=None, reduced=None) -> SaveParts:
                               live_views=lambda: {}, ep_rank=0, slot_slices=[],
                               small_state=lambda *args: small_state_at(args[1]),
                               save_dataloader_state=lambda iterator, iteration: None)
-    stager = SimpleNamespace(begin=lambda live: Staging(log))
+    stager = SimpleNamespace(begin=lambda live: Staging(log), asynchronous=False)
     files = SimpleNamespace(invalidate=lambda slot: None,
                             write_header=lambda slot, metadata: log.append(("header", slot)))
     return SaveParts(job, "job", adapter, book or Book(log), SaveHistory("launch"), session or Session(log), files,

@@ -90,7 +90,8 @@ class FileReads:
 
 class LandedCheck:
     """Whether every rank's restore landed as planned (load step 6's check, agreed by one all-reduce). A host copy
-    that summed what it copied knows before the param sync: the agreement starts then (``start``), its all-reduce
+    that summed what it copied knows before the param sync, and so does a restore with nothing to check where it
+    landed (its rank files checked as they were read): the agreement starts then (``start``), its all-reduce
     running beside the sync, and is awaited once the rest is restored (``agreed``); a check on the device starts
     it once everything landed."""
 
@@ -183,7 +184,9 @@ class Restore:
         def while_copying(summed):
             if summed is not None:  # (a host copy that summed what it copied: checked before the param sync)
                 check.start(first_mismatch(plan.check_after_copy, summed, "checked while copied"))
-            elif plan.check_after_copy and not plan.places:
+            elif not plan.check_after_copy:  # (nothing to check where it landed: the rank files' reads said it)
+                check.start(None)
+            elif not plan.places:
                 # (checked on the device - no host copy sums the items: its sums are bound while the copy to the
                 # device runs, and launched once it landed)
                 stager.bind_sums(self.adapter.live_views(), phases)

@@ -209,6 +209,11 @@ class Stager:
         self._host_runs: dict[str, tuple[int, ...]] = {}  # item -> its runs whose live views are host memory
         self._sums = None        # the item sums over those live views (``RunSums``)
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether copies run on a copy stream (a GPU's), not on the thread that makes them."""
+        return self.stream is not None
+
     def pin(self) -> None:
         """Page-lock the node-memory mappings so device-to-host copies run asynchronously at full speed (a
         failure is one warning; copies are then synchronous). GPU only; done at start-up."""
