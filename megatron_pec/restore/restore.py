@@ -190,11 +190,12 @@ class Restore:
                 # (checked on the device - no host copy sums the items: its sums are bound while the copy to the
                 # device runs, and launched once it landed)
                 stager.bind_sums(self.adapter.live_views(), phases)
+
         self.adapter.restore(plan.small, plan.tensors, scheduler,
-                                      load_optim=not (config.no_load_optim or finetune),
-                                      load_rng=not (config.no_load_rng or finetune), finetune=finetune,
-                                      rng_key_prefix=rng_key_prefix, phases=phases, places=plan.places or None,
-                                      reads=reads if plan.reads else None, while_copying=while_copying)
+                             load_optim=not (config.no_load_optim or finetune),
+                             load_rng=not (config.no_load_rng or finetune), finetune=finetune,
+                             rng_key_prefix=rng_key_prefix, phases=phases, places=plan.places or None,
+                             reads=reads if plan.reads else None, while_copying=while_copying)
         with phases("PEC state"):
             self.parts.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
 
