@@ -519,46 +519,21 @@ class Loader:
         position = {name: i for i, name in enumerate(self.names)}
         return [bool(merged[position[n]]) for n in self.held]
 
-    def _checked_where_it_lands(self, item: str, source: Source) -> bool:
-        """Whether the restore checks ``item`` where it lands: node memory's items checked after the copy, and
-        on a device the items of a rank file it reads there (beside the file's CRC-32: the copy to the device
-        checked too, where the file records the item's sum64)."""
-        if source.kind == "memory":
-            return source.checked_after_copy
-        return source.read_later and not self.summed_by_copy and is_sum64(source.item_checks.get(item))
-
     # ---- 5. decide -------------------------------------------------------------------------------------
     def _decide(self, target: int, plan: dict[str, Source], agreed: Agreement,
                 prepared: "Prepared | None" = None) -> RestorePlan:
-        """The ``RestorePlan`` of ``plan``: its local part (``prepared`` while the ranks voted, else made now)
-        and the PLT accounting the vote completed."""
+        """``plan``'s ``RestorePlan``: its local part (``prepared`` during the vote, else now) and the PLT."""
         p = prepared or self._prepare(plan)
         pec, report, tokens_at_target = account(self.ctx, target, agreed.state, agreed.accounted)
         return RestorePlan(target, plan[NON_EXPERT].described, p.versions, p.tensors, p.small, pec, tokens_at_target,
                            report, check_after_copy=p.after_copy, newest=agreed.newest, places=p.places, reads=p.reads)
 
     def _prepare(self, plan: dict[str, Source]) -> "Prepared":
-        """What deciding on ``plan`` takes of this rank alone: the tensors per slice (or the rank files to read
-        them from), the versions, what is checked where it lands, the small state."""
-        by_source: dict[int, tuple[Source, set[str]]] = {}
-        for name, item in self.ctx.slice_items.items():
-            by_source.setdefault(id(plan[item]), (plan[item], set()))[1].add(name)
-        tensors, places, reads = {}, {}, []
-        for source, names in by_source.values():
-            if source.read_later:
-                reads.append((source, names))
-                continue
-            tensors.update(source.tensors(names))
-            if self.summed_by_copy and source.kind == "memory" and source.checked_after_copy:
-                places.update(source.item_offsets(names))
-        versions = {item: source.items[item] for item, source in plan.items()}
-        after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
-                      if self._checked_where_it_lands(item, source)}
-        return Prepared(tensors, places, reads, versions, after_copy, SmallState.loads(plan[NON_EXPERT].header.small))
+        return prepare(plan, self.ctx.slice_items, self.summed_by_copy)
 
     def _prepare_meanwhile(self, plan: dict[str, Source], prepared: list) -> None:
-        """``_prepare`` while the ranks vote on ``plan``: kept in ``prepared`` if it worked (what fails is said
-        after the vote, by ``_decide`` preparing it again: a rank raising before the vote would hang the others)."""
+        """``_prepare`` while the ranks vote on ``plan``, kept in ``prepared`` if it worked (a failure is raised
+        after the vote, by ``_decide`` preparing anew: a rank raising before it would hang the others)."""
         with self.ctx.phases("deciding"):
             try:
                 prepared.append((plan, self._prepare(plan)))
@@ -566,3 +541,31 @@ class Loader:
                 pass
 
 
+def prepare(plan: dict[str, Source], slice_items: dict[str, str], summed_by_copy: bool) -> Prepared:
+    """What deciding on ``plan`` takes of this rank alone (``slice_items``: slice name -> its item): the tensors
+    per slice (or the rank files to read them from), the versions, what is checked where it lands, the small
+    state. ``summed_by_copy``: node memory's items are checked by the host copy that sums them (their places)."""
+    by_source: dict[int, tuple[Source, set[str]]] = {}
+    for name, item in slice_items.items():
+        by_source.setdefault(id(plan[item]), (plan[item], set()))[1].add(name)
+    tensors, places, reads = {}, {}, []
+    for source, names in by_source.values():
+        if source.read_later:
+            reads.append((source, names))
+            continue
+        tensors.update(source.tensors(names))
+        if summed_by_copy and source.kind == "memory" and source.checked_after_copy:
+            places.update(source.item_offsets(names))
+    versions = {item: source.items[item] for item, source in plan.items()}
+    after_copy = {item: (source.item_checks[item], source.where) for item, source in plan.items()
+                  if _checked_where_it_lands(item, source, summed_by_copy)}
+    return Prepared(tensors, places, reads, versions, after_copy, SmallState.loads(plan[NON_EXPERT].header.small))
+
+
+def _checked_where_it_lands(item: str, source: Source, summed_by_copy: bool) -> bool:
+    """Whether the restore checks ``item`` where it lands: node memory's items checked after the copy, and on a
+    device the items of a rank file it reads there (beside the file's CRC-32: the copy to the device checked too,
+    where the file records the item's sum64)."""
+    if source.kind == "memory":
+        return source.checked_after_copy
+    return source.read_later and not summed_by_copy and is_sum64(source.item_checks.get(item))
