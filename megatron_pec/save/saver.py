@@ -44,8 +44,8 @@ class Saver:
                     parts.adapter.small_state(scheduler, iteration, flops, rng_key_prefix, data_iterator)))
 
         # The small state is captured before the copies where this thread makes them itself (a host rank: they
-        # would leave its caches cold for it, 0.40 -> 0.30 ms), after they are enqueued where a device runs them
-        # (so that they start sooner).
+        # would leave its caches cold for it), after they are enqueued where a device runs them (so that they
+        # start sooner).
         copies_here = not parts.stager.asynchronous
         if copies_here:
             capture()
