@@ -111,6 +111,23 @@ def _read_file(path: str) -> int:
     return total
 
 
+def cold_read_floor(files: list[str] | None, rank: int) -> float | None:
+    """Seconds one reader (rank 0) takes to read ``files`` cold, start to end, one after another: the floor
+    of a restore that reads them. Every rank calls it (None on every rank without ``files``)."""
+    if not files:
+        return None
+    torch.distributed.barrier()
+    elapsed = 0.0
+    if rank == 0:
+        drop_file_cache(files)
+        t = time.perf_counter()
+        for path in files:
+            _read_file(path)
+        elapsed = time.perf_counter() - t
+        drop_file_cache(files)  # (the restore after it reads them cold too)
+    return broadcast_value(elapsed)
+
+
 def storage_floors(storage_dir: str, rank: int, world: int, shm_paths: list[str], reps: int = 3) -> dict:
     """Sequential write + fsync of the node's bytes (every rank's memcpy buffer) by one writer (rank 0),
     and by one writer per rank in parallel; then the read floor: rank 0 reads the file it wrote back

@@ -13,6 +13,8 @@ noted). A method exposes:
 * ``snapshot_bytes()``        - bytes this rank copied to node memory per save (None: no memory tier);
 * ``restore_memory()``        - restore the newest checkpoint from node memory (None if no such tier);
 * ``restore_storage()``       - restore the newest checkpoint from storage, page cache dropped first;
+* ``restored_files()``        - the files (the node's) that restore reads whole: a cold read of them is its
+                                floor (None: not known);
 * ``close()``.
 
 Every method checkpoints the same training state: the distributed optimizer's
@@ -113,6 +115,9 @@ class Method:
         return None
 
     def restore_memory(self):
+        return None
+
+    def restored_files(self) -> list[str] | None:
         return None
 
     def close(self):
@@ -251,6 +256,14 @@ class Pec(Method):
         t = time.perf_counter()
         self.engine.load(self.root, c.scheduler)
         return reduce_max(time.perf_counter() - t)
+
+    def restored_files(self):
+        """Every rank's file of the newest committed iteration, with all experts (with K < all the restore
+        also reads parts of older files: not a whole-file floor)."""
+        if self.persist_k is not None:
+            return None
+        newest = self.checkpoints.committed_iterations()[0]
+        return [self.checkpoints.rank_file(newest, r) for r in range(self.ctx.world)]
 
     def restore_storage(self):
         """A fresh engine whose node memory is empty (as after node loss) restores from storage;
@@ -392,6 +405,9 @@ class TorchDist(Method):
             if mine and os.path.isfile(os.path.join(d, name)):
                 total += os.path.getsize(os.path.join(d, name))
         return total
+
+    def restored_files(self):
+        return files_under(self._dir(self.last))
 
     def restore_storage(self):
         from megatron.core import dist_checkpointing
@@ -596,6 +612,9 @@ class Legacy(Method):
         d = self._dir(it)
         return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
 
+    def restored_files(self):
+        return files_under(os.path.dirname(self._dir(self.last)))  # (every expert-parallel rank's)
+
     def restore_storage(self):
         c = self.ctx
         d = self._dir(self.last)
@@ -747,6 +766,9 @@ class DLRover(Method):
         copy, sync = self._apply(state)
         self._phases = {"reading node memory": loaded, "copy": copy, "param sync": sync}
         return reduce_max(time.perf_counter() - t)
+
+    def restored_files(self):
+        return [os.path.join(self.root, str(self.last), f"rank_{r}.pt") for r in range(self.ctx.world)]
 
     def restore_storage(self):
         path = os.path.join(self.root, str(self.last), f"rank_{self.ctx.rank}.pt")

@@ -75,8 +75,9 @@ def breakdown_tables(run: dict) -> list[str]:
         ["restore"], lambda m: [_ms(m.get("restore_memory_s"))])
     out += _phase_table(
         ms, "restore_storage_phases_s", "Restore from storage by phase (ms; median over the restores, each the "
-        "slower rank's; each by a fresh engine after the files left the page cache):",
-        ["restore"], lambda m: [_ms(m.get("restore_storage_s"))])
+        "slower rank's; each by a fresh engine after the files left the page cache; floor: one reader's cold read "
+        "of the files it restores, right before each restore, median):",
+        ["restore", "floor"], lambda m: [_ms(m.get("restore_storage_s")), _ms(m.get("restore_storage_floor_s"))])
     out += _phase_table(
         ms, "agent_cpu_by_phase_s_per_save", "Persisting process (the node agent) CPU per checkpoint by phase (ms, "
         "both ranks' rank files; 'other' is its CPU time outside the phases: serving messages):",

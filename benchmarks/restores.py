@@ -10,10 +10,12 @@ import time
 
 from benchmarks.collective import gather_objects
 from benchmarks.common import median
+from benchmarks.floors import cold_read_floor
 
 # (a cold read's time varies by tens of ms on a shared disk: the median of several, every method alike;
 # and it takes 2-3x as long while the disk still flushes the method's own saves just before, which
-# would charge the methods that persisted the most bytes: each starts after a sync and a pause)
+# would charge the methods that persisted the most bytes: each starts after a sync and a pause. The disk's
+# own rate swings 2x within a minute here: each restore's floor is a cold read of its files right before it)
 STORAGE_SETTLE_S = 3.0
 
 
@@ -30,14 +32,18 @@ def measure_restores(ctx, method, memory_restores: int, storage_restores: int) -
     ctx.invalidate()
     os.sync()
     time.sleep(STORAGE_SETTLE_S)
-    storage, storage_phases = [], []
+    storage, storage_phases, floors = [], [], []
     for _ in range(storage_restores):
+        floors.append(cold_read_floor(method.restored_files(), ctx.rank))
         storage.append(method.restore_storage())
         storage_phases.append(slowest_phases(method.phases("storage restore")))
         ctx.invalidate()
     out["restore_storage_phases_s"] = median_phases(storage_phases)
     out["restore_storage_s_all"] = storage
     out["restore_storage_s"] = median(storage)
+    if floors and all(f is not None for f in floors):
+        out["restore_storage_floor_s_all"] = floors
+        out["restore_storage_floor_s"] = median(floors)
     return out
 
 

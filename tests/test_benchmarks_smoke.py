@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from benchmarks import checkpoint, collective, floors, gpu, methods, report, scheduled
+from benchmarks import collective, floors, gpu, methods, report, scheduled, targets
 from benchmarks.common import REPO
 from benchmarks.schedule import MEMORY, PERSIST, PERSIST_EVERY, Schedule, schedules
 from megatron_pec.testing import launch
@@ -36,6 +36,10 @@ def test_floors_and_report(one_rank_group, tmp_path):
         mc.pop("_map")
         os.rmdir(shm_dir)
     assert wf["write_MBps"] > 0 and wf["read_MBps"] > 0 and wf["write_bytes"] == 4 << 20
+    restored = tmp_path / "rank_0.bin"
+    restored.write_bytes(os.urandom(1 << 20))
+    assert floors.cold_read_floor([str(restored)], 0) > 0
+    assert floors.cold_read_floor(None, 0) is None  # (a method that does not say what it reads)
     fl = {**mc, **wf}
     method = {"family": "pec", "blocking_s_median": 0.002, "blocking_s_p90": 0.003, "bytes_per_rank": 4 << 20,
               "snapshot_bytes_per_rank": 4 << 20, "memcpy_floor_s": mc["memcpy_s"], "persist_MBps": 100.0,
@@ -53,7 +57,7 @@ def test_floors_and_report(one_rank_group, tmp_path):
     result = {"mode": "quick", "command": "test", "machine": {"cpu": "x"}, "runs": [run],
               "model": model, "floors": {"memcpy_s": fl["memcpy_s"], "write_MBps": fl["write_MBps"]},
               "methods": run["methods"]}
-    result["targets"] = checkpoint.targets(result)
+    result["targets"] = targets.evaluate(result)
     assert any("torch_dist sync is 25.0× slower" in t for t in result["targets"])
     for key in ("blocking_s_median", "blocking_s_p90", "bytes_per_rank", "persist_MBps", "restore_memory_s",
                 "restore_storage_s", "train_throughput_ratio"):
@@ -64,6 +68,18 @@ def test_floors_and_report(one_rank_group, tmp_path):
     assert "| megatron-pec K=all |" in text and "Targets" in text
     assert "| megatron-pec K=all | 2.0 | " in text and "| copy 1.5, agreement 0.4, metadata 0.1 |" in text
     assert "| megatron-pec K=all | 17.0 | checking and writing 12.0, carrying 4.0, other 1.0 |" in text
+
+
+def test_issue_41s_targets_in_one_line():
+    ours = {"save_phases_s": {"copy": 0.008, "metadata": 0.0003, "slot": 0.0001}, "restore_memory_s": 0.020,
+            "restore_storage_s": 0.090, "restore_storage_floor_s": 0.060}
+    dlrover = {"restore_memory_s": 0.025, "restore_storage_s": 0.100}
+    line, = targets.host_path_and_restore_targets({"megatron-pec K=all": ours, "DLRover flash ckpt": dlrover})
+    assert line.startswith("megatron-pec K=all, issue 41's CPU targets: 3 of 4 met in this run: "), line
+    assert "the save besides its copy 0.40 ms (≤ 0.5 ms): met" in line
+    assert "restore from memory 20.0 ms, DLRover 25.0 ms (no slower): met" in line
+    assert "restore from storage 1.50× the cold read of its files" in line and "60.0 ms median (≤ 1.3×): NOT met" in line
+    assert targets.host_path_and_restore_targets({}) == []
 
 
 def test_phases_of_several_saves_and_the_agents_ledger():
