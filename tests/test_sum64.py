@@ -119,6 +119,23 @@ def test_a_copy_is_exact_and_sums_what_it_copied(summed_by, start, length):
     assert Sum64().update(bytes(start)).copy(target, source).hexdigest() == reference(bytes(start) + bytes(source))
 
 
+@pytest.mark.parametrize("words", [1 << 17, (1 << 17) + 7, 200_003])  # (1 MiB: where the copy streams)
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_a_large_copy_streams_its_stores_and_still_lands_every_byte_with_its_sums(words, misaligned):
+    """A copy of 1 MiB or more stores past the caches, from a destination 16-byte aligned (after one word where
+    it is 8 bytes off): the bytes land unchanged, nothing beyond them is written, the sums are the definition's."""
+    if sum64._kernel is None:
+        pytest.skip("the C kernel is not built here")
+    data = numpy.random.default_rng(words).integers(0, 256, 8 * words, dtype=numpy.uint8)
+    buffer = numpy.zeros(8 * words + 64, dtype=numpy.uint8)
+    start = -buffer.ctypes.data % 16 + (8 if misaligned else 0)
+    target = buffer[start:start + 8 * words]
+    a, b = sum64._kernel.copy_words(target, data)
+    assert bytes(target) == bytes(data)
+    assert not buffer[:start].any() and not buffer[start + 8 * words:].any()
+    assert digest(a, b) == reference(bytes(data)) and (a, b) == sum64._kernel.sum_words(data)
+
+
 def test_the_kernel_refuses_what_is_not_whole_words_of_one_length():
     if sum64._kernel is None:
         pytest.skip("the C kernel is not built here")
