@@ -11,9 +11,7 @@
 /* A copy this large streams past the caches (as glibc's memcpy does): stores that allocate cache lines read
    each destination line first, a third more memory traffic, which is what ranks copying at once share. */
 #define STREAM_BYTES (1 << 20)
-#endif
 
-#if defined(__SSE2__)
 /* sums() copying with streaming stores: one word first where the destination is not 16-byte aligned, then
    steps of LANES words in vector registers, lane l holding words k = LANES * i + l of what follows the first
    word, then the words left. */
