@@ -6,30 +6,39 @@
 #include <string.h>
 
 #define LANES 8 /* words per step: the lanes' sums are independent, so the compiler vectorises them */
+
+/* A and B of m steps from the lanes' sums (per lane l, words k = LANES * i + l: a[l] = sum_i x, c[l] the sum of
+   a[l] after each step, so c[l] = sum_i (m - i) x and sum_i i x = m a[l] - c[l]). */
+static void lanes_into(const uint64_t *a, const uint64_t *c, size_t m, uint64_t *out_a, uint64_t *out_b)
+{
+    uint64_t A = 0, B = 0;
+    for (int l = 0; l < LANES; l++) {
+        A += a[l];
+        B += (uint64_t)LANES * ((uint64_t)m * a[l] - c[l]) + (uint64_t)(l + 1) * a[l];
+    }
+    *out_a = A;
+    *out_b = B;
+}
 #if defined(__SSE2__)
 #include <emmintrin.h>
 /* A copy this large streams past the caches (as glibc's memcpy does): stores that allocate cache lines read
    each destination line first, a third more memory traffic, which is what ranks copying at once share. */
 #define STREAM_BYTES (1 << 20)
 
-/* sums() copying with streaming stores: one word first where the destination is not 16-byte aligned, then
-   steps of LANES words in vector registers, lane l holding words k = LANES * i + l of what follows the first
-   word, then the words left. */
+static void sums(const unsigned char *src, unsigned char *dst, size_t n, uint64_t *out_a, uint64_t *out_b);
+
+/* sums() copying with streaming stores: the words before the destination is 16-byte aligned and those after
+   the last whole step by sums(), the steps in between in vector registers (lane l: words LANES * i + l of
+   the steps); each part's B counted from its own first word, moved to the buffer's (B + first * A). */
 static void streamed_sums(const unsigned char *src, unsigned char *dst, size_t n, uint64_t *out_a,
                           uint64_t *out_b)
 {
-    uint64_t A = 0, B = 0;
     size_t head = ((uintptr_t)dst % 16) ? 1 : 0;
-    if (head) {
-        uint64_t x;
-        memcpy(&x, src, 8);
-        memcpy(dst, &x, 8);
-        A = x;
-        B = x;
-    }
+    size_t m = (n - head) / LANES, tail = head + LANES * m;
+    uint64_t A, B, part_a, part_b;
+    sums(src, dst, head, &A, &B);
     const unsigned char *s = src + 8 * head;
     unsigned char *d = dst + 8 * head;
-    size_t m = (n - head) / LANES;
     __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     for (size_t i = 0; i < m; i++) {
         const __m128i *from = (const __m128i *)(s + 8 * LANES * i);
@@ -51,28 +60,18 @@ static void streamed_sums(const unsigned char *src, unsigned char *dst, size_t n
     _mm_storeu_si128((__m128i *)(a + 4), a2); _mm_storeu_si128((__m128i *)(a + 6), a3);
     _mm_storeu_si128((__m128i *)c, c0); _mm_storeu_si128((__m128i *)(c + 2), c1);
     _mm_storeu_si128((__m128i *)(c + 4), c2); _mm_storeu_si128((__m128i *)(c + 6), c3);
-    /* what follows the head: its own sums, then counted from word head (B + head * A) */
-    uint64_t tail_a = 0, tail_b = 0;
-    for (int l = 0; l < LANES; l++) {
-        tail_a += a[l];
-        tail_b += (uint64_t)LANES * ((uint64_t)m * a[l] - c[l]) + (uint64_t)(l + 1) * a[l];
-    }
-    for (size_t k = LANES * m; k < n - head; k++) {
-        uint64_t x;
-        memcpy(&x, s + 8 * k, 8);
-        memcpy(d + 8 * k, &x, 8);
-        tail_a += x;
-        tail_b += (uint64_t)(k + 1) * x;
-    }
-    *out_a = A + tail_a;
-    *out_b = B + tail_b + (uint64_t)head * tail_a;
+    lanes_into(a, c, m, &part_a, &part_b);
+    A += part_a;
+    B += part_b + (uint64_t)head * part_a;
+    sums(src + 8 * tail, dst + 8 * tail, n - tail, &part_a, &part_b);
+    *out_a = A + part_a;
+    *out_b = B + part_b + (uint64_t)tail * part_a;
 }
 #endif
 
 static void sums(const unsigned char *src, unsigned char *dst, size_t n, uint64_t *out_a, uint64_t *out_b)
 {
-    /* Per lane l (words k = LANES * i + l): a[l] = sum_i x, c[l] += a[l] after each step, so after m steps
-       c[l] = sum_i (m - i) x and sum_i i x = m a[l] - c[l]. */
+    /* (per lane l, words k = LANES * i + l: a[l] += x, then c[l] += a[l], each step; ``lanes_into``) */
 #if defined(__SSE2__)
     if (dst && n * 8 >= STREAM_BYTES && (uintptr_t)dst % 8 == 0) {
         streamed_sums(src, dst, n, out_a, out_b);
@@ -95,11 +94,8 @@ static void sums(const unsigned char *src, unsigned char *dst, size_t n, uint64_
             for (int l = 0; l < LANES; l++) { a[l] += x[l]; c[l] += a[l]; }
         }
     }
-    uint64_t A = 0, B = 0;
-    for (int l = 0; l < LANES; l++) {
-        A += a[l];
-        B += (uint64_t)LANES * ((uint64_t)m * a[l] - c[l]) + (uint64_t)(l + 1) * a[l];
-    }
+    uint64_t A, B;
+    lanes_into(a, c, m, &A, &B);
     for (size_t k = LANES * m; k < n; k++) {
         uint64_t x;
         memcpy(&x, src + 8 * k, 8);
