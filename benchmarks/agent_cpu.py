@@ -26,8 +26,8 @@ import uuid
 import torch
 
 from benchmarks.common import RESULTS, machine
-from megatron_pec.memory.slots import node_dir
 from megatron_pec.format.stformat import layout
+from megatron_pec.memory.slots import node_dir
 from megatron_pec.testing.full_node import agent_ledger
 from megatron_pec.testing.scripted import ScriptedTrainer
 

@@ -67,7 +67,7 @@ def machine() -> dict:
 
         info["packages"] = {p: md.version(p) for p in ("torch", "megatron-core", "dlrover", "nvidia-resiliency-ext")
                             if _has_dist(md, p)}
-    except Exception:  # noqa: BLE001 - informational only
+    except Exception:  # informational only
         pass
     return info
 
@@ -86,7 +86,7 @@ def _fs_of(path: str) -> str:
         out = subprocess.run(["df", "-hT", path], capture_output=True, text=True, timeout=10).stdout.splitlines()
         fields = out[-1].split()
         return f"{fields[1]} on {fields[0]} ({fields[2]} total)"
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "unknown"
 
 

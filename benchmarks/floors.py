@@ -165,7 +165,7 @@ def storage_floors(storage_dir: str, rank: int, world: int, shm_paths: list[str]
         mine.close()
         os.unlink(target)
         parallel.append(total / elapsed / 1e6)
-    middle = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+    middle = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0
     return {"write_MBps": broadcast_value(middle(single)), "write_MBps_parallel": middle(parallel),
             "read_MBps": broadcast_value(middle(read)), "write_bytes": total,
             "write_reps_MBps": single if rank == 0 else None, "read_reps_MBps": read if rank == 0 else None}

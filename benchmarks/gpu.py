@@ -357,7 +357,7 @@ def main(argv=None) -> int:
 
 
 def markdown(out: dict, command: str) -> str:
-    mb = lambda v: f"{v / 1e6:.0f}" if v is not None else "-"  # noqa: E731
+    mb = lambda v: f"{v / 1e6:.0f}" if v is not None else "-"
     lines = [f"# Every method on {out['device']}, one schedule", "",
              f"`{command}` ({out['wall_s']:.0f} s); model `{' '.join(out['model'])}`. Methods with a node-memory "
              f"tier checkpoint {out['schedule']['label']}; `torch_dist` async (storage only) every iteration and "
@@ -445,7 +445,7 @@ def enqueue_markdown(measured: dict | None) -> list[str]:
     """The copy enqueue's table (``copy_enqueue.py``), or nothing where it was not measured."""
     if not measured:
         return []
-    us = lambda v: f"{v * 1e6:.0f}" if v is not None else "-"  # noqa: E731
+    us = lambda v: f"{v * 1e6:.0f}" if v is not None else "-"
     budget = measured["budget_s"] * 1e3
     lines = ["", f"## Enqueueing a snapshot's copies against their number ({measured['device']})", "",
              f"Timed: {measured['timed']}; `torch._foreach_copy_(dst, src, non_blocking=True)`, one pair per run, "

@@ -164,8 +164,8 @@ class Pec(Method):
         return a
 
     def setup(self):
-        from megatron_pec.store.checkpoint_dir import CheckpointDir
         from megatron_pec.engine import Engine
+        from megatron_pec.store.checkpoint_dir import CheckpointDir
         from megatron_pec.store.storage import open_storage
 
         c = self.ctx
@@ -545,7 +545,7 @@ def async_strategy() -> str | None:
     if "async_strategy" not in inspect.signature(dist_checkpointing.save).parameters:
         return None
     try:
-        import nvidia_resiliency_ext.checkpointing.async_ckpt.core  # noqa: F401
+        import nvidia_resiliency_ext.checkpointing.async_ckpt.core  # noqa: F401 (imported only to see that it is installed)
     except ImportError:
         return "mcore"
     return "nvrx"
@@ -784,9 +784,9 @@ class DLRover(Method):
             # DLRover leaves its segment in /dev/shm when its trainer ends (as large as the state: 1.8 GB
             # per rank on the GPU model): removed here, after the restores that read it
             self.ckpt._engine._shm_handler.unlink()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         try:
             self.ckpt._engine.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass

@@ -169,8 +169,8 @@ def whole_persists(save: Path) -> dict[int, bool]:
     """Iteration -> whether its committed persistent save (every ``--save-interval``) holds every expert at
     that iteration (``inspect``)."""
     from megatron_pec.store.checkpoint_dir import CheckpointDir
-    from megatron_pec.tools.inspect_checkpoint import inspect
     from megatron_pec.store.storage import PosixStorage
+    from megatron_pec.tools.inspect_checkpoint import inspect
 
     interval = int(SCHEDULE[SCHEDULE.index("--save-interval") + 1])
     report = inspect(CheckpointDir(str(save), PosixStorage()))

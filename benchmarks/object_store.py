@@ -134,9 +134,9 @@ def _rounds(storage: MscStorage, state: memoryview, parts: list[bytes], rounds: 
         seconds["put floor"].append(timed(lambda: put_floor(s3, bucket, floor_key, parts)))
         seconds["persist (MscStorage.write)"].append(timed(lambda: persist(storage, url, state)))
         got = {}
-        seconds["get floor"].append(timed(lambda: got.update(floor=get_floor(s3, bucket, floor_key, size))))
+        seconds["get floor"].append(timed(lambda got=got: got.update(floor=get_floor(s3, bucket, floor_key, size))))
         seconds["restore (MscStorage.read_checked)"].append(
-            timed(lambda: got.update(restore=storage.read_checked(url))))
+            timed(lambda got=got: got.update(restore=storage.read_checked(url))))
         assert bytes(got["floor"]) == bytes(state) and got["restore"][1] == expected, "bytes read back differ"
         s3.delete_object(Bucket=bucket, Key=floor_key)
         storage.delete(url)

@@ -46,6 +46,7 @@ def markdown(paired: dict | None, label: str) -> list[str]:
     return [f"* {label}, paired within one run (a snapshot every {paired['every']}th iteration, node memory only: its "
             "blocking plus the step after it, against the steps on either side of that one): "
             f"{paired['cost_s_median'] * 1e3:.1f} ms a snapshot, {paired['overhead'] * 100:+.1f}% of the clean step "
-            f"({paired['clean_step_s_median'] * 1e3:.1f} ms; median of {paired['snapshots']} snapshots): the overhead a "
-            "snapshot every iteration adds, without the drift between runs (work spread over later steps, the node agent's, "
+            f"({paired['clean_step_s_median'] * 1e3:.1f} ms; median of {paired['snapshots']} snapshots): "
+            "the overhead a snapshot every iteration adds, without the drift between runs "
+            "(work spread over later steps, the node agent's, "
             "is in the clean steps too: a lower bound where the host's cores are short)."]

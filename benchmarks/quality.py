@@ -280,7 +280,7 @@ class Runner:
 
 def _restored(r: dict) -> str:
     """One entry per restart: iteration and source (m memory, s storage, p0/p1 peer memory of node 0/1)."""
-    short = lambda source: "p" + source[-2] if source.startswith("peer") else source[0]  # noqa: E731
+    short = lambda source: "p" + source[-2] if source.startswith("peer") else source[0]
     step = r.get("restores_per_restart", 2)
     return ", ".join(f"{x['iteration']} ({'+'.join(short(s) for s in x['source'].split('+'))})"
                      for x in r["restores"][::step]) or "–"

@@ -41,7 +41,8 @@ def method_table(run: dict) -> str:
             f"| {name} | {_ms(m.get('blocking_s_median'))} / {_ms(m.get('blocking_s_p90'))} / "
             f"{_ms(min(m['blocking_s_all']) if m.get('blocking_s_all') else None)} | {_f(over, '{:.1f}×')} "
             f"| {_f(speed, '{:.1f}×')} | {_mb(m.get('bytes_per_rank'))} | {_mb(m.get('snapshot_bytes_per_rank'))} "
-            f"| {_f(m.get('persist_MBps'), '{:.0f}')} ({_f(pct, '{:.0f}%')}) | {_f(m.get('restore_memory_s'), '{:.3f}')} "
+            f"| {_f(m.get('persist_MBps'), '{:.0f}')} ({_f(pct, '{:.0f}%')}) "
+            f"| {_f(m.get('restore_memory_s'), '{:.3f}')} "
             f"({_f(m['restore_memory_s'] / restore_floor(fl) if m.get('restore_memory_s') else None, '{:.1f}×')}) "
             f"| {_f(m.get('restore_storage_s'), '{:.3f}')} | {_f(m.get('train_throughput_ratio'), '{:.2f}')} "
             f"| {_f(m.get('agent_cpu_s_per_GB'), '{:.2f}')} | {'yes' if m.get('fsync') else 'no'} |")
@@ -174,8 +175,10 @@ def markdown(result: dict) -> str:
             "five, each after dropping the page cache of the files (megatron-pec: each by a fresh engine "
             "without node memory), started after a sync and a 3 s pause (the disk no longer flushing the "
             "method's own saves); restore from memory is the median of seven restores into the running job, its "
-            "floor one memcpy of the optimizer state out of tmpfs. Throughput = iterations/s with a checkpoint every iteration "
-            "÷ without (the faster of two runs without checkpoints, right before and right after the method's). Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
+            "floor one memcpy of the optimizer state out of tmpfs. "
+            "Throughput = iterations/s with a checkpoint every iteration "
+            "÷ without (the faster of two runs without checkpoints, right before and right after the method's). "
+            "Persisting process CPU = the node agent's CPU seconds during the measured saves per GB the "
             "node persisted (carrying experts forward included).", ""]
     return "\n".join(out)
 

@@ -52,7 +52,7 @@ def run_schedule(ctx, b, build_methods, log) -> dict:
             try:
                 method.close()
                 method.cleanup()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
     return {"floors": fl, "optimizer_state_bytes_per_rank": state, "persist_every": PERSIST_EVERY,
             "copy_enqueue": enqueue, "rows": rows, "errors": errors}

@@ -30,7 +30,8 @@ def evaluate(result: dict) -> list[str]:
     if full and full.get("persist_MBps"):
         pct = full["persist_MBps"] / fl["write_MBps"]
         out.append(f"megatron-pec K=all persist {full['persist_MBps']:.0f} MB/s = {pct:.0%} of the one-writer "
-                   f"write+fsync floor {fl['write_MBps']:.0f} MB/s (target ≥ 80%: {'met' if pct >= 0.8 else 'NOT met'})")
+                   f"write+fsync floor {fl['write_MBps']:.0f} MB/s "
+                   f"(target ≥ 80%: {'met' if pct >= 0.8 else 'NOT met'})")
     eight = None
     for p in (result.get("scaling") or {}).get("points", []):
         if p["num_experts"] == 8:
@@ -39,11 +40,13 @@ def evaluate(result: dict) -> list[str]:
                        f"{p['full']['bytes_per_rank'] / 1e6:.1f} MB/rank full = {eight:.0%} smaller "
                        f"(target ≥ 70%: {'met' if eight >= 0.7 else 'NOT met'})")
     for r in result["runs"]:
-        if r["model"]["num_experts"] == 8 and "megatron-pec K=1" in r["methods"] and "megatron-pec K=all" in r["methods"]:
-            k1, fa = r["methods"]["megatron-pec K=1"]["bytes_per_rank"], r["methods"]["megatron-pec K=all"]["bytes_per_rank"]
+        methods = r["methods"]
+        if r["model"]["num_experts"] == 8 and "megatron-pec K=1" in methods and "megatron-pec K=all" in methods:
+            k1, fa = methods["megatron-pec K=1"]["bytes_per_rank"], methods["megatron-pec K=all"]["bytes_per_rank"]
             red = 1 - k1 / fa
             out.append(f"8 experts, hidden {r['model']['hidden_size']}: K=1 persists {k1 / 1e6:.1f} MB/rank vs "
-                       f"{fa / 1e6:.1f} MB/rank full = {red:.0%} smaller (target ≥ 70%: {'met' if red >= 0.7 else 'NOT met'})")
+                       f"{fa / 1e6:.1f} MB/rank full = {red:.0%} smaller "
+                       f"(target ≥ 70%: {'met' if red >= 0.7 else 'NOT met'})")
     return out
 
 
@@ -98,7 +101,8 @@ def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
             text += f" [save blocks {one['blocking_s_median'] * 1000:.1f} ms: {report.phase_list(one['save_phases_s'])}"
             per = one.get("agent_cpu_by_phase_s_per_save")
             if per:
-                text += f"; the node agent's CPU per checkpoint {sum(per.values()) * 1000:.0f} ms: {report.phase_list(per)}"
+                text += (f"; the node agent's CPU per checkpoint {sum(per.values()) * 1000:.0f} ms: "
+                         f"{report.phase_list(per)}")
             text += "]"
         out.append(text)
     return out

@@ -24,12 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "gpt_moe"))
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after the set-up above)
 
-from benchmarks import floors  # noqa: E402
-from benchmarks.collective import gather_objects, reduce_max  # noqa: E402
-from benchmarks.common import SHM_ROOT, STORAGE_ROOT, loadavg, median, p90  # noqa: E402
-from benchmarks.restores import measure_restores, median_phases, slowest_phases  # noqa: E402,F401
+from benchmarks import floors  # noqa: E402 (after the set-up above)
+from benchmarks.collective import gather_objects, reduce_max  # noqa: E402 (after the set-up above)
+from benchmarks.common import SHM_ROOT, STORAGE_ROOT, loadavg, median, p90  # noqa: E402 (after the set-up above)
+from benchmarks.restores import measure_restores, median_phases, slowest_phases  # noqa: E402,F401 (after sys.path is set; imported for the workers)
 
 MEMORY_RESTORES = 7  # per method, the median reported (a restore is ~20 ms: scheduling noise matters)
 STORAGE_RESTORES = 5  # per method; each reads its newest checkpoint cold
@@ -44,9 +44,10 @@ class Ctx:
     """The training job every method checkpoints."""
 
     def __init__(self, bench, model_argv):
-        import megatron_pec
         import pretrain_gpt_moe as ex
         from byte_data import default_data_prefix, ensure_stdlib_dataset
+
+        import megatron_pec
 
         self.ex, self.bench = ex, bench
         self.args = ex.parse_args(model_argv)
@@ -65,9 +66,8 @@ class Ctx:
         self.build()
 
     def build(self):
-        from megatron.core import parallel_state
-
         from byte_data import batches, build_datasets
+        from megatron.core import parallel_state
 
         a = self.args
         self.model, self.optimizer, self.scheduler = self.ex.setup_model_and_optimizer(a)
@@ -240,7 +240,7 @@ def build_methods(ctx: Ctx, names: list[str], wait_for_slot: bool = True):
     snapshot that finds no free region instead of waiting for one."""
     from benchmarks import methods as M
 
-    root = lambda tag: os.path.join(ctx.storage_dir, tag)  # noqa: E731
+    root = lambda tag: os.path.join(ctx.storage_dir, tag)
     table = {
         "pec_all": lambda: M.Pec(ctx, root("pec_all"), None, None, "all", wait_for_slot=wait_for_slot),
         "pec_4": lambda: M.Pec(ctx, root("pec_4"), 4, 4, "k4"),
@@ -304,7 +304,7 @@ def run_main(ctx: Ctx, b) -> dict:
             try:
                 method.close()
                 method.cleanup()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
     base2 = ctx.timed_train(b.iters)
     return {"model": model, "floors": fl, "methods": results, "errors": errors,
@@ -329,7 +329,8 @@ def run_scaling(ctx: Ctx, b) -> dict:
         state = max(gather_objects(ctx.state_bytes()))
         point = {"num_experts": e, "optimizer_state_bytes_per_rank": state, "step_s": base}
         for label, k in (("full", None), ("K=1", 1)):
-            m = M.Pec(ctx, os.path.join(ctx.storage_dir, f"scal_e{e}_{label}"), k, k, f"e{e}{'f' if k is None else 'k1'}")
+            name = f"e{e}{'f' if k is None else 'k1'}"
+            m = M.Pec(ctx, os.path.join(ctx.storage_dir, f"scal_e{e}_{label}"), k, k, name)
             m.setup()
             blocking, persist, nb = [], [], []
             for _ in range(b.saves):

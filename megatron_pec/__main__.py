@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.format.checkpoint_paths import storage_spec_for
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import open_storage
 
 

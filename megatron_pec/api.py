@@ -16,8 +16,8 @@ import sys
 from megatron_pec.common import log
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.config import this_launch
-from megatron_pec.integrity import run_sums
 from megatron_pec.format.checkpoint_paths import absolute
+from megatron_pec.integrity import run_sums
 
 _fallback_args = None
 _engine = None
@@ -238,9 +238,9 @@ def plt_so_far() -> float:
 
 
 def node_memory() -> dict | None:
-    """This rank's node memory as planned at start-up (``budget.MemoryPlan``): bytes of its own files and of
+    """This rank's node memory as planned at start-up (``budget.MemorySizing``): bytes of its own files and of
     its share of the node's replicas, its state, and the snapshot K they hold; None before the engine."""
-    plan = _engine.memory_plan if _engine is not None else None
+    plan = _engine.memory_sizing if _engine is not None else None
     if plan is None:
         return None
     return {"own_bytes": plan.own, "replica_bytes": plan.replica_share, "state_bytes": plan.state,

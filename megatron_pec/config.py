@@ -114,7 +114,7 @@ def _add_replicas_storage_and_agent(g) -> None:
 def megatron_flag_notes(args) -> list[str]:
     """One line per Megatron checkpoint flag megatron-pec does not follow as Megatron would, and why
     (logged as warnings once when the engine starts). Flags at their defaults say nothing."""
-    get = lambda name: getattr(args, name, None)  # noqa: E731
+    get = lambda name: getattr(args, name, None)
     notes = []
     if get("no_save_optim"):
         notes.append("--no-save-optim is ignored: megatron-pec always saves the optimizer state (a restore without "
@@ -281,7 +281,7 @@ class PecConfig:
         ``env``: the process environment (``os.environ`` unless given)."""
         env = os.environ if env is None else env
         defaults = vars(add_pec_args(argparse.ArgumentParser()).parse_args([]))
-        get = lambda name: getattr(args, name, defaults.get(name))  # noqa: E731
+        get = lambda name: getattr(args, name, defaults.get(name))
         launch = Launch.from_environment(env)
         job_id = get("pec_job_id") or default_job_id(getattr(args, "save", None) or getattr(args, "load", None),
                                                      launch.run_id)

@@ -19,27 +19,27 @@ from dataclasses import replace
 
 import torch
 
-from megatron_pec.memory import budget
-from megatron_pec.common import log
-from megatron_pec.save import memory_plan, rank_layout
 from megatron_pec.agent.client import AgentUnavailable, check_socket_path
-from megatron_pec.agent.session import AgentSession
-from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
+from megatron_pec.agent.link import AgentLink
+from megatron_pec.common import log
 from megatron_pec.common.errors import CheckpointError, StorageUnreachable
 from megatron_pec.common.gcpause import without_gc
+from megatron_pec.common.phases import Phases, traced
+from megatron_pec.config import PecConfig, PecConfigError, megatron_flag_notes
+from megatron_pec.format.stformat import layout as tensor_layout
+from megatron_pec.integrity.run_sums import kernel_load
 from megatron_pec.job_facts import JobFacts
-from megatron_pec.memory.layout import MemoryLayout
+from megatron_pec.memory import budget
+from megatron_pec.memory.slot_map import SlotMap
+from megatron_pec.memory.slots import SlotFiles, SlotSpaceError
 from megatron_pec.restore.restore import Restore, RestoreParts
+from megatron_pec.save import memory_sizing, rank_layout
 from megatron_pec.save.pec_book import PecBook
 from megatron_pec.save.save import SaveParts
-from megatron_pec.save.saver import Saver
-from megatron_pec.common.phases import Phases, traced
-from megatron_pec.integrity.run_sums import kernel_load
 from megatron_pec.save.save_history import SaveHistory
-from megatron_pec.memory.slots import SlotFiles, SlotSpaceError
+from megatron_pec.save.saver import Saver
 from megatron_pec.save.stager import Stager
-from megatron_pec.format.stformat import layout as tensor_layout
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import Storage
 
 
@@ -66,11 +66,11 @@ class Engine:
         self.book = PecBook(self.config, self.job)
         items = list(dict.fromkeys(s.item for s in self.adapter.slot_slices))  # (slot order)
         hello = self.job.hello(self.config, storage.spec)  # the agent rebuilds the job's storage from it
-        self.session = AgentSession(self.job.node_dir, self.rank, self.job.node_rank, hello,
-                                    items, idle_timeout=self.config.agent_idle_timeout,
+        self.session = AgentLink(self.job.node_dir, self.rank, self.job.node_rank, hello,
+                                 items, idle_timeout=self.config.agent_idle_timeout,
                                     keep_shm=self.config.keep_shm, wait_for_slot=self.config.wait_for_slot)
         self.files: SlotFiles | None = None
-        self.memory_plan: budget.MemoryPlan | None = None
+        self.memory_sizing: budget.MemorySizing | None = None
         self.snapshot_need = 0  # under a budget: the experts one snapshot at its implied K writes
         self.stager: Stager | None = None
         self.saver: Saver | None = None  # (with --save: built once node memory is set up)
@@ -100,10 +100,10 @@ class Engine:
         kernel = kernel_load(torch.cuda.current_device()) if torch.cuda.is_available() else None
         entries = tensor_layout([(s.name, s.dtype, s.numel) for s in self.adapter.slot_slices])
         # (several nodes, no replicas: the agent keeps the newest committed dense state for survivors)
-        layout = MemoryLayout.of(entries, 0, homes=3 if self.job.num_nodes > 1 and not self.job.replicas else 2)
-        reserve = memory_plan.header_reserve(self.job, self.adapter.small_state_bound())
+        layout = SlotMap.of(entries, 0, homes=3 if self.job.num_nodes > 1 and not self.job.replicas else 2)
+        reserve = memory_sizing.header_reserve(self.job, self.adapter.small_state_bound())
         asked = self.book.state.snapshot.k if self.job.expert_layout else 1
-        plan, error = memory_plan.plan(self.job, self.config, self.adapter.collectives, layout, asked,
+        plan, error = memory_sizing.plan(self.job, self.config, self.adapter.collectives, layout, asked,
                                      self.adapter.ep_rank, reserve)
         self.adapter.collectives.raise_if_any(error)
         # Every rank takes the same snapshot K (the PEC bookkeeping is identical everywhere): the least any
@@ -124,8 +124,8 @@ class Engine:
             check_socket_path(self.job.node_dir)
             self.files = SlotFiles(self.job.node_dir, self.rank, replace(layout, regions=plan.regions),
                                    self.job.local_world_size, plan.replica_share, reserve=reserve)
-            self.memory_plan = replace(plan, regions=self.files.layout.regions)
-            memory_plan.report(self.memory_plan, self.job, torch.cuda.is_available())
+            self.memory_sizing = replace(plan, regions=self.files.layout.regions)
+            memory_sizing.report(self.memory_sizing, self.job, torch.cuda.is_available())
             self.session.use_pool(self.files.layout.regions, self.files.layout.homes)
             self.stager = Stager(self.files, self.adapter.slot_slices, self.rank, kernel=kernel,
                                  kernel_copies=False if self.config.copy_engine else None,

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_pec.common import log
-from megatron_pec.pec import policy
 from megatron_pec.config import PecConfig
-from megatron_pec.pec.expert_values import HeldExperts
+from megatron_pec.format.checkpoint_paths import absolute
 from megatron_pec.format.item_names import ExpertId, ExpertOrder, item_name
 from megatron_pec.format.protocol import Hello, JobInfo, RankLayout
 from megatron_pec.memory.slots import node_dir
-from megatron_pec.format.checkpoint_paths import absolute
+from megatron_pec.pec import policy
+from megatron_pec.pec.expert_values import HeldExperts
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,7 +32,7 @@ class JobFacts:
     fingerprint: str                   # one configuration id for the whole job
     session: str                       # this launch, the same on every rank (names its saves' files)
     layout: RankLayout                 # where this rank's slices lie in the global parameters
-    expert_layout: policy.ExpertLayout | None  # this stage's MoE layers (None: no MoE here)
+    expert_layout: policy.ExpertGrid | None  # this stage's MoE layers (None: no MoE here)
     all_experts: tuple[ExpertId, ...]  # every expert of the model: the index space of cross-rank vectors
     held_names: dict[ExpertId, str]    # the experts this rank holds a shard of, their item names
     held: HeldExperts | None           # ... and their positions in ``order`` (what a header packs)
@@ -95,14 +95,14 @@ class JobFacts:
                    save_root=absolute(config.save) if config.save else "")
 
 
-def _expert_layout(adapter) -> policy.ExpertLayout | None:
+def _expert_layout(adapter) -> policy.ExpertGrid | None:
     # Same number on every rank: the largest expert footprint of any rank (all experts are equal-sized).
     # Every rank joins the reduction, also a pipeline stage without MoE layers.
     (expert_bytes,) = adapter.collectives.reduce([adapter.expert_bytes()], "max")
     if not adapter.moe_layers:
         return None
-    return policy.ExpertLayout(layers=tuple(adapter.moe_layers), num_experts=adapter.num_experts,
-                               ep_size=adapter.ep_size, expert_bytes=max(1, expert_bytes))
+    return policy.ExpertGrid(layers=tuple(adapter.moe_layers), num_experts=adapter.num_experts,
+                             ep_size=adapter.ep_size, expert_bytes=max(1, expert_bytes))
 
 
 def _all_experts(adapter) -> list[ExpertId]:

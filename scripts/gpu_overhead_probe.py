@@ -12,19 +12,20 @@ Its output on an H200: benchmarks/results/gpu_session_h200.log
 """
 import os
 import re
-import subprocess
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import gpu
 from megatron_pec.testing import launch
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_trace_summary  # noqa: E402
 
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_trace_summary  # noqa: E402 (after the set-up above)
+import torch  # noqa: E402 (after the set-up above)
 
 model = gpu.GPU_MODEL if torch.cuda.is_available() else gpu.CPU_MODEL  # (CPU: a dry run of this script)
 iters = int(os.environ.get("PROBE_ITERS", "30"))
@@ -44,7 +45,8 @@ profile = ["--profile", "--profile-step-start", "20", "--profile-step-end", "22"
 
 
 def traced(name, extra, env_extra=None):
-    r = gpu.example(name, workdir, model, iters, [*extra, *profile, "--tensorboard-dir", str(workdir / f"trace_{name}")],
+    trace = ["--tensorboard-dir", str(workdir / f"trace_{name}")]
+    r = gpu.example(name, workdir, model, iters, [*extra, *profile, *trace],
                     dict(env, **(env_extra or {})))
     trace = workdir / f"trace_{name}" / "trace_rank0.json.gz"
     if trace.exists():
@@ -83,11 +85,13 @@ if "restore" not in parts:
 ck = ["--save", str(workdir / "ck_k"), "--load", str(workdir / "ck_k"), "--pec-shm-dir", str(shm),
       "--pec-job-id", "killed", *gpu.SCHEDULE.megatron_flags()]
 gpu.example("killed", workdir, model, iters, ck, dict(env, MEGATRON_PEC_FAULT=f"optimizer_step=kill@{gpu.KILL_AT}:0"))
-for attempt, fault in (("resumed", {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{gpu.KILL_AT + 3}:0"}), ("resumed2", {})):
+for attempt, fault in (("resumed", {"MEGATRON_PEC_FAULT": f"optimizer_step=kill@{gpu.KILL_AT + 3}:0"}),
+                       ("resumed2", {})):
     r = gpu.example(attempt, workdir, model, gpu.KILL_AT + 6, ck, dict(env, **fault))
     say(f"{attempt}: exit {r['code']}")
     for line in r["log"].splitlines():
-        if re.search(r"restor|kernel|checksum|took|warn|error", line, re.I) and "warnings.warn" not in line and len(line) < 3000:
+        wanted = re.search(r"restor|kernel|checksum|took|warn|error", line, re.I)
+        if wanted and "warnings.warn" not in line and len(line) < 3000:
             print("   | " + line, flush=True)
 launch.stop_agents(shm)
 shutil.rmtree(shm, ignore_errors=True)

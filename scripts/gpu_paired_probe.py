@@ -10,10 +10,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu  # noqa: E402
 
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402 (after the set-up above)
+
+from benchmarks import gpu  # noqa: E402 (after the set-up above)
 
 model = gpu.GPU_MODEL if torch.cuda.is_available() else gpu.CPU_MODEL  # (CPU: a dry run of this script)
 iters = gpu.SIZES["cuda" if torch.cuda.is_available() else "cpu"].iters

@@ -15,11 +15,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu  # noqa: E402
-from megatron_pec.testing import launch  # noqa: E402
 
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402 (after the set-up above)
+
+from benchmarks import gpu  # noqa: E402 (after the set-up above)
+from megatron_pec.testing import launch  # noqa: E402 (after the set-up above)
 
 cuda = torch.cuda.is_available()
 model = gpu.GPU_MODEL if cuda else gpu.CPU_MODEL  # (CPU: a dry run of this script)

@@ -11,18 +11,18 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, checkpoints
+
 from megatron_pec.agent.client import AgentUnavailable, agent_pid, check_socket_path
-from megatron_pec.memory.history import JobKey
-from megatron_pec.memory.layout import POOL
 from megatron_pec.format.protocol import Flush, Flushed, Pin, Released, Settle, SlotHeader, SnapshotReady
+from megatron_pec.format.stformat import decode_header, layout
+from megatron_pec.integrity.sum64 import item_sums
+from megatron_pec.memory.history import JobKey
 from megatron_pec.memory.regions import RegionBook
+from megatron_pec.memory.slot_map import POOL
 from megatron_pec.memory.slots import SlotCache, node_dir, open_slot, slot_path
 from megatron_pec.restore.sources import SourceError, storage_source
-from megatron_pec.format.stformat import decode_header, layout
 from megatron_pec.store.storage import PosixStorage
-from megatron_pec.integrity.sum64 import item_sums
 from megatron_pec.testing.scripted import ScriptedTrainer
 
 ENTRIES = layout([("dense/w.param", torch.float32, 256)]
@@ -57,9 +57,9 @@ def cli(*args):
 
 
 def test_every_job_of_the_worker_has_its_one_handler_and_every_trainer_message_too():
-    from megatron_pec.format import protocol
     from megatron_pec.agent import jobs
     from megatron_pec.agent.server import Agent
+    from megatron_pec.format import protocol
 
     assert set(Agent.HANDLERS) == {getattr(jobs, name) for name in jobs.__all__} - {jobs.Shutdown}
     sent_by_trainers = {protocol.Hello, protocol.Begin, protocol.SnapshotReady, protocol.Flush, protocol.Settle,
@@ -540,8 +540,8 @@ def test_too_long_socket_path_is_refused_with_the_fix():
 def replica(node_dir, node, rank, iteration, timeout=30.0):
     """The entry of ``node``'s replica of ``rank`` held in ``node_dir``, once it holds ``iteration``."""
     from megatron_pec.agent.replica_transport import INDEX
-    from megatron_pec.memory.node_files import REPLICAS
     from megatron_pec.format.protocol import ReplicaIndex
+    from megatron_pec.memory.node_files import REPLICAS
 
     path = os.path.join(node_dir, REPLICAS, INDEX)
     deadline = time.monotonic() + timeout
@@ -596,7 +596,8 @@ def test_replicas_hold_what_a_snapshot_did_not_write_and_a_replacement_pulls_the
     memory = fresh.memory()  # Begin(from scratch) abandons it for *this* run, but the pull recorded it
     logs = open(os.path.join(fresh.directory, "agent.log")).read()
     assert "pulled iteration 2 from node 0's memory" in logs, logs
-    pulled = {item: (slot, version) for slot, record in memory.slots[1].items() for item, version in record.items.items()}
+    pulled = {item: (slot, version) for slot, record in memory.slots[1].items()
+              for item, version in record.items.items()}
     assert {item: v for item, (_, v) in pulled.items()} == entry.record.items
     assert memory.slots[1][0].origin == 0 and pulled["dense"][0] == 0
     assert all(record.origin == 0 for record in memory.slots[1].values())

@@ -1,19 +1,19 @@
 """Issue 35: node memory sized by what snapshots write, and a hard budget's implied K (pure: ``memory/budget.py``,
-``memory/layout.py``, ``regions.RegionBook``)."""
+``memory/slot_map.py``, ``regions.RegionBook``)."""
 
 import json
 
 import pytest
 import torch
 
+from megatron_pec.format.stformat import layout
 from megatron_pec.memory import budget
 from megatron_pec.memory.budget import Budget, BudgetError
-from megatron_pec.memory.layout import POOL, MemoryLayout
-from megatron_pec.pec.policy import ExpertLayout
 from megatron_pec.memory.regions import RegionBook
-from megatron_pec.format.stformat import layout
+from megatron_pec.memory.slot_map import POOL, SlotMap
+from megatron_pec.pec.policy import ExpertGrid
 
-LAYOUT = ExpertLayout(layers=(1, 2), num_experts=8, ep_size=2, expert_bytes=1000)
+LAYOUT = ExpertGrid(layers=(1, 2), num_experts=8, ep_size=2, expert_bytes=1000)
 
 
 @pytest.mark.parametrize("text,expected", [("1.5x", Budget(ratio=1.5)), ("2X", Budget(ratio=2.0)),
@@ -41,7 +41,7 @@ def test_a_snapshot_writes_its_share_of_k_per_layer_on_each_ep_rank():
 
 def plan(asked_k, budget_text=None, replicas=0):
     """A rank of 8 experts of 1000 bytes and a 2000-byte home slot: a state of 10,000 bytes."""
-    demand = lambda k: budget.per_snapshot(LAYOUT, "sequential", k, ep_rank=0, held=8)  # noqa: E731
+    demand = lambda k: budget.per_snapshot(LAYOUT, "sequential", k, ep_rank=0, held=8)
     return budget.plan(10_000, 2000, 2, 0, 1000, 8, demand, asked_k, Budget.parse(budget_text), 10_000, 1,
                        replicas * 10_000)
 
@@ -66,7 +66,7 @@ def test_the_tightest_budget_is_the_pool_a_k1_run_gets_and_below_it_is_refused_w
     new one (the rounds of a persistent save waited 120 s and gave up). The least a budget must leave is the
     spares of a K = 1 pool: what one snapshot at K = 1 writes, at least a quarter of the experts (a save of
     every expert in at most ROUNDS rounds) - here 2 spares, 1.4x; a hundredth below it is refused."""
-    demand = lambda k: budget.per_snapshot(LAYOUT, "sequential", k, ep_rank=0, held=8)  # noqa: E731
+    demand = lambda k: budget.per_snapshot(LAYOUT, "sequential", k, ep_rank=0, held=8)
     assert budget.least_spares(8, demand) == 2 and budget.least_spares(0, demand) == 0
     assert budget.least_bytes(2000, 2, 0, 1000, 8, demand, 0) == plan(1).own == 14_000
     tightest = plan(8, "1.4x")
@@ -81,12 +81,12 @@ def test_the_tightest_budget_is_the_pool_a_k1_run_gets_and_below_it_is_refused_w
 def test_the_pool_places_any_expert_in_any_region_and_readers_find_it():
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 3),
                       ("L1.E0/w.exp_avg", torch.float32, 3), ("L1.E1/w.param", torch.float32, 5)])
-    memory = MemoryLayout.of(entries, 3)
+    memory = SlotMap.of(entries, 3)
     assert memory.region_bytes == 64 and memory.state_bytes == 16 + 24 + 20   # (regions aligned to 64 bytes)
     assert [e.name for e in memory.full_entries()] == [e.name for e in entries]
     from megatron_pec.format.stformat import Header, decode_header, encode_header
     pool = decode_header(encode_header(memory.pool_entries(), memory.pool_metadata()))
-    again = MemoryLayout.from_headers(Header(memory.dense, {}, 0), pool)
+    again = SlotMap.from_headers(Header(memory.dense, {}, 0), pool)
     assert again == memory
     placed = again.item_header(POOL + 2, "L1.E0", None, pool)
     assert [(e.begin, e.end) for e in placed.tensors] == [(128, 140), (140, 152)]
@@ -104,11 +104,11 @@ def test_the_pool_header_keeps_each_list_of_expert_tensors_once_whatever_their_n
     experts = {f"L{layer}.E{e}": expert(f"L{layer}.E{e}", 2 * (16 * layer + e))
                for layer in range(8) for e in range(16)}
     experts["L9.E0"] = (TensorEntry("L9.E0/w007.a3", "BF16", 3, 0, 6), TensorEntry("L9.E0/b", "F32", 1, 6, 10))
-    memory = MemoryLayout((), experts, 4)
+    memory = SlotMap((), experts, 4)
     metadata = memory.pool_metadata()
     assert len(json.loads(metadata["shapes"])) == 2
     assert len(metadata["shapes"]) + len(metadata["experts"]) < 40 * len(experts)
-    again = MemoryLayout.from_headers(None, decode_header(encode_header(memory.pool_entries(), metadata)))
+    again = SlotMap.from_headers(None, decode_header(encode_header(memory.pool_entries(), metadata)))
     assert again.experts == experts
 
 

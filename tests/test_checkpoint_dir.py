@@ -5,8 +5,8 @@ import errno
 
 import pytest
 
-from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.format.protocol import NodeMarker, RankFile
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import PosixStorage
 
 

@@ -4,9 +4,9 @@ import json
 import subprocess
 import sys
 
-from megatron_pec.testing.launch import free_port
-
 from conftest import REPO, WORKERS
+
+from megatron_pec.testing.launch import free_port
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -44,7 +44,8 @@ def test_standins_only_redirect_placement_and_rng():
         "import torch\n"
         "from megatron_pec.testing import cpu\n"
         "cpu.activate()\n"
-        "x = torch.zeros(3, device='cuda'); y = torch.ones(2).cuda(); z = torch.ones(2).to(torch.cuda.current_device())\n"
+        "x = torch.zeros(3, device='cuda'); y = torch.ones(2).cuda(); "
+        "z = torch.ones(2).to(torch.cuda.current_device())\n"
         "assert x.device.type == y.device.type == z.device.type == 'cpu'\n"
         "assert torch.ones(2).type() == 'torch.cuda.FloatTensor'\n"
         "torch.cuda.manual_seed(7); a = torch.randn(4)\n"

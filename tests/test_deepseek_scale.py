@@ -9,7 +9,6 @@ import tempfile
 from contextlib import ExitStack
 
 import pytest
-
 from conftest import REPO, read_jsonl, torchrun
 
 pytestmark = pytest.mark.multiprocess

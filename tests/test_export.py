@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import checkpoints, torchrun
+
 from megatron_pec.format.stformat import torch_dtype
 from megatron_pec.testing import launch
 from megatron_pec.testing.cluster import run_megatron_pec

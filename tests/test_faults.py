@@ -34,22 +34,38 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, assert_committed_files_unchanged, checkpoints, committed_files
-from megatron_pec.memory.history import NodeMemory
-from megatron_pec.store.checkpoint_dir import TRACKER
+
 from megatron_pec.format.item_names import item_name
-from megatron_pec.pec.state import PecState
 from megatron_pec.format.protocol import SlotHeader
-from megatron_pec.memory.slots import open_slot
 from megatron_pec.format.stformat import decode_header
+from megatron_pec.memory.history import NodeMemory
+from megatron_pec.memory.slots import open_slot
+from megatron_pec.pec.state import PecState
+from megatron_pec.store.checkpoint_dir import TRACKER
 from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, agent_logs, parse_plt, persist_only_plt, run_megatron_pec
+
 # The scenarios, checks and reference run the campaign uses, written once (``held``, ``wait_held`` and
 # ``with_flag`` are also imported from here by tests/test_object_store.py).
-from megatron_pec.testing.fault_scenarios import (FULL, FULL_ITERS, SCENARIOS, Bench, Reference, can_mount,
-                                                  check_nothing_redone, check_sound, committed, flip_bits, held,
-                                                  iteration_files, relaunch, replica_path, tracker, wait_held,
-                                                  with_flag)
+from megatron_pec.testing.fault_scenarios import (
+    FULL,
+    FULL_ITERS,
+    SCENARIOS,
+    Bench,
+    Reference,
+    can_mount,
+    check_nothing_redone,
+    check_sound,
+    committed,
+    flip_bits,
+    held,
+    iteration_files,
+    relaunch,
+    replica_path,
+    tracker,
+    wait_held,
+    with_flag,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -261,7 +277,8 @@ def _wait_for_recorded_persists(c) -> int:
     """The trainers paused: until the newest snapshot the agents recorded (when it is a persistent one,
     an even iteration) is committed, so that the agents are idle; returns its iteration."""
     def newest() -> int:
-        return max((rec.iteration for n in range(c.nnodes) for records in NodeMemory.read(str(c.node_dir(n))).slots.values()
+        return max((rec.iteration for n in range(c.nnodes)
+                    for records in NodeMemory.read(str(c.node_dir(n))).slots.values()
                     for rec in records.values()), default=0)
 
     time.sleep(1.0)  # (a snapshot announced just before the pause is recorded by then)
@@ -643,7 +660,7 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
     try:
         c = clusters(root.parent / "corrupt", "fcorrupt", save=root)
         files = {i: checkpoints(root).read_manifest(i).ranks for i in (6, 8, 10, 12)}
-        path = lambda i, r: root / files[i][str(r)].file  # noqa: E731
+        path = lambda i, r: root / files[i][str(r)].file
         flip_bits(path(12, 0), -100, 0x01)                   # a flipped byte in the tensor data
         with open(path(10, 1), "r+b") as f:                  # a truncated rank file
             f.truncate(os.path.getsize(path(10, 1)) // 2)
@@ -681,7 +698,8 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
 
 
 @pytest.mark.parametrize("env, checked", [({}, "(checked while copied)"),
-                                           ({"MEGATRON_PEC_CHECK_ON_DEVICE": "1"}, "(checked on the device after the copy)")],
+                                           ({"MEGATRON_PEC_CHECK_ON_DEVICE": "1"},
+                                            "(checked on the device after the copy)")],
                          ids=["host-copy", "device-path"])
 def test_a_byte_flipped_in_node_memory_is_caught_where_it_lands(clusters, reference, tmp_path, env, checked):
     """Issue 28: a restore from node memory checks the bytes where they land: on a GPU on the device, after

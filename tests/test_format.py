@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_pec.format import small_state
-from megatron_pec.memory.layout import MemoryLayout
 from megatron_pec.format.stformat import FormatError, decode_header, encode_header, layout, tensor_view
+from megatron_pec.memory.slot_map import SlotMap
 
 
 def test_header_is_strict_safetensors():
@@ -60,21 +60,21 @@ def test_slot_header_keeps_its_table_and_blanks_longer_metadata(tmp_path):
     from megatron_pec.memory.slots import SlotFiles, open_slot
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
-    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
+    files = SlotFiles(str(tmp_path), 0, SlotMap.of(entries, 2), 1, reserve=4096)
     files.write_header(0, {"iteration": "1", "tokens": "x" * 3000})
     files.write_header(0, {"iteration": "2"})
     files.close()
     mapping, header = open_slot(str(tmp_path / "rank0.slot0"))
     mapping.close()
     assert header.metadata == {"iteration": "2"} and [e.name for e in header.tensors] == ["dense/w.param"]
-    again = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
+    again = SlotFiles(str(tmp_path), 0, SlotMap.of(entries, 2), 1, reserve=4096)
     again.write_header(0, {"iteration": "3"})
     again.close()
     mapping, header = open_slot(str(tmp_path / "rank0.slot0"))
     mapping.close()
     assert header.metadata == {"iteration": "3"}
     with pytest.raises(FormatError, match="more than the"):
-        small = SlotFiles(str(tmp_path / "small"), 0, MemoryLayout.of(entries, 2), 1, reserve=64)
+        small = SlotFiles(str(tmp_path / "small"), 0, SlotMap.of(entries, 2), 1, reserve=64)
         small.write_header(1, {"tokens": "x" * (small.capacity + 1)})
 
 
@@ -83,11 +83,11 @@ def test_a_header_another_process_wrote_into_a_new_slot_is_blanked_by_the_next_s
     slot files (``replica_transport._land``: a whole header, metadata longer than the empty one the
     trainer wrote): the trainer's next, shorter, header there leaves none of it behind (it did once:
     "header is not valid JSON (Extra data ...)", the snapshot unrecorded)."""
-    from megatron_pec.memory.slots import SlotFiles, open_slot
     from megatron_pec.format.stformat import encode_header
+    from megatron_pec.memory.slots import SlotFiles, open_slot
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
-    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)  # new files
+    files = SlotFiles(str(tmp_path), 0, SlotMap.of(entries, 2), 1, reserve=4096)  # new files
     files.maps[0][:8 + files.capacity] = encode_header(files.header.tensors, {"iteration": "5", "tokens": "x" * 300},
                                                        capacity=files.capacity)  # the pull, from the agent
     files.write_header(0, {"iteration": "7"})
@@ -102,7 +102,7 @@ def test_a_restart_keeps_the_slots_header_size(tmp_path):
     keeps the existing slots' header size (or the snapshots in them would no longer line up)."""
     from megatron_pec.memory.slots import HEADER_ALIGN, SlotFiles
 
-    entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 4)]), 0)
+    entries = SlotMap.of(layout([("dense/w.param", torch.float32, 4)]), 0)
     first = SlotFiles(str(tmp_path), 0, entries, 1, reserve=HEADER_ALIGN + 100)
     first.write_header(0, {"iteration": "7"})
     first.close()
@@ -115,10 +115,10 @@ def test_a_restart_keeps_the_slots_header_size(tmp_path):
 
 
 def test_a_header_beyond_the_limit_is_refused_at_start_up(tmp_path):
-    from megatron_pec.memory.slots import SlotFiles, SlotSpaceError
     from megatron_pec.format.stformat import MAX_HEADER
+    from megatron_pec.memory.slots import SlotFiles, SlotSpaceError
 
-    entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 4)]), 0)
+    entries = SlotMap.of(layout([("dense/w.param", torch.float32, 4)]), 0)
     with pytest.raises(SlotSpaceError, match="spread the experts over more ranks"):
         SlotFiles(str(tmp_path), 0, entries, 1, reserve=MAX_HEADER)
     assert not list(tmp_path.iterdir())  # refused before any slot file exists
@@ -171,7 +171,7 @@ def test_the_agents_slot_cache_keeps_a_mapping_and_its_table_until_the_file_chan
     from megatron_pec.memory.slots import SlotCache, SlotFiles, open_slot, slot_path
 
     entries = layout([("dense/w.param", torch.float32, 4), ("L1.E0/w.param", torch.float32, 2)])
-    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1, reserve=4096)
+    files = SlotFiles(str(tmp_path), 0, SlotMap.of(entries, 2), 1, reserve=4096)
     files.write_header(0, {"iteration": "1"})
     path, cache = slot_path(str(tmp_path), 0, 0), SlotCache()
     first_map, first = cache.open(path)
@@ -183,7 +183,7 @@ def test_the_agents_slot_cache_keeps_a_mapping_and_its_table_until_the_file_chan
     assert second == plain and second.metadata == {"iteration": "2"}
     files.close()
     other = layout([("dense/w.param", torch.float32, 300), ("L1.E0/w.param", torch.float32, 2)])
-    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(other, 2), 1, reserve=4096)  # another configuration
+    files = SlotFiles(str(tmp_path), 0, SlotMap.of(other, 2), 1, reserve=4096)  # another configuration
     files.write_header(0, {"iteration": "5"})
     third_map, third = cache.open(path)
     files.close()

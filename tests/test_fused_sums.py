@@ -18,8 +18,8 @@ import sys
 import numpy
 import pytest
 import torch
-
 from conftest import REPO, WORKERS
+
 from megatron_pec.integrity.chunk_table import CHUNK_BYTES, run_rows, table_rows, unit_log2
 
 pytest.importorskip("triton")
@@ -329,11 +329,11 @@ def test_close_waits_for_a_skipped_saves_copy_on_a_blocking_event_before_unpinni
     (the hand-over's wait for a snapshot's copies included)."""
     import contextlib
 
-    from megatron_pec.memory.layout import POOL, MemoryLayout
+    from megatron_pec.format.stformat import layout
     from megatron_pec.integrity.run_sums import HostRunSums
+    from megatron_pec.memory.slot_map import POOL, SlotMap
     from megatron_pec.memory.slots import SlotFiles
     from megatron_pec.save.stager import Stager
-    from megatron_pec.format.stformat import layout
 
     recorder = _Recorder()
     monkeypatch.setattr(torch.cuda, "Event", recorder.Event)
@@ -341,7 +341,7 @@ def test_close_waits_for_a_skipped_saves_copy_on_a_blocking_event_before_unpinni
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: recorder.Stream())
     entries = layout([("dense/w.param", torch.float32, 100), ("L1.E0/w.param", torch.float32, 50)])
-    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(entries, 2), 1)
+    files = SlotFiles(str(tmp_path), 0, SlotMap.of(entries, 2), 1)
     live = {e.name: torch.randn(e.numel) for e in entries}
     slices = [type("S", (), {"name": e.name, "item": e.item})() for e in entries]
     stager = Stager(files, slices, 0, asynchronous=True, is_device=lambda t: True,

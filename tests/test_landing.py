@@ -2,7 +2,7 @@
 only its header (deciding writes nothing), the restore reads the file in step 6; every byte lands where the
 restore would have copied it, runs contiguous in the file and in memory are one read, a tensor without such
 a place is kept in a buffer of its own, and a corrupt file is refused by its checksum. Device tensors land
-through a ring of staging buffers (``restore/staging.py``; here a host "device", as
+through a ring of staging buffers (``restore/read_ring.py``; here a host "device", as
 ``MEGATRON_PEC_CHECK_ON_DEVICE=1`` runs it on CPU ranks), each buffer handed out again only once read, copied
 and summed. Real files through ``PosixStorage``; no Megatron."""
 
@@ -15,8 +15,8 @@ import torch
 from megatron_pec.format.protocol import RankFile, SlotHeader
 from megatron_pec.format.stformat import encode_header, layout
 from megatron_pec.restore.landing import LandingError, land_rank_file
+from megatron_pec.restore.read_ring import DeviceReadRing
 from megatron_pec.restore.sources import Source, SourceError, read_checked_header
-from megatron_pec.restore.staging import DeviceStaging
 from megatron_pec.store.storage import PosixStorage
 
 SPECS = [("dense/a", torch.float32, 1000), ("dense/b", torch.float32, 24), ("dense/c", torch.bfloat16, 7),
@@ -147,7 +147,7 @@ def test_device_tensors_land_through_a_ring_of_staging_buffers(tmp_path):
     crc32 the storage took while reading (the buffers rewritten meanwhile) still matches."""
     path, entry, saved = rank_file(tmp_path)
     live, storage = live_tensors(), CountingStorage()
-    staging = DeviceStaging(torch.device("cpu"), buffers=2, buffer_bytes=256)
+    staging = DeviceReadRing(torch.device("cpu"), buffers=2, buffer_bytes=256)
     landed, kept = land_rank_file(path, entry, header_of(path, entry), storage, live, staging)
     assert set(landed) == {"dense/a", "dense/b", "dense/c", "L1.E0/w"} and set(kept) == {"L1.E0/x"}
     for name in landed:
@@ -163,7 +163,7 @@ def test_a_corrupt_file_is_refused_through_the_staging_too(tmp_path):
     path, entry, _ = rank_file(tmp_path, flip=4001)
     with pytest.raises(LandingError, match="fails its checksum"):
         land_rank_file(path, entry, header_of(path, entry), PosixStorage(), live_tensors(),
-                       DeviceStaging(torch.device("cpu"), buffers=2, buffer_bytes=256))
+                       DeviceReadRing(torch.device("cpu"), buffers=2, buffer_bytes=256))
 
 
 def test_a_buffer_handed_out_again_is_summed_before_it_is_read_into_again(tmp_path):
@@ -178,6 +178,6 @@ def test_a_buffer_handed_out_again_is_summed_before_it_is_read_into_again(tmp_pa
 
 def test_a_staging_is_for_the_device_the_targets_are_on():
     host = {"a": torch.zeros(4)}
-    assert DeviceStaging.for_targets(host) is None  # (host tensors land directly)
-    assert DeviceStaging.for_targets(host, host_too=True).device == torch.device("cpu")
-    assert DeviceStaging.for_targets({}, host_too=True) is None
+    assert DeviceReadRing.for_targets(host) is None  # (host tensors land directly)
+    assert DeviceReadRing.for_targets(host, host_too=True).device == torch.device("cpu")
+    assert DeviceReadRing.for_targets({}, host_too=True) is None

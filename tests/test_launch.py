@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from megatron_pec.testing import launch
-
 from conftest import REPO
+
+from megatron_pec.testing import launch
 
 TORCHRUN = "torch.distributed" + ".run"  # (spelled apart: the last test looks for this name in every file)
 

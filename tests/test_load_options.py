@@ -2,7 +2,6 @@
 and start at iteration 0; a --load directory in another format is refused with a clear message."""
 
 import pytest
-
 from conftest import REPO, checkpoints, read_jsonl, torchrun
 
 pytestmark = pytest.mark.multiprocess

@@ -4,9 +4,9 @@
 import subprocess
 import sys
 
-from megatron_pec.testing.launch import free_port
-
 from conftest import REPO, WORKERS, checkpoints
+
+from megatron_pec.testing.launch import free_port
 
 
 def test_training_from_scratch_retires_node_markers_of_an_abandoned_run(tmp_path):
@@ -60,11 +60,11 @@ def test_the_fault_harness_reads_the_restore_line_the_loader_logs(capsys):
     """The campaign and the fault tests judge every restore from this line: a suffix the harness does not
     know (the peer-memory lag) made it read no restore at all."""
     from megatron_pec.format.item_names import NON_EXPERT
-    from megatron_pec.restore.loader import RestorePlan
+    from megatron_pec.restore.loader import RestoreDecision
     from megatron_pec.testing.cluster import parse_restores
 
     def logged(source, newest):
-        RestorePlan(iteration=6, source=source, versions={NON_EXPERT: 6, "L1.E0": 6, "L1.E1": 4}, tensors={},
+        RestoreDecision(iteration=6, source=source, versions={NON_EXPERT: 6, "L1.E0": 6, "L1.E1": 4}, tensors={},
                       small={}, pec=None, tokens_at_target={}, report=None, newest=newest).log(rank=1)
         return parse_restores(capsys.readouterr().out)[1]
 

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_committed_files_unchanged, checkpoints, committed_files
 
 from megatron_pec.testing import launch, megatron_lm
-
-from conftest import assert_committed_files_unchanged, checkpoints, committed_files
 
 pytestmark = pytest.mark.multiprocess
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_pec.common.errors import CheckpointError
 from megatron_pec.format import small_state
 from megatron_pec.format.small_state_record import SmallState
-from megatron_pec.common.errors import CheckpointError
 from megatron_pec.megatron import modelstate, restore
 
 

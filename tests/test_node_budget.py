@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, checkpoints, torchrun
-from megatron_pec.tools import inspect_node_memory
+
 from megatron_pec.testing.cluster import parse_plt, parse_restores
+from megatron_pec.tools import inspect_node_memory
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, torchrun
+
 from megatron_pec.memory.node_files import AGENT_LOG, PIDFILE, agent_lock, remove_job_files
 
 PRETRAIN = str(REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py")

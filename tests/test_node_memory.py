@@ -5,12 +5,12 @@ Megatron."""
 import pytest
 import torch
 
-from megatron_pec.memory.history import NO_HOME, JobKey, NodeMemory
-from megatron_pec.memory.layout import POOL as P
-from megatron_pec.memory.layout import MemoryLayout
 from megatron_pec.format.protocol import SlotHeader
-from megatron_pec.memory.slots import SlotFiles
 from megatron_pec.format.stformat import layout
+from megatron_pec.memory.history import NO_HOME, JobKey, NodeMemory
+from megatron_pec.memory.slot_map import POOL as P
+from megatron_pec.memory.slot_map import SlotMap
+from megatron_pec.memory.slots import SlotFiles
 
 ENTRIES = layout([("dense/w.param", torch.float32, 16), ("L1.E0/w.param", torch.float32, 8),
                   ("L1.E1/w.param", torch.float32, 8)])
@@ -20,7 +20,7 @@ ALL = ("dense", "L1.E0", "L1.E1")
 
 @pytest.fixture
 def memory(tmp_path):
-    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(ENTRIES, 4), 1)  # home slots 0, 1; pool slots P to P + 3
+    files = SlotFiles(str(tmp_path), 0, SlotMap.of(ENTRIES, 4), 1)  # home slots 0, 1; pool slots P to P + 3
     yield files, NodeMemory(str(tmp_path))
     files.close()
 

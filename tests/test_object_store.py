@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy
 import pytest
-
 from conftest import REPO
-from megatron_pec.store.checkpoint_dir import CheckpointDir
+
 from megatron_pec.format.checkpoint_paths import storage_spec_for as spec_for
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import open_storage
 
 
@@ -174,8 +174,9 @@ def test_the_example_trainer_saves_to_s3_and_restores_from_it_alone(s3_prefix, t
     --pec-storage): it trains 3 iterations and persists them to the object store; with node memory gone, a
     fresh run restores iteration 3 from the store alone, equal item by item to its live state at the save;
     ``verify`` and ``inspect`` read the store."""
-    from megatron_pec.testing import launch
     from test_state_parity import ITERATION, LOAD_SEED, SAVE_SEED, differences, report, run_dump
+
+    from megatron_pec.testing import launch
 
     shm = Path("/dev/shm") / f"pec-s3-{os.getpid()}-{tmp_path.name[-12:]}"
     ckpt = f"{s3_prefix}/ck"
@@ -251,8 +252,9 @@ def test_two_nodes_on_s3_survive_a_node_loss_and_a_store_crash(own_s3, tmp_path,
     the outage fail with a warning; node memory holds the state), the persists after the restart commit,
     no committed iteration is partial. With both nodes' memory gone, a relaunch restores from the store
     alone (bit-exact restores from the store: the single-node test above)."""
-    from megatron_pec.testing.cluster import Cluster
     from test_faults import FULL, LAUNCH_TIMEOUT, PRETRAIN, held, wait_held, with_flag
+
+    from megatron_pec.testing.cluster import Cluster
 
     env = {"MSC_CONFIG": str(own_s3.config)}
     monkeypatch.setenv("MSC_CONFIG", env["MSC_CONFIG"])

@@ -4,8 +4,8 @@ and persisting 1 of 8 experts cuts persisted bytes per rank by at least 70%."""
 import json
 
 import pytest
-
 from conftest import torchrun
+
 from megatron_pec.testing.cluster import run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess

@@ -5,10 +5,10 @@ against the container's memory limit. The CUDA runtime is a seam: a recording st
 import pytest
 import torch
 
-from megatron_pec.memory import pinning
-from megatron_pec.memory.layout import MemoryLayout
-from megatron_pec.memory.slots import SlotFiles, SlotSpaceError, cgroup_memory
 from megatron_pec.format.stformat import layout
+from megatron_pec.memory import pinning
+from megatron_pec.memory.slot_map import SlotMap
+from megatron_pec.memory.slots import SlotFiles, SlotSpaceError, cgroup_memory
 
 
 class Runtime:
@@ -36,7 +36,7 @@ class Runtime:
 
 @pytest.fixture
 def slots(tmp_path):
-    files = SlotFiles(str(tmp_path), 0, MemoryLayout.of(layout([("dense/w.param", torch.float32, 1024)]), 0), 1)
+    files = SlotFiles(str(tmp_path), 0, SlotMap.of(layout([("dense/w.param", torch.float32, 1024)]), 0), 1)
     yield files
     files.close()
 
@@ -119,7 +119,7 @@ def test_preflight_counts_node_memory_against_the_containers_memory_limit(tmp_pa
     (cgroup / "memory.current").write_text(f"{60 << 20}\n")
     monkeypatch.setenv("MEGATRON_PEC_CGROUP_DIR", str(cgroup))
     assert cgroup_memory() == (64 << 20, 60 << 20, str(cgroup / "memory.max"))
-    entries = MemoryLayout.of(layout([("dense/w.param", torch.float32, 2 << 20)]), 0)  # 8 MiB: 2 homes need 16 MiB
+    entries = SlotMap.of(layout([("dense/w.param", torch.float32, 2 << 20)]), 0)  # 8 MiB: 2 homes need 16 MiB
     with pytest.raises(SlotSpaceError) as refused:
         SlotFiles(str(tmp_path / "shm"), 0, entries, 1)
     text = str(refused.value)

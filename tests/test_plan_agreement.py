@@ -12,11 +12,12 @@ import threading
 from types import SimpleNamespace
 
 from conftest import checkpoints
-from megatron_pec.restore import loader
+
 from megatron_pec.config import PecConfig
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
-from megatron_pec.restore.loader import Candidates, LoadContext, Loader, Refused
 from megatron_pec.pec.state import Level, PecState
+from megatron_pec.restore import loader
+from megatron_pec.restore.loader import Candidates, LoadContext, Loader, Refused
 from megatron_pec.restore.sources import Source, SourceError
 
 EXPERTS = (ExpertId(1, 0), ExpertId(1, 1))
@@ -87,7 +88,7 @@ def on_two_ranks(tmp_path, work, collectives=None):
         ctx = LoadContext(job=job, config=config, collectives=collectives.of(rank), slice_items={})
         try:
             results[rank] = work(Loader(ctx, checkpoints(tmp_path)))
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+        except BaseException as exc:  # reported by the test below
             failures.append(exc)
             collectives.barrier.abort()
 

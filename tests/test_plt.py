@@ -133,8 +133,8 @@ def test_pec_state_text_packs_the_held_experts_values():
     import json
     import random
 
-    from megatron_pec.pec.expert_values import HeldExperts
     from megatron_pec.format.item_names import ExpertId, ExpertOrder
+    from megatron_pec.pec.expert_values import HeldExperts
     from megatron_pec.pec.state import Level, PecState
 
     rng = random.Random(3)
@@ -169,11 +169,11 @@ def test_pec_state_text_packs_the_held_experts_values():
 def test_planning_every_expert_is_what_each_policy_picks():
     """K = all experts (no byte budget) plans every expert without asking the policy: exactly what each
     policy picks then, at one level and at two."""
-    from megatron_pec.pec import policy
     from megatron_pec.format.item_names import ExpertId
+    from megatron_pec.pec import policy
     from megatron_pec.pec.state import Level, PecState
 
-    lay = policy.ExpertLayout((1, 3), 4, 2, 100)
+    lay = policy.ExpertGrid((1, 3), 4, 2, 100)
     cumulative = {x: 10 * x.expert + x.layer for x in lay.all_experts()}
     for name in policy.POLICIES:
         state = PecState(Level(4), Level(4))

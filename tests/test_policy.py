@@ -11,7 +11,7 @@ import pytest
 from megatron_pec.format.item_names import ExpertId
 from megatron_pec.pec.policy import (
     POLICIES,
-    ExpertLayout,
+    ExpertGrid,
     SelectionInput,
     bytes_per_ep_rank,
     select_experts,
@@ -22,7 +22,7 @@ EB = 100  # expert_bytes used throughout
 
 
 def layout(num_layers=4, num_experts=8, ep=4, first_layer=1):
-    return ExpertLayout(tuple(range(first_layer, first_layer + num_layers)), num_experts, ep, EB)
+    return ExpertGrid(tuple(range(first_layer, first_layer + num_layers)), num_experts, ep, EB)
 
 
 def all_saved(lay, iteration=0):
@@ -59,7 +59,7 @@ def test_layout_ep_rank_and_experts():
 ])
 def test_layout_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ExpertLayout(**kwargs)
+        ExpertGrid(**kwargs)
 
 
 @pytest.mark.parametrize("k", [0, 9, -1])
@@ -402,7 +402,7 @@ def test_sequential_persist_cycles_through_all_experts():
 
 
 def test_two_level_rejects_different_layouts():
-    with pytest.raises(ValueError, match="same ExpertLayout"):
+    with pytest.raises(ValueError, match="same ExpertGrid"):
         select_two_level("sequential", inp(layout(), 2), inp(layout(num_layers=3), 1))
 
 
@@ -463,9 +463,9 @@ def test_per_expert_arrays_choose_what_dicts_choose(monkeypatch):
         snap_k = rng.randint(1, lay.num_experts)
         persist_k = rng.randint(1, snap_k)
 
-        def inputs(as_arrays):
+        def inputs(as_arrays, levels=levels, ks=(snap_k, persist_k), lay=lay):
             made = []
-            for (last, tokens, index), k in zip(levels, (snap_k, persist_k)):
+            for (last, tokens, index), k in zip(levels, ks):
                 if as_arrays:
                     last, tokens = ExpertValues.of(last, lay.order), ExpertValues.of(tokens, lay.order)
                 made.append(SelectionInput(lay, k, tokens, last, index, 3 * EB * k))

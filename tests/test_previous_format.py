@@ -7,7 +7,6 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import torchrun
 
 pytestmark = pytest.mark.multiprocess
@@ -56,7 +55,8 @@ def test_a_checkpoint_of_the_previous_release_restores_as_it_did(tmp_path, shm_d
         recorded = small_state(FIXTURE / f"checkpoint/iter_0000008/pec/rank_{rank:05d}.safetensors")
         [again] = resaved.glob(f"iter_0000008/pec/rank_{rank:05d}*.safetensors")
         differing = {k: v for k, v in recorded.items() if small_state(again).get(k) != v}
-        assert not differing, f"rank {rank}: the small state restored differs from the recorded one in {sorted(differing)}"
+        assert not differing, \
+            f"rank {rank}: the small state restored differs from the recorded one in {sorted(differing)}"
 
         reference = json.loads((tmp_path / f"previous_format.reference.rank{rank}.json").read_text())
         assert reference["items"] == restored["items"] and reference["consumed"] == restored["consumed"]

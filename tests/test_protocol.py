@@ -146,8 +146,9 @@ def test_slot_header_round_trips_as_safetensors_metadata():
     old = {k: v for k, v in meta.items() if k != "sums"}
     for version in ("1", "2", "3"):
         assert p.SlotHeader.from_metadata({**old, "v": version}) == header
-    summed = p.SlotHeader(**{**{f: getattr(header, f) for f in ("job_id", "fingerprint", "save", "rank", "world_size",
-                                                                  "iteration", "items", "tokens", "small", "pec", "run")},
+    fields = ("job_id", "fingerprint", "save", "rank", "world_size", "iteration", "items", "tokens", "small", "pec",
+              "run")
+    summed = p.SlotHeader(**{**{f: getattr(header, f) for f in fields},
                              "sums": {"dense": "s64:" + "0" * 32}})
     assert p.SlotHeader.from_metadata(summed.to_metadata()) == summed
 

@@ -1,6 +1,6 @@
 """The reduced-record codec (``format/reduced_record.py``): round trip, min fields reduced as minima
 by one MAX all-reduce, optional fields present or absent, wrong lengths refused naming the field; and
-the restore's ``PlanVote`` on the same wire as before the codec. Pure unit tests: the all-reduce is an
+the restore's ``DecisionVote`` on the same wire as before the codec. Pure unit tests: the all-reduce is an
 element-wise max over lists, one per simulated rank."""
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ import pytest
 
 from megatron_pec.format import reduced_record as rr
 from megatron_pec.format.reduced_record import MIN, columns, scalar, vector
-from megatron_pec.restore.loader import ACCOUNT_VECTORS, NONE, PlanVote
+from megatron_pec.restore.loader import ACCOUNT_VECTORS, NONE, DecisionVote
 
 
 @dataclass
@@ -87,8 +87,8 @@ def test_a_field_without_a_declared_reduction_is_refused():
         scalar("sum")
 
 
-def old_values(v: PlanVote) -> list[int]:
-    """``PlanVote.values()`` as it was written by hand before the codec: the wire to keep."""
+def old_values(v: DecisionVote) -> list[int]:
+    """``DecisionVote.values()`` as it was written by hand before the codec: the wire to keep."""
     out = [v.failed, v.cannot, v.iteration, -v.lowest_iteration, v.newest]
     out += [x for column in v.accounting for x in column]
     if v.high is not None:
@@ -99,8 +99,8 @@ def old_values(v: PlanVote) -> list[int]:
 def test_the_restore_plan_vote_travels_as_it_did_before_the_codec():
     n = 3
     accounting = [[c * 10 + i for i in range(n)] for c in range(ACCOUNT_VECTORS)]
-    first = PlanVote(0, 1, 12, 12, 14, accounting, [5, -2, 12], [5, NONE, 12], [0, 0, 1])
-    again = PlanVote(1, 0, -1, -1, -1, [[-1] * n] * ACCOUNT_VECTORS)
+    first = DecisionVote(0, 1, 12, 12, 14, accounting, [5, -2, 12], [5, NONE, 12], [0, 0, 1])
+    again = DecisionVote(1, 0, -1, -1, -1, [[-1] * n] * ACCOUNT_VECTORS)
     for vote in (first, again):
         assert rr.encode(vote, n) == old_values(vote)
-        assert rr.decode(PlanVote, old_values(vote), n, optional=vote.high is not None) == vote
+        assert rr.decode(DecisionVote, old_values(vote), n, optional=vote.high is not None) == vote

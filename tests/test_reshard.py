@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import assert_committed_files_unchanged, checkpoints, committed_files, torchrun
-from megatron_pec.testing.cluster import run_megatron_pec
 from test_export import read_safetensors
+
+from megatron_pec.testing.cluster import run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
 

@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from conftest import torchrun
 
 pytestmark = pytest.mark.multiprocess

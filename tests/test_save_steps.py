@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from megatron_pec.common.collectives import Collectives
+from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 from megatron_pec.format.small_state_record import Captured, SmallState
+from megatron_pec.save.handover import HandOver
 from megatron_pec.save.save import Save, SaveParts
 from megatron_pec.save.save_history import SaveHistory
-from megatron_pec.save.handover import HandOver
 from megatron_pec.save.saver import Saver
 from megatron_pec.testing import launch
-from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 
 EXPERTS = [ExpertId(1, e) for e in range(5)]
 ITEMS = [item_name(e) for e in EXPERTS]
@@ -132,7 +132,8 @@ def parts(log, session=None, book=None, reduced=None) -> SaveParts:
     def counts():  # (the thread that waits for the token counts to reach the host)
         log.append(("counts awaited", threading.current_thread() is threading.main_thread()))
 
-    adapter = SimpleNamespace(tokens=SimpleNamespace(take=lambda: SimpleNamespace(wait=counts)), collectives=collectives,
+    adapter = SimpleNamespace(tokens=SimpleNamespace(take=lambda: SimpleNamespace(wait=counts)),
+                              collectives=collectives,
                               live_views=lambda: {}, ep_rank=0, slot_slices=[],
                               small_state=lambda *args: small_state_at(args[1]),
                               save_dataloader_state=lambda iterator, iteration: None)

@@ -116,7 +116,7 @@ def test_captured_encodes_once_when_first_asked_not_when_taken():
     unencodable = full_state(args={"x": object()})
     captured = Captured(unencodable)  # (the training thread: no encoding here)
     with pytest.raises(TypeError, match="cannot store a object"):
-        captured.text
+        _ = captured.text
     state = full_state()
     captured = Captured(state)
     assert captured.text == state.dumps() and captured.text is captured.text

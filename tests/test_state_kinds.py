@@ -16,10 +16,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, WORKERS, checkpoints, read_jsonl, torchrun
-from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, run_megatron_pec
 from test_export import read_safetensors
+
+from megatron_pec.testing.cluster import SMALL_MODEL, Cluster, run_megatron_pec
 
 pytestmark = pytest.mark.multiprocess
 
@@ -74,7 +74,8 @@ def cluster(tmp_path, shm_dir):
 
 # (~30 s each on 2 cores: the default run takes every expert; the restore of older expert versions with the
 # frozen parameter and extra state runs with -m slow)
-@pytest.mark.parametrize("pec", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["every_expert", "snapshot_k2"])
+@pytest.mark.parametrize("pec", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["every_expert", "snapshot_k2"])
 def test_frozen_parameter_and_extra_state_survive_sigkill_from_memory_and_storage(cluster, tmp_path, pec):
     flags = EVERY + (PEC if pec else [])
     logs = tmp_path / "state_log"

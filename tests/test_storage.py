@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, checkpoints
+
 from megatron_pec.common.errors import StorageUnreachable
 from megatron_pec.store import storage as storage_module
 from megatron_pec.store.storage import PosixStorage, open_storage, register_scheme
@@ -121,6 +121,7 @@ def test_the_checkpoint_directory_writes_only_through_its_storage(tmp_path):
     """Commit, retention and retirement of a checkpoint directory, on a recording storage: every file
     that appears was written through it."""
     from test_checkpoint_dir import mark
+
     from megatron_pec.store.checkpoint_dir import CheckpointDir
 
     log = tmp_path / "log"
@@ -181,6 +182,7 @@ def test_the_trainers_storage_flag_reaches_the_agent(tmp_path):
     import uuid
 
     from conftest import torchrun
+
     from megatron_pec.testing import launch
 
     log = tmp_path / "storage.log"
@@ -222,10 +224,12 @@ def _writes(tree: ast.AST) -> list[int]:
             continue
         f = node.func
         if isinstance(f, ast.Name) and f.id == "open":
-            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            keyword = next((k.value for k in node.keywords if k.arg == "mode"), None)
+            mode = node.args[1] if len(node.args) > 1 else keyword
             if isinstance(mode, ast.Constant) and isinstance(mode.value, str) and set(mode.value) & set("wx"):
                 lines.append(node.lineno)
-        elif isinstance(f, ast.Attribute) and f.attr in FILE_OPS and isinstance(f.value, ast.Name) and f.value.id == "os":
+        elif (isinstance(f, ast.Attribute) and f.attr in FILE_OPS and isinstance(f.value, ast.Name)
+              and f.value.id == "os"):
             lines.append(node.lineno)
     return sorted(lines)
 

@@ -6,10 +6,10 @@ whatever order, cut into pieces at any byte."""
 import numpy
 import pytest
 import torch
+from test_sum64 import reference
 
 from megatron_pec.integrity import summed_copy as module
 from megatron_pec.megatron.restore import copy_slices
-from test_sum64 import reference
 
 
 def slot_and_live():

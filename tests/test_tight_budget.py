@@ -17,13 +17,13 @@ import json
 import re
 
 import pytest
-
 from conftest import REPO, checkpoints, torchrun
-from megatron_pec.tools import inspect_checkpoint
+
 from megatron_pec.format.item_names import item_name
+from megatron_pec.pec.policy import ExpertGrid
 from megatron_pec.pec.state import Level, PecState
-from megatron_pec.pec.policy import ExpertLayout
 from megatron_pec.testing.cluster import parse_plt, parse_restores
+from megatron_pec.tools import inspect_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -113,7 +113,7 @@ def test_the_tightest_budget_saves_whole_without_stalls_and_restores_with_its_ks
 def promised_versions(k: int, persist_k: int) -> dict[str, int]:
     """Rank 0's experts older than 6 after snapshots at snapshot-K ``k`` (sequential) of iterations 1-6, 4
     persisted at ``persist_k``: each at the newest snapshot that took it (the policy, pure)."""
-    layout = ExpertLayout(layers=(1, 2), num_experts=8, ep_size=2, expert_bytes=1)
+    layout = ExpertGrid(layers=(1, 2), num_experts=8, ep_size=2, expert_bytes=1)
     state = PecState(Level(k), Level(persist_k))
     for iteration in range(1, 7):
         persistent = iteration == 4

@@ -18,6 +18,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
 try:
     from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 except ImportError:  # megatron-core >= 0.19 moved its tokenizers; the datasets need only this interface

@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError  # noqa: E402
-from megatron_pec.store.storage import open_storage  # noqa: E402
-from megatron_pec.testing.cluster import Cluster, parse_plt, persist_only_plt  # noqa: E402
+from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError  # noqa: E402 (after the set-up above)
+from megatron_pec.store.storage import open_storage  # noqa: E402 (after the set-up above)
+from megatron_pec.testing.cluster import Cluster, parse_plt, persist_only_plt  # noqa: E402 (after the set-up above)
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "8",
          "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--seq-length", "128",

@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import megatron_pec  # noqa: E402
-from megatron_pec import load_checkpoint, save_checkpoint  # noqa: E402
+import megatron_pec  # noqa: E402 (after the set-up above)
+from megatron_pec import load_checkpoint, save_checkpoint  # noqa: E402 (after the set-up above)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -263,9 +263,8 @@ def train_step(args, model, optimizer, scheduler, data_iterator, forward_only=Fa
 
 
 def evaluate(args, model, valid_ds) -> float:
-    from megatron.core import parallel_state
-
     from byte_data import batches
+    from megatron.core import parallel_state
 
     for chunk in model:
         chunk.eval()
@@ -284,9 +283,8 @@ def log(args, message: str) -> None:
 
 
 def main(argv=None) -> int:
-    from megatron.core import parallel_state
-
     from byte_data import batches, build_datasets, default_data_prefix, ensure_stdlib_dataset
+    from megatron.core import parallel_state
 
     args = parse_args(argv)
     initialize(args)

@@ -1,6 +1,6 @@
 """The wire to the node agent, trainer side: start or reuse the agent, send and receive its messages.
 
-Every rank holds one connection to its node's agent (``session.AgentSession`` speaks the
+Every rank holds one connection to its node's agent (``link.AgentLink`` speaks the
 protocol over it). Any rank that finds no live agent starts one (under a lock, so a node gets
 exactly one), detached in its own session so it survives the trainer's SIGKILL.
 """
@@ -16,8 +16,8 @@ import sys
 import time
 
 from megatron_pec.common import log
-from megatron_pec.memory.node_files import AGENT_LOG, PIDFILE, SOCKET, agent_lock
 from megatron_pec.format.protocol import Detach, Hello, ProtocolError, Ready, Record, decode_message
+from megatron_pec.memory.node_files import AGENT_LOG, PIDFILE, SOCKET, agent_lock
 
 
 class AgentUnavailable(RuntimeError):

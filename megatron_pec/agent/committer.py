@@ -16,12 +16,12 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from megatron_pec.common import log
-from megatron_pec.memory.history import NodeMemory
 from megatron_pec.agent.persist import check_snapshot, write_rank_file
-from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
+from megatron_pec.common import log
 from megatron_pec.format.protocol import JobInfo, NodeMarker, RankFile, SlotRecord
+from megatron_pec.memory.history import NodeMemory
 from megatron_pec.memory.slots import SlotCache, slot_path
+from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 
 
 class Purge:

@@ -40,7 +40,7 @@ def read_peers(save: str, job_id: str, num_nodes: int, storage: Storage) -> dict
 def holders(node: int, num_nodes: int, replicas: int, domains: dict[int, str]) -> list[int]:
     """The nodes that keep ``node``'s replicas: never ``node`` itself, never its failure domain
     (a node without a named domain is its own), the next ones in ring order first."""
-    domain = lambda n: domains.get(n) or f"node {n}"  # noqa: E731
+    domain = lambda n: domains.get(n) or f"node {n}"
     chosen = []
     for step in range(1, num_nodes):
         peer = (node + step) % num_nodes

@@ -17,14 +17,13 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from megatron_pec.memory.history import header_problem
-from megatron_pec.integrity.checksum import accumulator, crc32, item_crc32, mismatch
 from megatron_pec.format.item_names import NON_EXPERT, parse_item
 from megatron_pec.format.protocol import JobKey, ProtocolError, SlotHeader
-from megatron_pec.memory.slots import SlotCache
 from megatron_pec.format.stformat import encode_header
+from megatron_pec.integrity.checksum import accumulator, crc32, item_crc32, mismatch
+from megatron_pec.memory.history import header_problem
+from megatron_pec.memory.slots import SlotCache
 from megatron_pec.store.storage import Storage
-
 
 # Bytes written (and summed) at a time: each piece is read three times at once (the write's copy, the
 # file's crc32, the item's sum64), so it should stay in the CPU's caches: 8 MiB pieces cost the agent
@@ -98,7 +97,7 @@ def write_rank_file(checked: CheckedSnapshot, keep: set[str], target: str, stora
 def _write_compact(where: dict, order: list[str], snapshot: SlotHeader, expected: dict, target: str,
                    storage: Storage, home: str, charged, done) -> dict:
     """``where``: item -> (mapping, header placing it) of the file its bytes are in; ``order``: the items in
-    file order. Each item's bytes are one run in every file (``memory/layout.py``)."""
+    file order. Each item's bytes are one run in every file (``memory/slot_map.py``)."""
     entries, offset, runs = [], 0, []
     for item in order:
         header = where[item][1]

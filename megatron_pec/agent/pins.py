@@ -22,10 +22,10 @@ shrink while it waits for a region.
 
 from __future__ import annotations
 
-from megatron_pec.memory.history import NodeMemory
-from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Pin
+from megatron_pec.memory.history import NodeMemory
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 
 
 def pins(rank: int, job, memory: NodeMemory, checkpoints: CheckpointDir, replicating: list[Pin],

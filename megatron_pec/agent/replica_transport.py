@@ -32,10 +32,10 @@ import socket
 import threading
 import time
 
-from megatron_pec.common import faults, log
 from megatron_pec.agent import peers
 from megatron_pec.agent.pins import reading
-from megatron_pec.integrity.checksum import item_checks
+from megatron_pec.common import faults, log
+from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import (
     JobInfo,
     PeerAddress,
@@ -49,11 +49,11 @@ from megatron_pec.format.protocol import (
     Segment,
     SlotRecord,
 )
-from megatron_pec.format.item_names import NON_EXPERT
-from megatron_pec.memory.layout import POOL
-from megatron_pec.memory.node_files import REPLICAS, map_node_file, replace_node_file
-from megatron_pec.memory.slots import SlotCache, slot_path
 from megatron_pec.format.stformat import MAX_HEADER, FormatError, decode_header, encode_header
+from megatron_pec.integrity.checksum import item_checks
+from megatron_pec.memory.node_files import REPLICAS, map_node_file, replace_node_file
+from megatron_pec.memory.slot_map import POOL
+from megatron_pec.memory.slots import SlotCache, slot_path
 from megatron_pec.store.storage import Storage
 
 INDEX = "index.json"

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import threading
 
-from megatron_pec.common import log
 from megatron_pec.agent import peers
-from megatron_pec.memory.history import NodeMemory
 from megatron_pec.agent.replica_transport import ReplicaServer, ReplicaStore, Replicator, pull
+from megatron_pec.common import log
 from megatron_pec.format.protocol import JobInfo, PeerAddress, Pin
+from megatron_pec.memory.history import NodeMemory
 from megatron_pec.memory.slots import SlotCache, slot_path
 from megatron_pec.store.storage import Storage
 

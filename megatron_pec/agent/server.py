@@ -39,18 +39,14 @@ import socket
 import threading
 import time
 
-from megatron_pec.common import faults, log
 from megatron_pec.agent import jobs, writer
 from megatron_pec.agent.committer import MemoryCopy
 from megatron_pec.agent.cpu_ledger import CpuLedger
-from megatron_pec.memory.history import NodeMemory
 from megatron_pec.agent.persist import check_snapshot
 from megatron_pec.agent.pins import pins, reading
 from megatron_pec.agent.replication import Replication
 from megatron_pec.agent.trainers import Link, Trainers
-from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.memory.node_files import (PIDFILE, SOCKET, agent_lock, remove_job_files, remove_stale_tmp,
-                                            replace_node_file)
+from megatron_pec.common import faults, log
 from megatron_pec.format.protocol import (
     Begin,
     Begun,
@@ -69,7 +65,17 @@ from megatron_pec.format.protocol import (
     Stop,
     decode_message,
 )
+from megatron_pec.memory.history import NodeMemory
+from megatron_pec.memory.node_files import (
+    PIDFILE,
+    SOCKET,
+    agent_lock,
+    remove_job_files,
+    remove_stale_tmp,
+    replace_node_file,
+)
 from megatron_pec.memory.slots import SlotCache, slot_path
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import Storage, open_storage
 
 GRANT_CHECK_S = 0.25  # how often an idle agent looks for a slot to give a trainer that holds none

@@ -13,8 +13,8 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.format.protocol import JobInfo, Pin, Record
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 
 _LINKS = itertools.count()
 

@@ -3,7 +3,8 @@
 A persist takes as long as storage needs for the rank's state (seconds to minutes); memory-only
 snapshots keep arriving every iteration meanwhile. The worker records each snapshot as it arrives and
 hands its rank file to this thread, in arrival order; the regions a write still has to read stay
-pinned, and are handed back item by item as it reads them (``HandBack``: the dense state first). A write's result goes back to the worker as a job (``jobs.Written``): the
+pinned, and are handed back item by item as it reads them (``HandBack``: the dense state first). A
+write's result goes back to the worker as a job (``jobs.Written``): the
 worker owns node memory and every answer to a trainer. While the agent serves, commits are made here
 only (``committer.py``), in the order the writes end; at a planned exit, after both threads stopped,
 the agent's own thread persists what storage still lacks.
@@ -17,10 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_pec.common import log
 from megatron_pec.agent import jobs
 from megatron_pec.agent.committer import Committer, MemoryCopy
 from megatron_pec.agent.persist import CheckedSnapshot, write_rank_file
+from megatron_pec.common import log
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import RankFile, SnapshotReady
 

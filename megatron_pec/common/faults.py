@@ -56,7 +56,7 @@ def _parse(spec: str) -> dict[str, list]:
                 raise ValueError
         except ValueError:
             raise SystemExit(f"MEGATRON_PEC_FAULT: cannot parse {part!r}; expected "
-                             "point=kill|enospc|eio|stall[@n][:rank]")
+                             "point=kill|enospc|eio|stall[@n][:rank]") from None
         armed[name] = [action, count, scope]
     return armed
 

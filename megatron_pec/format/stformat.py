@@ -193,9 +193,7 @@ def decode_metadata(prefix: bytes | memoryview) -> dict[str, str]:
     if at >= 0:
         at += 15
     else:
-        found = None
-        for found in _METADATA_KEY.finditer(raw):
-            pass
+        found = max(_METADATA_KEY.finditer(raw), key=lambda match: match.end(), default=None)
         if found is None:
             return {}
         at = found.end()

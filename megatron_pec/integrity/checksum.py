@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
-from megatron_pec.integrity.kinds import is_sum64
 from megatron_pec.integrity.byteruns import runs
+from megatron_pec.integrity.kinds import is_sum64
 
 try:
     from zlib_ng.zlib_ng import crc32

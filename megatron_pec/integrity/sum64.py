@@ -33,7 +33,8 @@ from __future__ import annotations
 import numpy
 
 from megatron_pec.integrity.byteruns import runs
-from megatron_pec.integrity.kinds import SUM64_PREFIX as PREFIX, is_sum64
+from megatron_pec.integrity.kinds import SUM64_PREFIX as PREFIX
+from megatron_pec.integrity.kinds import is_sum64
 
 try:
     from megatron_pec.integrity import _fused_sum64 as _kernel  # (the GIL released while it runs)

@@ -17,16 +17,16 @@ import sys
 import torch
 
 from megatron_pec.common import log
-from megatron_pec.format import small_state
 from megatron_pec.common.collectives import Collectives
+from megatron_pec.common.phases import Phases
+from megatron_pec.format import small_state
 from megatron_pec.format.item_names import ExpertId
-from megatron_pec.megatron import collect, contiguous, global_layout, layout, modelstate, restore
+from megatron_pec.format.protocol import RankLayout
+from megatron_pec.format.small_state_record import SmallState
+from megatron_pec.megatron import collect, contiguous, expert_params, global_layout, modelstate, restore
 from megatron_pec.megatron.optstate import OptimizerState
 from megatron_pec.megatron.slice_copy import SliceCopy
 from megatron_pec.megatron.tokens import TokenCounter
-from megatron_pec.common.phases import Phases
-from megatron_pec.format.protocol import RankLayout
-from megatron_pec.format.small_state_record import SmallState
 
 
 def training_args():
@@ -102,7 +102,7 @@ class MegatronAdapter:
         self.tokens = TokenCounter(model_chunks)
         self.buffers = collect.buffer_refs(model_chunks)
         # every chunk's params and modules by global name: walked once (seconds at 58 x 256 experts)
-        self.global_names = [layout.global_names(chunk) for chunk in model_chunks]
+        self.global_names = [expert_params.global_names(chunk) for chunk in model_chunks]
         # refuses (naming it) any model state Megatron would save and megatron-pec would not keep
         self.model_state = modelstate.ModelState.of(
             model_chunks, self.global_names, {id(getattr(module, attr)) for _, module, attr in self.buffers})

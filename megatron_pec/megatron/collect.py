@@ -20,7 +20,7 @@ import torch
 from megatron_pec.common.errors import CheckpointError
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 from megatron_pec.format.small_state_record import SmallState
-from megatron_pec.megatron.layout import param_pieces
+from megatron_pec.megatron.expert_params import param_pieces
 from megatron_pec.megatron.numpy_rng import numpy_state
 from megatron_pec.megatron.python_rng import python_state
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_pec.format.protocol import GlobalParam, RankLayout
 from megatron_pec.format.stformat import dtype_code
-from megatron_pec.megatron import collect, layout
+from megatron_pec.megatron import collect, expert_params
 
 
 def rank_layout(fingerprint: str, rank: int, topology: dict, slices: list, optimizers: list, global_names,
@@ -33,7 +33,7 @@ def rank_layout(fingerprint: str, rank: int, topology: dict, slices: list, optim
     why = ""
     if topology["tp"] > 1:
         why = "tensor parallelism splits each parameter (TP > 1): the ranges are within each TP rank's part"
-    elif any(layout.parse_expert_param_name(p.name) == ("grouped", None) for p in params):
+    elif any(expert_params.parse_expert_param_name(p.name) == ("grouped", None) for p in params):
         why = "the legacy GroupedMLP holds all local experts in one tensor (--moe-grouped-gemm without TE)"
     return RankLayout(fingerprint, rank, topology, params, placed, held, why)
 

@@ -5,7 +5,7 @@ check that refuses, naming it, any state Megatron would save that megatron-pec d
 
 Runs on every rank, with no communication. Found once (``ModelState.of``), captured at every save into
 the small state (host copies: the hand-over encodes them later), restored by ``restore``. Keys are
-``<chunk>/<global name>`` (``layout.global_names``: experts by their global id, layers by their global
+``<chunk>/<global name>`` (``expert_params.global_names``: experts by their global id, layers by their global
 number), so that a restore onto another data- or expert-parallel layout finds each module's state in
 the old rank that held it.
 
@@ -60,7 +60,7 @@ class ModelState:
 
     @classmethod
     def of(cls, model_chunks, global_names: list, buffer_ids: set[int]) -> "ModelState":
-        """Walk the chunks (``global_names``: ``layout.global_names`` of each); refuse (``UnkeptState``) what no
+        """Walk the chunks (``global_names``: ``expert_params.global_names`` of each); refuse (``UnkeptState``) what no
         kind of saved state covers. ``buffer_ids``: the ids of the persistent buffers ``collect.buffer_refs``
         keeps."""
         frozen, extra, sizes, unkept = [], [], {}, []

@@ -1,6 +1,6 @@
 """How much node memory a rank takes, and the snapshot K that fits in it: the expert pool's size.
 
-A rank's node memory (``memory/layout.py``) is two home slots (header + dense state each) and a pool of
+A rank's node memory (``memory/slot_map.py``) is two home slots (header + dense state each) and a pool of
 expert regions: one per expert the rank holds (each expert's newest version) plus spares for what one
 snapshot writes. The spares follow the snapshot K: at K = all, one per expert (twice the state); at
 snapshot-K k, as many as the policy ever gives this rank in one snapshot - not three regions of every
@@ -66,7 +66,7 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class MemorySizing:
     """One rank's node memory: its files, its share of the node's replica store, what they hold."""
 
     state: int          # one complete snapshot of the rank (header, dense state, every expert)
@@ -101,7 +101,7 @@ class MemoryPlan:
     def describe(self, local_ranks: int, page_locked: bool, room: tuple[int, int | None]) -> str:
         """The start-up line: memory planned against the state, the tmpfs and the cgroup (``room``:
         free tmpfs bytes, the cgroup's limit or None)."""
-        gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        gib = lambda b: f"{b / GIB:.2f} GiB"
         text = (f"node memory planned per rank: {gib(self.own)} own ({self.own / self.state:.2f}x its state of "
                 f"{gib(self.state)}: {self.homes} dense states, {self.regions} expert regions for {self.experts} "
                 "experts)")
@@ -119,7 +119,7 @@ class MemoryPlan:
         return text
 
 
-def per_snapshot(layout: policy.ExpertLayout | None, selection: str, k: int, ep_rank: int, held: int) -> int:
+def per_snapshot(layout: policy.ExpertGrid | None, selection: str, k: int, ep_rank: int, held: int) -> int:
     """The most experts of ``ep_rank`` one snapshot at snapshot-K ``k`` writes (``held``: all it holds).
     Sequential: counted over its schedule's period; other policies: every layer's k, up to the rank's
     experts of a layer."""
@@ -154,7 +154,7 @@ def least_bytes(home_file: int, homes: int, pool_header: int, region_bytes: int,
 
 def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes: int, experts: int, demand,
          asked_k: int, budget: Budget | None, node_state: int, local_ranks: int, replica_share: int,
-         node_least: int | None = None) -> MemoryPlan:
+         node_least: int | None = None) -> MemorySizing:
     """The pool's regions for the asked snapshot-K, or under ``budget`` the largest K that fits.
 
     ``demand(k)``: experts one snapshot at snapshot-K k writes (``per_snapshot``); ``node_state``: the
@@ -168,8 +168,8 @@ def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes:
         return homes * home_file + pool_header + regions_for(k) * region_bytes + replica_share
 
     if budget is None:
-        return MemoryPlan(state, home_file, homes, pool_header, region_bytes, experts, regions_for(asked_k),
-                          replica_share, asked_k, asked_k)
+        return MemorySizing(state, home_file, homes, pool_header, region_bytes, experts, regions_for(asked_k),
+                            replica_share, asked_k, asked_k)
     room = budget.bytes_for(node_state) // local_ranks
     least = least_bytes(home_file, homes, pool_header, region_bytes, experts, demand, replica_share)
     if room < least:
@@ -180,8 +180,8 @@ def plan(state: int, home_file: int, homes: int, pool_header: int, region_bytes:
     while k > 1 and demand(k) > spares:
         k -= 1
     regions = min(experts + spares, regions_for(asked_k))
-    return MemoryPlan(state, home_file, homes, pool_header, region_bytes, experts, regions, replica_share, asked_k,
-                      k, budget, bytes_for(asked_k))
+    return MemorySizing(state, home_file, homes, pool_header, region_bytes, experts, regions, replica_share, asked_k,
+                        k, budget, bytes_for(asked_k))
 
 
 def smallest_ratio(node_least: int, node_state: int) -> float:
@@ -191,7 +191,7 @@ def smallest_ratio(node_least: int, node_state: int) -> float:
 
 def _refusal(budget: Budget, room: int, least: int, experts: int, spares: int, node_state: int, local_ranks: int,
              node_least: int, replica_share: int) -> str:
-    gib = lambda b: f"{b / GIB:.2f} GiB" if b >= GIB // 10 else f"{b / 2**20:.2f} MiB"  # noqa: E731
+    gib = lambda b: f"{b / GIB:.2f} GiB" if b >= GIB // 10 else f"{b / 2**20:.2f} MiB"
     smallest = smallest_ratio(node_least, node_state)
     replicas = ", and its share of peers' replicas" if replica_share else ""
     return (f"--pec-node-memory {budget} leaves {gib(room)} of node memory per rank "
@@ -205,5 +205,5 @@ def _refusal(budget: Budget, room: int, least: int, experts: int, spares: int, n
             "out (2x the state at K=all, less at a smaller --pec-snapshot-k)")
 
 
-__all__ = ["Budget", "BudgetError", "MemoryPlan", "least_bytes", "least_spares", "per_snapshot", "plan",
+__all__ = ["Budget", "BudgetError", "MemorySizing", "least_bytes", "least_spares", "per_snapshot", "plan",
            "smallest_ratio"]

@@ -2,7 +2,7 @@
 of which item, of which timeline - and the one predicate that says what may be restored.
 
 A rank has two home slots, each with a region for its dense state, and a pool of expert regions
-(``memory/layout.py``; pool region j is slot ``POOL + j``, holding one expert's version at a time). A
+(``memory/slot_map.py``; pool region j is slot ``POOL + j``, holding one expert's version at a time). A
 snapshot writes its header and dense state into one home slot and each expert it writes into a pool
 region the trainer chose (``regions.RegionBook``); nothing is copied afterwards.
 The agent is the only writer of ``<node dir>/slots.json`` (a ``MemoryIndex``): per slot, a
@@ -25,11 +25,11 @@ import json
 import os
 
 from megatron_pec.format.item_names import NON_EXPERT
-from megatron_pec.memory.layout import is_pool
 from megatron_pec.format.protocol import JobKey, MemoryIndex, ProtocolError, RankMemory, Segment, SlotHeader, SlotRecord
-from megatron_pec.memory.node_files import replace_node_file
-from megatron_pec.memory.slots import read_slot_metadata, slot_path
 from megatron_pec.format.stformat import FormatError
+from megatron_pec.memory.node_files import replace_node_file
+from megatron_pec.memory.slot_map import is_pool
+from megatron_pec.memory.slots import read_slot_metadata, slot_path
 
 INDEX = "slots.json"
 
@@ -133,7 +133,7 @@ class NodeMemory:
         for item, slot in {NON_EXPERT: home, **places}.items():
             if item not in record.items:
                 continue
-            keep = lambda values: {item: values[item]} if item in values else {}  # noqa: E731
+            keep = lambda values, item=item: {item: values[item]} if item in values else {}  # (bound per item)
             runs = {item: record.run_of(item)} if record.run_of(item) != record.run else {}
             self.slots[rank][slot] = dataclasses.replace(
                 record, iteration=record.iteration if slot == home else NO_HOME, run=record.run if slot == home else "",
@@ -295,7 +295,8 @@ class NodeMemory:
         # (a pool region's record is mostly kept whole: a listing goes through thousands of them)
         return (record if len(keep) == len(record.items) else dataclasses.replace(record, items=keep)), header
 
-    def restorable(self, rank: int, job: JobKey) -> tuple[list[tuple[int, str, SlotRecord, SlotHeader | None]], list[str]]:
+    def restorable(self, rank: int, job: JobKey
+                   ) -> tuple[list[tuple[int, str, SlotRecord, SlotHeader | None]], list[str]]:
         """(slot, path, record, home header) of every slot of ``rank`` that may serve a restore of ``job``, the
         newest home first (records keep only what may serve), and the reasons slots of another job or
         configuration were passed over."""

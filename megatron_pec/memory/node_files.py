@@ -58,7 +58,7 @@ def pool_name(rank: int) -> str:
     return f"rank{rank}.pool"
 
 
-def memory_plan_name(rank: int) -> str:
+def memory_sizing_name(rank: int) -> str:
     """The node memory a rank planned at start-up (for ``inspect``)."""
     return f"rank{rank}.memory.json"
 
@@ -103,5 +103,6 @@ def remove_job_files(directory: str) -> None:
                 os.unlink(entry.path)
 
 
-__all__ = ["SOCKET", "PIDFILE", "LOCKFILE", "AGENT_LOG", "REPLICAS", "RANK_FILE", "map_node_file", "home_slot_name", "pool_name",
-           "memory_plan_name", "agent_lock", "remove_job_files", "remove_stale_tmp"]
+__all__ = ["SOCKET", "PIDFILE", "LOCKFILE", "AGENT_LOG", "REPLICAS", "RANK_FILE", "map_node_file", "home_slot_name",
+           "pool_name",
+           "memory_sizing_name", "agent_lock", "remove_job_files", "remove_stale_tmp"]

@@ -1,6 +1,6 @@
 """Which bytes of node memory a trainer may overwrite: its regions, one version of one item each.
 
-A rank's node memory (``memory/layout.py``) has two dense regions (its home slots 0 and 1) and a pool of
+A rank's node memory (``memory/slot_map.py``) has two dense regions (its home slots 0 and 1) and a pool of
 expert regions (slot ids ``POOL + j``). A snapshot writes its header and dense state into one home
 slot and each expert it saves into any pool region it may overwrite, so nothing is copied afterwards.
 A region may be overwritten unless it holds something still needed: its item's newest recorded version
@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy
 
 from megatron_pec.format.item_names import NON_EXPERT
-from megatron_pec.memory.layout import HOME_SLOTS, POOL
 from megatron_pec.format.protocol import Pin
+from megatron_pec.memory.slot_map import HOME_SLOTS, POOL
 
 FREE, RECORDED, PENDING = 0, 1, 2  # a region's state: holds nothing needed / a recorded version / in flight
 
@@ -37,7 +37,8 @@ class RegionBook:
         self.version = numpy.full(regions, -1, dtype=numpy.int64)  # iteration of that version
         self.state = numpy.zeros(regions, dtype=numpy.int8)
         self.pinned = numpy.zeros(regions, dtype=bool)
-        self.newest = numpy.full(len(self.items), -1, dtype=numpy.int64)  # region of each item's newest recorded version
+        # the region of each item's newest recorded version
+        self.newest = numpy.full(len(self.items), -1, dtype=numpy.int64)
         self.pins: list[Pin] = []
         self.hold: str | None = None  # the agent's reason the next snapshot must wait (a lagging replica)
         # (iteration, its regions) per snapshot announced and not yet answered, in order: the agent answers

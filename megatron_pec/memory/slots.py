@@ -1,5 +1,5 @@
 """Node memory files: a rank's two home slots and its expert pool, tmpfs files laid out as safetensors,
-memory-mapped (layout: ``memory/layout.py``).
+memory-mapped (layout: ``memory/slot_map.py``).
 
 Trainer side (every rank, for its own files): ``SlotFiles`` allocates the rank's files once (after a
 tmpfs space preflight), maps them and gives tensor views of an item in a slot, so a snapshot is one
@@ -8,7 +8,7 @@ copy per run of slices and a header rewrite. Which regions a snapshot may overwr
 ``agent/pins.py``).
 
 Reader side (agent, restore): ``open_slot`` maps a slot and parses its header; ``read_slot_metadata``
-reads only the metadata; ``SlotCache`` keeps the agent's mappings and each rank's ``MemoryLayout``.
+reads only the metadata; ``SlotCache`` keeps the agent's mappings and each rank's ``SlotMap``.
 Whether a slot's contents are complete and restorable is decided by the agent's record of node memory,
 never by the slot file alone.
 """
@@ -21,11 +21,23 @@ import os
 import struct
 import threading
 
-from megatron_pec.memory.layout import HOMES_MAX, MemoryLayout, is_pool
-from megatron_pec.memory.node_files import home_slot_name, map_node_file, pool_name
 from megatron_pec.format.protocol import SlotHeader
-from megatron_pec.format.stformat import (MAX_HEADER, FormatError, Header, TensorEntry, decode_header, decode_metadata,
-                                  encode_header, header_tail, read_head, read_header, tensor_table, tensor_views)
+from megatron_pec.format.stformat import (
+    MAX_HEADER,
+    FormatError,
+    Header,
+    TensorEntry,
+    decode_header,
+    decode_metadata,
+    encode_header,
+    header_tail,
+    read_head,
+    read_header,
+    tensor_table,
+    tensor_views,
+)
+from megatron_pec.memory.node_files import home_slot_name, map_node_file, pool_name
+from megatron_pec.memory.slot_map import HOMES_MAX, SlotMap, is_pool
 
 HEADER_RESERVE = 256 << 10  # default room for metadata (small state, token counts) beyond the tensor table
 HEADER_ALIGN = 4 << 10      # header sizes are rounded up to pages (node memory holds two home headers per rank)
@@ -52,7 +64,7 @@ def node_dir(shm_dir: str, job_id: str, node_rank: int) -> str:
 class SlotFiles:
     """One rank's node-memory files (two home slots, the expert pool), mapped into the trainer."""
 
-    def __init__(self, directory: str, rank: int, layout: MemoryLayout, local_ranks: int,
+    def __init__(self, directory: str, rank: int, layout: SlotMap, local_ranks: int,
                  replica_bytes: int = 0, reserve: int = HEADER_RESERVE):
         """``reserve``: header bytes for a save's metadata beyond the tensor table (its bound);
         ``replica_bytes``: what this node keeps of peers' snapshots per local rank (the preflight)."""
@@ -128,7 +140,7 @@ class SlotFiles:
         return views
 
     def item_header(self, slot: int, item: str) -> Header:
-        """The header that places ``item`` in ``slot`` (see ``MemoryLayout.item_header``)."""
+        """The header that places ``item`` in ``slot`` (see ``SlotMap.item_header``)."""
         return self.layout.item_header(slot, item, self.header, self.pool_header)
 
     def mapping(self, slot: int) -> mmap.mmap:
@@ -245,7 +257,7 @@ def home_file_bytes(entries, reserve: int) -> int:
     return 8 + home_header_capacity(entries, reserve) + (entries[-1].end if entries else 0)
 
 
-def snapshot_file_bytes(layout: MemoryLayout, reserve: int) -> int:
+def snapshot_file_bytes(layout: SlotMap, reserve: int) -> int:
     """One complete snapshot of a rank as a slot file of its own, its header naming every tensor (what a
     replica of the rank holds, and each slot of the three-region layout before the pool): the state
     that node memory is measured against."""
@@ -256,23 +268,23 @@ def _aligned(header_bytes: int) -> int:
     return -(-header_bytes // HEADER_ALIGN) * HEADER_ALIGN
 
 
-def _existing_pool(directory: str, rank: int, planned: MemoryLayout) -> MemoryLayout:
+def _existing_pool(directory: str, rank: int, planned: SlotMap) -> SlotMap:
     """``planned``, or with the regions of an existing pool of the same experts if it has more."""
     try:
         with open(pool_path(directory, rank), "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
             head = struct.pack("<Q", size) + f.read(min(size, MAX_HEADER))
-        existing = MemoryLayout.from_headers(Header(planned.dense, {}, 0), decode_header(head, None))
+        existing = SlotMap.from_headers(Header(planned.dense, {}, 0), decode_header(head, None))
     except (OSError, FormatError, struct.error):
         return planned
     if existing.experts != planned.experts or existing.region_bytes != planned.region_bytes \
             or existing.homes != planned.homes or existing.regions <= planned.regions:
         return planned
-    return MemoryLayout(planned.dense, planned.experts, existing.regions, planned.region_bytes, planned.homes)
+    return SlotMap(planned.dense, planned.experts, existing.regions, planned.region_bytes, planned.homes)
 
 
 def _space_message(directory: str, free: int, need: int, local_ranks: int, replica_need: int = 0) -> str:
-    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:.0f} MiB"
     total = (need + replica_need) * local_ranks
     text = (f"node memory {directory} has {mib(free)} free, but the snapshot files of {mib(need)} for each of "
             f"{local_ranks} local rank(s) need {mib(need * local_ranks)}. "
@@ -331,7 +343,7 @@ def _cgroup_dirs() -> list[str]:
 
 def _cgroup_message(limit: tuple[int, int, str], room: int, free: int, need: int, local_ranks: int,
                     replicas: bool) -> str:
-    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:.0f} MiB"
     total = need * local_ranks
     docker_gib = max(1, -(-(limit[0] + total) * 5 // 4 // 2**30))
     return (f"the container's memory limit ({limit[2]}: {mib(limit[0])}, {mib(limit[1])} in use) "
@@ -354,9 +366,9 @@ class SlotCache:
         self._lock = threading.Lock()
         self._maps: dict[str, tuple[tuple[int, int, int], mmap.mmap]] = {}
         self._known: dict[str, tuple[bytes, tuple[TensorEntry, ...]]] = {}
-        self._layouts: dict[tuple, MemoryLayout] = {}  # (pool path, its metadata, home table) -> layout
+        self._layouts: dict[tuple, SlotMap] = {}  # (pool path, its metadata, home table) -> layout
 
-    def layout(self, directory: str, rank: int) -> MemoryLayout:
+    def layout(self, directory: str, rank: int) -> SlotMap:
         """The rank's node-memory layout, as its pool file and home slot 0 say (parsed once per layout)."""
         _, home = self.open(slot_path(directory, rank, 0))
         _, pool = self.open(pool_path(directory, rank))
@@ -365,7 +377,7 @@ class SlotCache:
         if found is None:
             if len(self._layouts) > 64:
                 self._layouts.clear()
-            found = self._layouts[key] = MemoryLayout.from_headers(home, pool)
+            found = self._layouts[key] = SlotMap.from_headers(home, pool)
         return found
 
     def item(self, directory: str, rank: int, slot: int, item: str) -> tuple[mmap.mmap, Header]:

@@ -36,14 +36,14 @@ from typing import Callable, Mapping
 
 from megatron_pec.format.item_names import ExpertId, ExpertOrder
 
-__all__ = ["POLICIES", "ExpertLayout", "SelectionInput", "select_experts", "select_two_level", "bytes_per_ep_rank"]
+__all__ = ["POLICIES", "ExpertGrid", "SelectionInput", "select_experts", "select_two_level", "bytes_per_ep_rank"]
 
 POLICIES = ("sequential", "load-aware", "popularity")
 TOKEN_BLIND = ("sequential",)  # policies that never read ``SelectionInput.unsaved_tokens``
 
 
 @dataclass(frozen=True, slots=True)
-class ExpertLayout:
+class ExpertGrid:
     """Where the experts live; identical on every rank."""
 
     layers: tuple[int, ...]  # global 1-based numbers of ALL MoE layers, increasing
@@ -87,7 +87,7 @@ class ExpertLayout:
 class SelectionInput:
     """Everything one selection at one level (snapshot or persist) depends on."""
 
-    layout: ExpertLayout
+    layout: ExpertGrid
     k: int  # experts per layer to save at this level, 1..num_experts
     unsaved_tokens: Mapping[ExpertId, int]  # tokens since the last saved version at this level; missing = 0
     last_saved: Mapping[ExpertId, int]  # iteration of the last saved version at this level; missing = never saved
@@ -114,14 +114,14 @@ class SelectionInput:
             raise ValueError(f"unsaved_tokens must be >= 0; negative for {negative[:5]}")
 
 
-def _array(values, lay: ExpertLayout):
+def _array(values, lay: ExpertGrid):
     """The int64 array of an ``expert_values.ExpertValues`` laid out in ``lay``'s order (-1: none), else
     None (a plain mapping, read expert by expert)."""
     aligned = getattr(values, "aligned", None)
     return aligned(lay.order) if aligned is not None else None
 
 
-def bytes_per_ep_rank(layout: ExpertLayout, selected: frozenset[ExpertId] | set[ExpertId]) -> list[int]:
+def bytes_per_ep_rank(layout: ExpertGrid, selected: frozenset[ExpertId] | set[ExpertId]) -> list[int]:
     """Expert bytes each EP rank writes for ``selected`` (its share of the save work)."""
     out = [0] * layout.ep_size
     for eid in selected:
@@ -147,7 +147,7 @@ def select_experts(policy: str, inp: SelectionInput) -> frozenset[ExpertId]:
     pool = inp.candidates if inp.candidates is not None else frozenset(lay.all_experts())
     chosen = {e for e in pool if e not in inp.last_saved}
     rest = [e for e in pool if e not in chosen]
-    tokens = lambda e: inp.unsaved_tokens.get(e, 0)  # noqa: E731
+    tokens = lambda e: inp.unsaved_tokens.get(e, 0)
     age = lambda e: inp.last_saved[e]  # noqa: E731  (only asked of saved experts)
     offset = _round_robin_offsets(inp)
     if policy == "popularity":
@@ -155,14 +155,14 @@ def select_experts(policy: str, inp: SelectionInput) -> frozenset[ExpertId]:
         slots = max(0, budget // lay.expert_bytes - len(chosen))
         return frozenset(chosen | _popularity(lay, rest, slots, tokens, age, offset))
     if policy == "load-aware":
-        key = lambda e: (-tokens(e), offset(e))  # noqa: E731
+        key = lambda e: (-tokens(e), offset(e))
     elif inp.candidates is None:
         key = offset  # pure round-robin: guarantees coverage and balance from checkpoint_index alone
     else:
         # Inside a candidate set (persist ⊆ snapshot) our own round-robin window may
         # not be available; stalest-first is what round-robin converges to and keeps
         # every expert cycling through this level.
-        key = lambda e: (age(e), offset(e))  # noqa: E731
+        key = lambda e: (age(e), offset(e))
     available = Counter(e.layer for e in pool)
     quota = {layer: min(inp.k, available[layer]) for layer in lay.layers}
     return frozenset(_greedy_with_capacity(lay, sorted(rest, key=key), quota, chosen))
@@ -197,7 +197,7 @@ def _vectorised(policy: str, inp: SelectionInput, pool=None) -> frozenset[Expert
     rest = pool & ~never
     per_rank = width // lay.ep_size
     ids = numpy.arange(width)
-    interleaved = (ids % per_rank) * lay.ep_size + ids // per_rank  # ExpertLayout._interleaved_pos of each
+    interleaved = (ids % per_rank) * lay.ep_size + ids // per_rank  # ExpertGrid._interleaved_pos of each
     starts = (inp.checkpoint_index + numpy.arange(rows, dtype=numpy.int64)) * k
     offset = (interleaved[None, :] - starts[:, None]) % width
     if policy == "load-aware":
@@ -250,7 +250,7 @@ def select_two_level(policy: str, snapshot: SelectionInput,
     (plus never-snapshotted ones). For a snapshot-only checkpoint use ``select_experts``.
     """
     if persist.layout != snapshot.layout:
-        raise ValueError("snapshot and persist inputs must share the same ExpertLayout")
+        raise ValueError("snapshot and persist inputs must share the same ExpertGrid")
     persisted = select_experts(policy, persist)
     lay = snapshot.layout
     if policy != "popularity" and _array(snapshot.last_saved, lay) is not None:
@@ -305,7 +305,7 @@ def _round_robin_offsets(inp: SelectionInput) -> Callable[[ExpertId], tuple[int,
     return key
 
 
-def _greedy_with_capacity(lay: ExpertLayout, ranked: list[ExpertId], quota: Mapping[int, int],
+def _greedy_with_capacity(lay: ExpertGrid, ranked: list[ExpertId], quota: Mapping[int, int],
                           fixed: set[ExpertId]) -> set[ExpertId]:
     """PEC Algorithm 1 on top of the ``fixed`` experts: take experts in ``ranked`` order
     while their layer is below its quota and their EP rank below ceil(total quota / ep).
@@ -331,7 +331,7 @@ def _greedy_with_capacity(lay: ExpertLayout, ranked: list[ExpertId], quota: Mapp
 class _CapacityChoice:
     """The experts chosen so far, counted per layer and per EP rank, and the moves between them."""
 
-    def __init__(self, lay: ExpertLayout, ranked: list[ExpertId], quota: Mapping[int, int], fixed: set[ExpertId]):
+    def __init__(self, lay: ExpertGrid, ranked: list[ExpertId], quota: Mapping[int, int], fixed: set[ExpertId]):
         self.lay = lay
         self.cell: dict[tuple[int, int], list[ExpertId]] = {}  # (layer, rank) -> experts in priority order
         for e in ranked:
@@ -390,7 +390,7 @@ class _CapacityChoice:
                 self.move(self.worst_taken(layer, rank), -1)
 
 
-def _popularity(lay: ExpertLayout, rest: list[ExpertId], slots: int, tokens: Callable[[ExpertId], int],
+def _popularity(lay: ExpertGrid, rest: list[ExpertId], slots: int, tokens: Callable[[ExpertId], int],
                 age: Callable[[ExpertId], int], offset: Callable[[ExpertId], tuple[int, int]]) -> set[ExpertId]:
     """MoEtion-style: ``slots`` whole experts split across layers in proportion to each
     layer's unsaved tokens (largest remainder, capped at the layer's experts that have

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy
 
-from megatron_pec.pec import lost_tokens as lost, policy
-from megatron_pec.pec.expert_values import ExpertOrder, ExpertValues, HeldExperts, values_in
 from megatron_pec.format.item_names import ExpertId, parse_item
 from megatron_pec.format.json_text import Quoted
 from megatron_pec.format.packed_column import ABSENT, PackedColumn
+from megatron_pec.pec import lost_tokens as lost
+from megatron_pec.pec import policy
+from megatron_pec.pec.expert_values import ExpertOrder, ExpertValues, HeldExperts, values_in
 
 
 def flag_k(snapshot_k: int | None, persist_k: int | None, num_experts: int) -> tuple[int, int]:
@@ -43,7 +44,7 @@ class Level:
             if not isinstance(getattr(self, name), ExpertValues):
                 setattr(self, name, ExpertValues.of(getattr(self, name)))
 
-    def input(self, layout: policy.ExpertLayout, cumulative, budget: int | None,
+    def input(self, layout: policy.ExpertGrid, cumulative, budget: int | None,
               candidates=None, tokens: bool = True) -> policy.SelectionInput:
         """``tokens=False``: without the unsaved token counts, for a policy that never reads them."""
         unsaved = ExpertValues()
@@ -95,7 +96,7 @@ class PecState:
     plt: float = 0.0
     recoveries: int = 0
 
-    def plan(self, selection: str, layout: policy.ExpertLayout, cumulative: dict[ExpertId, int],
+    def plan(self, selection: str, layout: policy.ExpertGrid, cumulative: dict[ExpertId, int],
              persist: bool, budget_bytes: int | None) -> tuple[frozenset, frozenset]:
         """Experts to snapshot, and the subset to persist (empty when this save is memory-only)."""
         if budget_bytes is None and min(self.snapshot.k, self.persist.k if persist else self.snapshot.k) \

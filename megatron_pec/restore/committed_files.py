@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Manifest, ProtocolError, RankFile, SlotHeader
-from megatron_pec.restore.sources import SourceError, read_checked_header, verify_items
 from megatron_pec.format.stformat import Header
+from megatron_pec.restore.sources import SourceError, read_checked_header, verify_items
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 
 
 @dataclass

@@ -6,7 +6,7 @@ byte and a second copy of the state in memory while it runs. Here each tensor of
 live tensor the restore would copy it into (runs that follow each other in the file and in memory are one
 read), the file's CRC-32 computed while it is read, as before. On a GPU rank a tensor on the device lands
 through a ring of page-locked buffers, each copied to the device while the next is read
-(``restore/staging.py``). A tensor without such a destination (another dtype or size, on a device without
+(``restore/read_ring.py``). A tensor without such a destination (another dtype or size, on a device without
 a staging) lands in a buffer of its own and is copied later, as every tensor was.
 
 The restore reads it once the ranks agreed on the plan (the loader read and checked only its header): a
@@ -21,7 +21,7 @@ import torch
 
 from megatron_pec.format.protocol import RankFile
 from megatron_pec.format.stformat import Header, TensorEntry, torch_dtype
-from megatron_pec.restore.staging import DeviceStaging
+from megatron_pec.restore.read_ring import DeviceReadRing
 from megatron_pec.store.storage import Storage
 
 
@@ -31,7 +31,7 @@ class LandingError(RuntimeError):
 
 def land_rank_file(path: str, entry: RankFile, header: Header, storage: Storage,
                    destinations: dict[str, torch.Tensor],
-                   staging: DeviceStaging | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+                   staging: DeviceReadRing | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Read the whole file ``path`` (its manifest ``entry``; ``header``: its header, read and checked before,
     whose bytes are read again in the checksum's stream but not parsed again) into ``destinations`` (slice
     name -> tensor) where they fit: host tensors directly, ``staging``'s device tensors through it; returns
@@ -59,7 +59,7 @@ def land_rank_file(path: str, entry: RankFile, header: Header, storage: Storage,
     return landed, kept
 
 
-def _through(pieces: list, staging: DeviceStaging | None):
+def _through(pieces: list, staging: DeviceReadRing | None):
     """``pieces`` as the storage fills them: a device stretch (a uint8 tensor on the device) through
     ``staging``'s buffers, the others as they are."""
     for piece in pieces:
@@ -69,7 +69,7 @@ def _through(pieces: list, staging: DeviceStaging | None):
             yield piece
 
 
-def _runs(entries: tuple[TensorEntry, ...], destinations: dict[str, torch.Tensor], staging: DeviceStaging | None):
+def _runs(entries: tuple[TensorEntry, ...], destinations: dict[str, torch.Tensor], staging: DeviceReadRing | None):
     """(entries, the bytes they land in, or None) for each stretch of consecutive entries (the file's data
     is contiguous) whose destinations follow each other in one storage, or that have none."""
     stretch, first, end = [], None, 0
@@ -96,7 +96,7 @@ def _continues(first: torch.Tensor | None, end: int, target: torch.Tensor | None
         and target.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
 
 
-def _destination(e: TensorEntry, live: torch.Tensor | None, staging: DeviceStaging | None) -> torch.Tensor | None:
+def _destination(e: TensorEntry, live: torch.Tensor | None, staging: DeviceReadRing | None) -> torch.Tensor | None:
     """``live`` where ``e``'s bytes can be read straight into it: a flat tensor of its dtype and size, on the
     host or reached through ``staging``."""
     if live is None or live.dim() != 1 or not live.is_contiguous() or live.numel() != e.numel \
@@ -107,7 +107,7 @@ def _destination(e: TensorEntry, live: torch.Tensor | None, staging: DeviceStagi
     return live.detach()
 
 
-def _staged(target: torch.Tensor | None, staging: DeviceStaging | None) -> bool:
+def _staged(target: torch.Tensor | None, staging: DeviceReadRing | None) -> bool:
     return target is not None and staging is not None and staging.takes(target)
 
 

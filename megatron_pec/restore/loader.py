@@ -1,4 +1,4 @@
-"""Load steps 3-5: what every rank restores, decided without side effects - a ``RestorePlan``. The
+"""Load steps 3-5: what every rank restores, decided without side effects - a ``RestoreDecision``. The
 restore acts on it (``restore/restore.py``: load steps 6-7, the fallback loop, the retirement after success).
 
 Runs on every rank (collective). Communication is limited to a few small
@@ -13,7 +13,7 @@ no scatter. Nothing here knows Megatron, writes a file or changes another object
             (``Loader.plan``). An iteration some rank cannot read is ``Refused``: the engine
             excludes it and asks again.
 5. decide   the tensors per slice, the small state, the PEC state with this restore's
-            PLT folded in (Dynamic-K applied): a ``RestorePlan``.
+            PLT folded in (Dynamic-K applied): a ``RestoreDecision``.
 """
 
 from __future__ import annotations
@@ -23,24 +23,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_pec.common import log
-from megatron_pec.pec import lost_tokens
-from megatron_pec.restore import reshard
-from megatron_pec.restore.accounting import ACCOUNT_VECTORS, account, accounting_columns, choose_k, stage_experts
-from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
 from megatron_pec.common.collectives import ANOTHER_RANK_FAILED, Collectives
-from megatron_pec.config import PecConfig
-from megatron_pec.job_facts import JobFacts
-from megatron_pec.memory.slots import SlotFiles
 from megatron_pec.common.errors import CheckpointError, StorageUnreachable
-from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
-from megatron_pec.integrity.kinds import is_sum64
-from megatron_pec.pec.state import PecState
 from megatron_pec.common.phases import Phases
+from megatron_pec.config import PecConfig
 from megatron_pec.format import reduced_record
+from megatron_pec.format.item_names import NON_EXPERT, ExpertId, item_name
 from megatron_pec.format.protocol import JobKey, Manifest
 from megatron_pec.format.reduced_record import MIN, columns, scalar, vector
 from megatron_pec.format.small_state_record import SmallState
+from megatron_pec.integrity.kinds import is_sum64
+from megatron_pec.job_facts import JobFacts
+from megatron_pec.memory.slots import SlotFiles
+from megatron_pec.pec import lost_tokens
+from megatron_pec.pec.state import PecState
+from megatron_pec.restore import reshard
+from megatron_pec.restore.accounting import ACCOUNT_VECTORS, account, accounting_columns, choose_k, stage_experts
 from megatron_pec.restore.sources import Source, SourceError, expert_source_for, memory_sources, storage_sources
+from megatron_pec.store.checkpoint_dir import TRACKER, CheckpointDir, ManifestError
 
 MAX_CANDIDATES = 32
 LIST_OLDER = 64  # a restore log line names at most this many experts restored from older versions
@@ -105,7 +105,7 @@ class Refused:
 
 
 @dataclass
-class RestorePlan:
+class RestoreDecision:
     """What the loader decided: iteration ``iteration`` of ``source`` with these item versions."""
 
     iteration: int
@@ -154,7 +154,7 @@ class RestorePlan:
 
 
 @dataclass
-class PlanVote:
+class DecisionVote:
     """One rank's part of the agreement on a plan - and, after the all-reduce, every rank's: each field
     reduced over the ranks as it declares (``format/reduced_record.py``).
 
@@ -252,7 +252,7 @@ class Loader:
         """``checked_after_copy``: node memory's bytes are verified by the restore where they land (once on
         the device, or by the host copy that sums them: ``summed_by_copy``, the plan then names each slice's
         place in its item), not here before. ``read_later``: a rank file planned whole is read by the
-        restore, straight into the tensors it restores, and checked as it is read (``RestorePlan.reads``);
+        restore, straight into the tensors it restores, and checked as it is read (``RestoreDecision.reads``);
         here only its header is read and checked."""
         self.ctx, self.directory, self.root = ctx, directory, directory.root
         self.checked_after_copy, self.summed_by_copy = checked_after_copy, summed_by_copy
@@ -298,8 +298,8 @@ class Loader:
         return Candidates(memory, stored, manifests, error, unreachable=unreachable)
 
     # ---- 4. agree on an iteration ----------------------------------------------------------------------
-    def plan(self, found: Candidates, excluded: set[int]) -> RestorePlan | Refused | None:
-        """What every rank restores from ``found``, read and verified: a ``RestorePlan``; ``Refused`` when
+    def plan(self, found: Candidates, excluded: set[int]) -> RestoreDecision | Refused | None:
+        """What every rank restores from ``found``, read and verified: a ``RestoreDecision``; ``Refused`` when
         the ranks agreed on an iteration some rank cannot restore (the caller excludes it and asks again);
         None when there is nothing to restore. ``excluded``: iterations not to restore. Raises
         CheckpointError on every rank when a rank could not list its sources, or every candidate was
@@ -350,7 +350,7 @@ class Loader:
         return max(common) if common else None
 
     # ---- another layout -------------------------------------------------------------------------
-    def _reshard(self, m: Manifest) -> RestorePlan:
+    def _reshard(self, m: Manifest) -> RestoreDecision:
         """Iteration ``m`` onto this rank's slices from the files of another layout (``restore/reshard.py``)."""
         ctx, error, done = self.ctx, None, None
         where = f"checkpoint {self.root} iteration {m.iteration}"
@@ -371,8 +371,8 @@ class Loader:
         self.coll.raise_if_any(error)
         if done.pec is not None:
             choose_k(self.ctx.config, self.ctx.num_experts, done.pec)
-        return RestorePlan(m.iteration, f"storage (resharded: {reshard.change(m.topology, topology)})",
-                           done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
+        return RestoreDecision(m.iteration, f"storage (resharded: {reshard.change(m.topology, topology)})",
+                               done.versions, done.tensors, done.small, done.pec, done.tokens_at_target, done.report,
                            resharded=True)
 
     # ---- 4. ... and read it: each item's source, opened and verified -----------------------------------
@@ -406,7 +406,7 @@ class Loader:
         meanwhile = None
         if prepared is not None and error is None:
             first = plan
-            meanwhile = lambda: self._prepare_meanwhile(first, prepared)  # noqa: E731
+            meanwhile = lambda: self._prepare_meanwhile(first, prepared)
         with phases("agreeing"):
             agreed = self._vote(target, plan, error, newest, planned=planned, meanwhile=meanwhile)
         if agreed.versions is None:
@@ -464,7 +464,7 @@ class Loader:
     def _vote(self, target: int | None, plan: dict[str, Source | None], error: str | None, newest: int,
               planned: dict | None = None, failed: bool = False, meanwhile=None) -> Agreement:
         """The ``Agreement`` on this rank's plan for ``target``: one MAX all-reduce of every rank's
-        ``PlanVote`` (a rank that cannot contributes only its flags; ``newest``: the newest iteration it has
+        ``DecisionVote`` (a rank that cannot contributes only its flags; ``newest``: the newest iteration it has
         a source of).
 
         With ``planned`` (the version this rank planned per held expert) the vote also carries which
@@ -481,7 +481,7 @@ class Loader:
             known = {i: (-1 if v is None else v) for i, v in planned.items()}
             versions = [self._expert_vector(known, -2), self._expert_vector(known, NONE),
                         self._expert_vector({i: int(plan[i] is None and v is not None) for i, v in planned.items()}, 0)]
-        mine = PlanVote(int(failed), int(error is not None), iteration, iteration, newest, accounting, *versions)
+        mine = DecisionVote(int(failed), int(error is not None), iteration, iteration, newest, accounting, *versions)
         voting = reduced_record.start_all_reduce(mine, n, lambda values: self.coll.start_reduce(values, "max"))
         if meanwhile is not None:
             meanwhile()
@@ -520,13 +520,13 @@ class Loader:
         return [bool(merged[position[n]]) for n in self.held]
 
     # ---- 5. decide -------------------------------------------------------------------------------------
-    def _decide(self, target: int, plan: dict[str, Source], agreed: Agreement,
-                prepared: "Prepared | None" = None) -> RestorePlan:
-        """``plan``'s ``RestorePlan``: its local part (``prepared`` during the vote, else now) and the PLT."""
+    def _decide(self, target: int, plan: dict[str, Source], agreed: Agreement, prepared: "Prepared | None" = None):
+        """``plan``'s ``RestoreDecision``: its local part (``prepared`` during the vote, else now) and the PLT."""
         p = prepared or self._prepare(plan)
         pec, report, tokens_at_target = account(self.ctx, target, agreed.state, agreed.accounted)
-        return RestorePlan(target, plan[NON_EXPERT].described, p.versions, p.tensors, p.small, pec, tokens_at_target,
-                           report, check_after_copy=p.after_copy, newest=agreed.newest, places=p.places, reads=p.reads)
+        return RestoreDecision(target, plan[NON_EXPERT].described, p.versions, p.tensors, p.small, pec,
+                               tokens_at_target, report, check_after_copy=p.after_copy, newest=agreed.newest,
+                               places=p.places, reads=p.reads)
 
     def _prepare(self, plan: dict[str, Source]) -> "Prepared":
         return prepare(plan, self.ctx.slice_items, self.summed_by_copy)
@@ -537,7 +537,7 @@ class Loader:
         with self.ctx.phases("deciding"):
             try:
                 prepared.append((plan, self._prepare(plan)))
-            except Exception:  # noqa: BLE001 - (raised again, after the vote, where it is made anew)
+            except Exception:  # (raised again, after the vote, where it is made anew)
                 pass
 
 

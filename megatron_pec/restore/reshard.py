@@ -18,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_pec.pec import lost_tokens
-from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
-from megatron_pec.restore.committed_files import CommittedFile, CommittedFiles
 from megatron_pec.format.item_names import NON_EXPERT, ExpertId, parse_item
-from megatron_pec.pec.state import PecState
 from megatron_pec.format.protocol import Manifest, RankLayout, SlotHeader
 from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.format.stformat import ITEMSIZE, torch_dtype
+from megatron_pec.pec import lost_tokens
+from megatron_pec.pec.state import PecState
+from megatron_pec.restore.committed_files import CommittedFile, CommittedFiles
+from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 
 KEEP_SAME = ("tp", "pp", "cp")  # parallel sizes a resharding restore cannot change yet
 

@@ -20,9 +20,9 @@ from megatron_pec.config import PecConfig
 from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.integrity.checksum import first_mismatch
 from megatron_pec.job_facts import JobFacts
-from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestorePlan
+from megatron_pec.restore.loader import LoadContext, Loader, Refused, RestoreDecision
+from megatron_pec.restore.read_ring import DeviceReadRing
 from megatron_pec.restore.sources import SourceError
-from megatron_pec.restore.staging import DeviceStaging
 from megatron_pec.store.checkpoint_dir import CheckpointDir
 
 
@@ -51,7 +51,7 @@ class RestoreParts:
     adapter: RestoreAdapter  # the restore goes into Megatron through it
     book: object             # ``save.pec_book.PecBook``: the PEC bookkeeping adopts the restored state
     history: object          # ``save.save_history.SaveHistory``: what was restored, for the next saves
-    session: object          # ``agent.session.AgentSession``: the new timeline, told to the agent
+    session: object          # ``agent.link.AgentLink``: the new timeline, told to the agent
     stager: object | None    # ``save.stager.Stager``: checks items where they landed (None: no --save)
     files: object | None     # ``memory.slots.SlotFiles``: node memory's slots the loader reads
     check_on_device: bool    # items from node memory checked where they land, not before the copy
@@ -62,9 +62,9 @@ class RestoreParts:
 
 
 class FileReads:
-    """Step 6's reads of the plan's rank files (``RestorePlan.reads``), given the tensors the restore writes:
+    """Step 6's reads of the plan's rank files (``RestoreDecision.reads``), given the tensors the restore writes:
     each file straight into them (``Source.read_into``; into device tensors through a ring of page-locked
-    buffers, ``DeviceStaging``), for the slices ``names``; called with those tensors, returns the tensors of
+    buffers, ``DeviceReadRing``), for the slices ``names``; called with those tensors, returns the tensors of
     the slices that did not land. A failure is kept in ``problem``, not raised: the restore goes on to its
     collectives, and the check after it excludes the iteration.
 
@@ -78,7 +78,7 @@ class FileReads:
 
     def __call__(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
-        staging = DeviceStaging.for_targets({n: targets[n] for n in self.names if n in targets},
+        staging = DeviceReadRing.for_targets({n: targets[n] for n in self.names if n in targets},
                                             host_too=self.staged_on_host)
         for source, names in self.reads:
             try:
@@ -162,7 +162,7 @@ class Restore:
                         "falling back to an older checkpoint", rank=self.rank)
             excluded.add(plan.iteration)
 
-    def _checked_on_device(self, plan: RestorePlan, phases: Phases) -> str | None:
+    def _checked_on_device(self, plan: RestoreDecision, phases: Phases) -> str | None:
         """What of ``plan.check_after_copy`` does not match where it landed, by the device's sums (a host copy
         that summed the items checked them as it copied: ``_apply``)."""
         if not plan.check_after_copy:
@@ -174,7 +174,7 @@ class Restore:
                            slice_items={s.name: s.item for s in self.adapter.slices}, slots=self.parts.files,
                            phases=phases)
 
-    def _apply(self, plan: RestorePlan, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases,
+    def _apply(self, plan: RestoreDecision, finetune: bool, scheduler, rng_key_prefix: str, phases: Phases,
                reads: "FileReads", check: "LandedCheck") -> None:
         """Load step 6: the plan into Megatron (through the adapter; the plan's rank files read into place
         by ``reads``) and into the PEC bookkeeping. A host copy that sums the plan's ``places`` as it copies
@@ -199,7 +199,7 @@ class Restore:
         with phases("PEC state"):
             self.parts.book.adopt(plan.pec, plan.tokens_at_target, plan.resharded)
 
-    def _restored(self, directory: CheckpointDir, plan: RestorePlan, finetune: bool,
+    def _restored(self, directory: CheckpointDir, plan: RestoreDecision, finetune: bool,
                   phases: Phases) -> tuple[int, float]:
         """Load step 7, retire and begin: the restore is done. Retire what an abandoned run left after it, say
         so (where the time went included) and start the new timeline."""

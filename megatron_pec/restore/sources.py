@@ -16,15 +16,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from megatron_pec.common import log
-from megatron_pec.memory.history import NodeMemory
-from megatron_pec.integrity.byteruns import byte_runs
-from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
-from megatron_pec.integrity.checksum import CHUNK, accumulator, crc32, item_checks, mismatch
-from megatron_pec.restore.landing import LandingError, land_rank_file
-from megatron_pec.memory.layout import MemoryLayout, is_pool
 from megatron_pec.format.protocol import JobKey, Manifest, ProtocolError, RankFile, SlotHeader
-from megatron_pec.memory.slots import open_slot
 from megatron_pec.format.stformat import FormatError, Header, decode_header, read_header, tensor_at, tensor_views
+from megatron_pec.integrity.byteruns import byte_runs
+from megatron_pec.integrity.checksum import CHUNK, accumulator, crc32, item_checks, mismatch
+from megatron_pec.memory.history import NodeMemory
+from megatron_pec.memory.slot_map import SlotMap, is_pool
+from megatron_pec.memory.slots import open_slot
+from megatron_pec.restore.landing import LandingError, land_rank_file
+from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.store.storage import Storage, prefetch
 
 
@@ -94,7 +94,7 @@ class Source:
     def read_into(self, storage: Storage, targets: dict, names: set[str], staging=None) -> dict:
         """A source opened ``read_later``: its whole file read now, each of ``names`` straight into its
         tensor in ``targets`` where it fits (``restore/landing.py``; device tensors through ``staging``, a
-        ``restore.staging.DeviceStaging``), the file checked as it is read; returns the tensors of those that
+        ``restore.read_ring.DeviceReadRing``), the file checked as it is read; returns the tensors of those that
         did not land (read into buffers). Raises SourceError."""
         with self._reading():
             _, kept = land_rank_file(self.where, self.rank_file, self._layout, storage,
@@ -314,10 +314,11 @@ def memory_sources(node_dir: str, rank: int, job: JobKey, slots=None, checked_af
 
 
 def _pool(path: str, mapping, slots) -> tuple | None:
-    """(mapping, ``MemoryLayout``, header) of a rank's expert pool, mapped once; None when unreadable."""
+    """(mapping, ``SlotMap``, header) of a rank's expert pool, mapped once; None when unreadable."""
     try:
         mapping, header = open_slot(path, mapping)
-        layout = slots.layout if slots is not None and mapping is slots.pool else MemoryLayout.from_headers(None, header)
+        own_pool = slots is not None and mapping is slots.pool
+        layout = slots.layout if own_pool else SlotMap.from_headers(None, header)
         return mapping, layout, header
     except (OSError, FormatError) as exc:
         log.warning(f"ignoring node memory's expert pool {path}: {exc}")

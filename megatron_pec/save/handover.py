@@ -1,4 +1,5 @@
-"""Save step 4, describe and hand over (its hand-over): a snapshot goes to the node agent as soon as its bytes are in node memory.
+"""Save step 4, describe and hand over (its hand-over): a snapshot goes to the node agent as soon as its
+bytes are in node memory.
 
 A watcher thread completes each snapshot off the training thread: it waits for the copies (GPU), reads
 the items' checksums (on the GPU computed by the device; on CPU ranks summed over the slot, numpy, the

@@ -12,10 +12,10 @@ import numpy
 import torch
 
 from megatron_pec.common import log
-from megatron_pec.pec import policy
 from megatron_pec.config import PecConfig
-from megatron_pec.pec.expert_values import ExpertValues
 from megatron_pec.job_facts import JobFacts
+from megatron_pec.pec import policy
+from megatron_pec.pec.expert_values import ExpertValues
 from megatron_pec.pec.state import Level, PecState, flag_k
 
 

@@ -14,9 +14,9 @@ import threading
 import time
 
 from megatron_pec.common import log
+from megatron_pec.common.errors import StorageUnreachable
 from megatron_pec.format.protocol import RankLayout
 from megatron_pec.store.checkpoint_dir import CheckpointDir
-from megatron_pec.common.errors import StorageUnreachable
 
 RETRY_S = (5.0, 10.0, 20.0, 40.0, 60.0)  # the waits between tries; the last one repeats
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_pec.agent.session import ROUND_WAIT_S, SNAPSHOT_ROOM_WAIT_S, AgentSession
+from megatron_pec.agent.link import ROUND_WAIT_S, SNAPSHOT_ROOM_WAIT_S, AgentLink
 from megatron_pec.common import faults, log
 from megatron_pec.common.collectives import Collectives
 from megatron_pec.common.phases import Phases
@@ -52,7 +52,7 @@ class SaveParts:
     adapter: SaveAdapter
     book: PecBook
     history: SaveHistory
-    session: AgentSession
+    session: AgentLink
     files: SlotFiles
     stager: Stager
 
@@ -231,7 +231,7 @@ class Save:
         exit, or a first persist of every expert, into a pool with spares for a partial snapshot): rounds
         of memory-only snapshots of its iteration, each of as many of its experts as the pool has regions
         free and recorded before the next (their older versions are then free, once the agent's pushes
-        and persists of the last round hand them back: one persist at most, ``AgentSession.await_capacity``),
+        and persists of the last round hand them back: one persist at most, ``AgentLink.await_capacity``),
         and a last one, persisted, whose header names every item it wrote and where. No collective: the PEC
         bookkeeping records the save's plan once, as on every rank. False (warned) when node memory frees no
         region (a budget admits none where that can happen: ``budget.least_spares``)."""

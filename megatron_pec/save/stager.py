@@ -4,7 +4,8 @@ One ``Stager`` per trainer owns everything a copy needs and nothing else touches
 and its events (GPU), the page-locked node-memory mappings, and the copy plan - per item, the runs of
 slices that are contiguous on both sides (``coalesce``), built once per binding of the live views and
 viewed in whichever region the item goes to. A snapshot is staged in steps (``begin``, ``copy`` of some
-items into the regions chosen for them, ``copy`` of more, ``finish``), and ``finish`` returns a ``StagedCopy``, a future (PyTorch DCP's
+items into the regions chosen for them, ``copy`` of more, ``finish``), and ``finish`` returns a
+``StagedCopy``, a future (PyTorch DCP's
 ``AsyncStager``: "copy started" is the return, "copy safe" is ``done()`` / ``wait()``) that also
 yields the items' checksums (``sums()``).
 
@@ -45,13 +46,13 @@ import torch
 from megatron_pec.common import log
 from megatron_pec.common.coalesce import coalesced_with_starts, run_view
 from megatron_pec.common.phases import Phases
-from megatron_pec.integrity.checksum import first_mismatch
-from megatron_pec.save.copy_waves import copy_in_waves
 from megatron_pec.format.item_names import NON_EXPERT
-from megatron_pec.memory.layout import POOL
+from megatron_pec.integrity.checksum import first_mismatch
 from megatron_pec.integrity.run_sums import KernelLoad, RunSums, kernel_load, on_device
-from megatron_pec.memory.slots import SlotFiles
 from megatron_pec.integrity.sum64 import item_sums
+from megatron_pec.memory.slot_map import POOL
+from megatron_pec.memory.slots import SlotFiles
+from megatron_pec.save.copy_waves import copy_in_waves
 
 
 class StagedCopy:

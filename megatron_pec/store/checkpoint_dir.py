@@ -38,9 +38,9 @@ from typing import Callable
 
 from megatron_pec.common import faults
 from megatron_pec.common.errors import ManifestError
+from megatron_pec.format.checkpoint_paths import ITER_DIR, MANIFEST, NODE_MARKER, TRACKER, absolute
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Manifest, NodeMarker, ProtocolError, RankFile, RankLayout
-from megatron_pec.format.checkpoint_paths import ITER_DIR, MANIFEST, NODE_MARKER, TRACKER, absolute
 from megatron_pec.store import retention
 from megatron_pec.store.storage import Storage
 
@@ -246,7 +246,7 @@ class CheckpointDir:
             raise OSError(f"{path}: other commits kept replacing it")
         faults.point("before_tracker", iteration=iteration)
         self._advance_tracker(iteration)
-        tidy = lambda: self._tidy(iteration, replaced, keep)  # noqa: E731
+        tidy = lambda: self._tidy(iteration, replaced, keep)
         if defer is not None:
             defer(tidy)
         else:

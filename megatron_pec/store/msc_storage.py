@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from typing import Iterable
 
 from megatron_pec.common import faults
-from megatron_pec.integrity.checksum import crc32
 from megatron_pec.common.errors import StorageUnreachable
+from megatron_pec.integrity.checksum import crc32
 
 SCHEME = "msc://"
 PART = 16 << 20  # bytes per uploaded part / ranged read (S3 asks at least 5 MiB of every part but the last)

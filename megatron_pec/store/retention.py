@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-from megatron_pec.format.checkpoint_paths import MANIFEST, NODE_MARKER
 from megatron_pec.common.errors import ManifestError
+from megatron_pec.format.checkpoint_paths import MANIFEST, NODE_MARKER
 from megatron_pec.format.protocol import Manifest
 
 

@@ -75,7 +75,7 @@ class Storage(Protocol):
         """The whole object into ``pieces`` (writable buffers whose sizes add up to the object's), filled
         in turn, and its crc32, computed while it is read; EIO when the object ends before. A piece is
         filled before the next one is asked for, which may hand out the same buffer again (a ring of
-        staging buffers: ``restore/staging.py``)."""
+        staging buffers: ``restore/read_ring.py``)."""
 
     def size(self, path: str) -> int: ...
 

@@ -36,9 +36,21 @@ from pathlib import Path
 
 from megatron_pec.testing import object_store_fault
 from megatron_pec.testing.cluster import Cluster, ClusterTimeout
-from megatron_pec.testing.fault_scenarios import (AGENT_POINTS, DAMAGE, DEFAULT_SCRIPT, FULL_ITERS, PEC_ITERS,
-                                                  PEC_SNAPSHOT_INTERVAL, SCENARIOS, TRAINER_POINTS, TYPES, Bench,
-                                                  Failure, Reference, can_mount)
+from megatron_pec.testing.fault_scenarios import (
+    AGENT_POINTS,
+    DAMAGE,
+    DEFAULT_SCRIPT,
+    FULL_ITERS,
+    PEC_ITERS,
+    PEC_SNAPSHOT_INTERVAL,
+    SCENARIOS,
+    TRAINER_POINTS,
+    TYPES,
+    Bench,
+    Failure,
+    Reference,
+    can_mount,
+)
 
 
 class Campaign:
@@ -184,7 +196,7 @@ def plt_comparison(runs: list[dict]) -> dict:
         if r["resumed_from"] == "memory":
             crash_at.setdefault(r["restored_iteration"], set()).add(round(r["plt"], 6))
     paired = [(r, crash_at[r["restored_iteration"]]) for r in losses if r["restored_iteration"] in crash_at]
-    median = lambda rows: statistics.median(r["plt"] for r in rows) if rows else None  # noqa: E731
+    median = lambda rows: statistics.median(r["plt"] for r in rows) if rows else None
     return {"node_loss_median": median(losses), "node_loss_runs": len(losses),
             "trainer_crash_median": median(crashes), "trainer_crash_runs": len(crashes),
             "pairs": len(paired), "pairs_equal": sum(round(r["plt"], 6) in plts for r, plts in paired),
@@ -218,7 +230,7 @@ def format_table(table: dict[str, dict]) -> str:
     total = [sum(t[k] for t in table.values()) for k in ("runs", "fired", "recovered", "failures", "hangs")]
     rows.append(("total", total[0], total[1], total[2], "", "", "", total[3], total[4]))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 

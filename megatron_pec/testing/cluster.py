@@ -444,11 +444,11 @@ class Cluster:
 def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
     """The PLT a restore of committed ``iteration`` from storage alone costs: every expert at the
     version its manifest records. Computed from the files' recorded cumulative token counts."""
-    from megatron_pec.pec import lost_tokens
-    from megatron_pec.store.checkpoint_dir import CheckpointDir
     from megatron_pec.format.item_names import parse_item
     from megatron_pec.format.protocol import SlotHeader
     from megatron_pec.format.stformat import read_header
+    from megatron_pec.pec import lost_tokens
+    from megatron_pec.store.checkpoint_dir import CheckpointDir
     from megatron_pec.store.storage import open_storage
 
     root, storage = str(root), open_storage("posix")
@@ -460,7 +460,8 @@ def persist_only_plt(root: str | os.PathLike, iteration: int) -> float:
             tokens_at[version] = {}
             for entry in (m.ranks if version == iteration else m.sources[str(version)]).values():
                 path = os.path.join(root, entry.file)
-                _, layout = read_header(lambda offset, n: storage.read_range(path, offset, n), storage.size(path))
+                _, layout = read_header(lambda offset, n, path=path: storage.read_range(path, offset, n),
+                                        storage.size(path))
                 tokens_at[version].update({parse_item(k): v for k, v in
                                            SlotHeader.from_metadata(layout.metadata).tokens.items()})
         return tokens_at[version]

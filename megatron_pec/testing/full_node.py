@@ -15,10 +15,10 @@ import torch
 
 from megatron_pec.agent.client import agent_pid
 from megatron_pec.agent.cpu_ledger import read_ledger
-from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.format.protocol import Flush, Flushed
-from megatron_pec.memory.slots import HEADER_RESERVE, node_dir, snapshot_file_bytes
 from megatron_pec.format.stformat import layout
+from megatron_pec.memory.slots import HEADER_RESERVE, node_dir, snapshot_file_bytes
+from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import open_storage
 from megatron_pec.testing.scripted import ScriptedTrainer
 

@@ -111,7 +111,7 @@ def _initialise_state_before_dist_load() -> None:
 
     original = DistributedOptimizer.sharded_state_dict
 
-    def sharded_state_dict(self, model_sharded_state_dict={}, is_loading: bool = False, *args, **kwargs):
+    def sharded_state_dict(self, model_sharded_state_dict={}, is_loading: bool = False, *args, **kwargs):  # noqa: B006 (Megatron's own signature, passed on as it is)
         if is_loading and not any(self.optimizer.state.values()):
             self.init_state_fn(self.optimizer, self.config)
             for state in self.optimizer.state.values():

@@ -32,8 +32,8 @@ def weed_binary() -> str | None:
 def missing() -> str | None:
     """Why an S3 test cannot run here (None: it can)."""
     try:
-        import boto3  # noqa: F401
-        import multistorageclient  # noqa: F401
+        import boto3  # noqa: F401 (imported only to see that it is installed)
+        import multistorageclient  # noqa: F401 (imported only to see that it is installed)
     except ImportError as exc:
         return f'multi-storage-client[boto3] is not installed ({exc}); pip install "multi-storage-client[boto3]"'
     if weed_binary() is None:
@@ -119,7 +119,7 @@ class S3Server:
         client = self._client()
         try:
             client.create_bucket(Bucket=BUCKET)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if "BucketAlready" not in type(exc).__name__ and "BucketAlready" not in str(exc):
                 raise
         try:

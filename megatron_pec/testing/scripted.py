@@ -11,13 +11,23 @@ import time
 from dataclasses import replace
 
 from megatron_pec.agent.client import AgentClient, ensure_agent
-from megatron_pec.memory.history import NodeMemory
-from megatron_pec.agent.session import WRITE_WAIT_S
-from megatron_pec.memory.layout import MemoryLayout
-from megatron_pec.format.protocol import Begin, Begun, Granted, Hello, JobInfo, Released, SlotHeader, SnapshotReady, Stop
-from megatron_pec.memory.regions import RegionBook
-from megatron_pec.memory.slots import SlotFiles
+from megatron_pec.agent.link import WRITE_WAIT_S
+from megatron_pec.format.protocol import (
+    Begin,
+    Begun,
+    Granted,
+    Hello,
+    JobInfo,
+    Released,
+    SlotHeader,
+    SnapshotReady,
+    Stop,
+)
 from megatron_pec.integrity.sum64 import item_sums
+from megatron_pec.memory.history import NodeMemory
+from megatron_pec.memory.regions import RegionBook
+from megatron_pec.memory.slot_map import SlotMap
+from megatron_pec.memory.slots import SlotFiles
 
 
 class ScriptedTrainer:
@@ -36,7 +46,7 @@ class ScriptedTrainer:
                            node_rank=node, num_nodes=nodes, topology={"ep": 2}, keep=keep, replicas=replicas,
                            storage=storage)
         ensure_agent(directory, node, idle_timeout=60, keep_shm=False)
-        layout = MemoryLayout.of(entries, 0, homes=3 if nodes > 1 and not replicas else 2)
+        layout = SlotMap.of(entries, 0, homes=3 if nodes > 1 and not replicas else 2)
         self.files = SlotFiles(directory, rank, replace(layout, regions=regions if regions is not None
                                                         else 2 * len(layout.experts)), local_ranks)
         self.client = AgentClient(directory, rank)

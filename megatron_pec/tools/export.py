@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
-from megatron_pec.restore.committed_files import CommittedFiles
 from megatron_pec.format.item_names import NON_EXPERT
 from megatron_pec.format.protocol import Manifest, RankLayout, SlotHeader
 from megatron_pec.format.small_state_record import SmallState
 from megatron_pec.format.stformat import ITEMSIZE, dtype_code
+from megatron_pec.restore.committed_files import CommittedFiles
+from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.store.storage import Storage
 
 SIDECAR = "pec_export.json"

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 
-from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.format.protocol import ProtocolError, SlotHeader
-from megatron_pec.restore.sources import SourceError, read_rank_file
 from megatron_pec.format.stformat import FormatError, read_header
+from megatron_pec.restore.sources import SourceError, read_rank_file
+from megatron_pec.store.checkpoint_dir import CheckpointDir, ManifestError
 from megatron_pec.store.storage import Storage
 
 

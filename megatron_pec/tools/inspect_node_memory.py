@@ -12,7 +12,7 @@ import json
 import os
 
 from megatron_pec.memory.history import INDEX, NO_HOME, NodeMemory
-from megatron_pec.memory.node_files import RANK_FILE, REPLICAS, memory_plan_name
+from megatron_pec.memory.node_files import RANK_FILE, REPLICAS, memory_sizing_name
 
 
 def is_node_dir(path: str) -> bool:
@@ -27,7 +27,7 @@ def report(node_dir: str) -> dict:
     for rank in ranks:
         files = {n: os.path.getsize(os.path.join(node_dir, n)) for n in names
                  if (m := RANK_FILE.fullmatch(n)) and int(m.group(1)) == rank}
-        plan = _json(os.path.join(node_dir, memory_plan_name(rank)))
+        plan = _json(os.path.join(node_dir, memory_sizing_name(rank)))
         homes = [(r.iteration, s) for s, r in memory.slots.get(rank, {}).items() if r.iteration != NO_HOME]
         recorded = {item for r in memory.slots.get(rank, {}).values() for item in r.items}
         out["ranks"][str(rank)] = {"files": files, "bytes": sum(files.values()), "plan": plan,
@@ -48,7 +48,7 @@ def report(node_dir: str) -> dict:
 
 
 def format_report(r: dict) -> str:
-    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:.1f} MiB"
     lines = [f"node memory {r['node_dir']}"]
     for rank, x in r["ranks"].items():
         plan = x["plan"] or {}

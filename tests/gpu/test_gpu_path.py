@@ -13,10 +13,9 @@ import sys
 import numpy
 import pytest
 import torch
+from conftest import REPO
 
 from megatron_pec.testing import launch
-
-from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -42,8 +41,14 @@ def test_the_one_launch_kernel_equals_the_cpu_sums_bit_for_bit():
     from fused_sums import mixed_items
 
     from megatron_pec.integrity import sum64_kernel
-    from megatron_pec.integrity.run_sums import (FusedRunSums, HostRunSums, KernelLoad, RunSums, SplitRunSums,
-                                       StockRunSums)
+    from megatron_pec.integrity.run_sums import (
+        FusedRunSums,
+        HostRunSums,
+        KernelLoad,
+        RunSums,
+        SplitRunSums,
+        StockRunSums,
+    )
 
     host = mixed_items(11)
     device = {item: [(t.cuda(), offset) for t, offset in runs] for item, runs in host.items()}
@@ -65,13 +70,13 @@ def test_the_one_launch_kernel_equals_the_cpu_sums_bit_for_bit():
 def _slot_files(directory, specs, regions=2):
     """Slot files as the engine makes them, in ``directory`` (under /dev/shm: CUDA page-locks a file mapping
     of tmpfs, and refuses one of a disk file system with "invalid argument")."""
-    from megatron_pec.memory.layout import MemoryLayout
-    from megatron_pec.memory.slots import SlotFiles
     from megatron_pec.format.stformat import layout
+    from megatron_pec.memory.slot_map import SlotMap
+    from megatron_pec.memory.slots import SlotFiles
 
     entries = layout(specs)
     os.makedirs(directory, exist_ok=True)
-    return SlotFiles(str(directory), 0, MemoryLayout.of(entries, regions), 1), entries
+    return SlotFiles(str(directory), 0, SlotMap.of(entries, regions), 1), entries
 
 
 def _landed_sums(files, placed):
@@ -91,7 +96,7 @@ def test_a_staged_snapshot_lands_in_pinned_slots_with_the_devices_sums(shm_dir, 
     this machine must) or by the copy engine; with the moments in host memory (before the first optimizer
     step: ``collect.stateless_views``), those are copied and summed by the host and the kernel reads device
     memory only. Nothing on the path synchronizes with the device (a new binding's table included)."""
-    from megatron_pec.memory.layout import POOL
+    from megatron_pec.memory.slot_map import POOL
     from megatron_pec.save.stager import Stager
 
     specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in (("dense", 1 << 20), ("L1.E0", 12345))
@@ -160,7 +165,8 @@ def test_the_example_snapshots_every_iteration_and_restores_from_memory_on_the_g
 
     def run(*extra, env=None):
         job = launch.Launch(script, (*model, *ckpt, "--train-iters", "12", *extra))
-        return launch.run(job, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, **(env or {})))
+        return launch.run(job, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, **(env or {})))
 
     killed = run("--metrics-file", str(tmp_path / "a.jsonl"), env={"MEGATRON_PEC_FAULT": "optimizer_step=kill@11"})
     assert killed.returncode != 0 and "fault injection: kill at optimizer_step" in killed.stdout + killed.stderr
@@ -199,7 +205,7 @@ def test_a_rank_file_lands_on_the_device_through_page_locked_buffers(tmp_path):
     from megatron_pec.format.protocol import RankFile
     from megatron_pec.format.stformat import encode_header, layout, read_header
     from megatron_pec.restore.landing import land_rank_file
-    from megatron_pec.restore.staging import DeviceStaging
+    from megatron_pec.restore.read_ring import DeviceReadRing
     from megatron_pec.store.storage import PosixStorage
 
     specs = [("dense/a", torch.float32, 3 << 20), ("dense/b", torch.bfloat16, 1001), ("L1.E0/w", torch.float32, 77)]
@@ -215,7 +221,7 @@ def test_a_rank_file_lands_on_the_device_through_page_locked_buffers(tmp_path):
     live = {"dense/a": torch.zeros(3 << 20, device="cuda"), "dense/b": torch.zeros(1001, dtype=torch.bfloat16,
                                                                                      device="cuda"),
             "L1.E0/w": torch.zeros(77)}
-    staging = DeviceStaging(torch.device("cuda", torch.cuda.current_device()), buffers=2, buffer_bytes=1 << 20)
+    staging = DeviceReadRing(torch.device("cuda", torch.cuda.current_device()), buffers=2, buffer_bytes=1 << 20)
     landed, kept = land_rank_file(str(path), entry, header, PosixStorage(), live, staging)
     assert set(landed) == set(live) and not kept and staging.copies > 12
     for name, tensor in live.items():

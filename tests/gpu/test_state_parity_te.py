@@ -17,10 +17,9 @@ import subprocess
 
 import pytest
 import torch
+from conftest import REPO
 
 from megatron_pec.testing import megatron_lm
-
-from conftest import REPO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -6,12 +6,12 @@ import shutil
 import sys
 
 import torch
+from common import report, setup
+from roundtrip import train
 
 import megatron_pec
-from common import report, setup
 from megatron_pec import api
 from megatron_pec.testing import launch
-from roundtrip import train
 
 
 def main():

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "gpt_moe"))
 sys.path.insert(0, str(REPO))
 
-import pretrain_gpt_moe as example  # noqa: E402
+import pretrain_gpt_moe as example  # noqa: E402 (after the set-up above)
 
 SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-experts", "8",
                "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--seq-length", "64",
@@ -20,10 +20,10 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-head
 
 def setup(extra: list[str]):
     """Megatron + model + optimizer + data, exactly as the example trainer builds them."""
+    from byte_data import batches, build_datasets, default_data_prefix, ensure_stdlib_dataset
     from megatron.core import parallel_state
 
     import megatron_pec
-    from byte_data import batches, build_datasets, default_data_prefix, ensure_stdlib_dataset
 
     args = example.parse_args(SMALL_MODEL + extra)
     example.initialize(args)

@@ -9,9 +9,9 @@ import re
 import sys
 
 import torch
+from common import report, setup, train, write_safetensors
 
 import megatron_pec
-from common import report, setup, train, write_safetensors
 from megatron_pec import api
 
 N = 4

@@ -27,9 +27,8 @@ import torch
 
 from megatron_pec.integrity import sum64_kernel  # (Triton imported here: interpreted under TRITON_INTERPRET=1)
 from megatron_pec.integrity.chunk_table import CHUNK_BYTES
-from megatron_pec.memory.layout import POOL
 from megatron_pec.integrity.run_sums import FusedRunSums, HostRunSums, StockRunSums
-
+from megatron_pec.memory.slot_map import POOL
 
 
 def landed_sums(files, staging) -> dict[str, str]:
@@ -124,10 +123,10 @@ def copy(out: str) -> None:
 def launches(out: str, slot_dir: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_pec.memory.layout import MemoryLayout
+    from megatron_pec.format.stformat import layout
+    from megatron_pec.memory.slot_map import SlotMap
     from megatron_pec.memory.slots import SlotFiles
     from megatron_pec.save.stager import Stager
-    from megatron_pec.format.stformat import layout
     from megatron_pec.testing import cpu
 
     cpu.activate()  # (torch.cuda.Stream / Event / stream(): the stager's device path on CPU tensors)
@@ -150,7 +149,7 @@ def launches(out: str, slot_dir: str) -> None:
         specs = [(f"dense/p{i}.param", torch.float32, 3) for i in range(half)] + \
                 [(f"L1.E0/p{i}.param", torch.float32, 3) for i in range(runs - half)]
         entries = layout(specs)
-        files = SlotFiles(os.path.join(slot_dir, f"{runs}{by_kernel}"), 0, MemoryLayout.of(entries, 2), 1)
+        files = SlotFiles(os.path.join(slot_dir, f"{runs}{by_kernel}"), 0, SlotMap.of(entries, 2), 1)
         source = torch.randn(runs * 4)
         live = {e.name: source[4 * i:4 * i + 3] for i, e in enumerate(entries)}
         slices = [type("Slice", (), {"name": e.name, "item": e.item})() for e in entries]
@@ -160,7 +159,7 @@ def launches(out: str, slot_dir: str) -> None:
         stager.runs(1, "dense", live), stager.runs(POOL, "L1.E0", live)
         count, enqueued, before = Count(), Count(), len(kernel_launches)  # (the training thread's, the enqueue's)
 
-        def counted(work, enqueue=stager.enqueue):
+        def counted(work, enqueue=stager.enqueue, enqueued=enqueued):
             def run():
                 with enqueued:
                     return work()
@@ -169,7 +168,7 @@ def launches(out: str, slot_dir: str) -> None:
         stager.enqueue = counted
         runs_views, views_of = [], stager.runs  # (the runs' views each copy pairs, by thread)
 
-        def viewed(*args):
+        def viewed(*args, runs_views=runs_views, views_of=views_of):
             runs_views.append(threading.get_ident())
             return views_of(*args)
 
@@ -180,7 +179,8 @@ def launches(out: str, slot_dir: str) -> None:
             staging.copy({"L1.E0": POOL})
             staging.finish()
         stager.synchronize()
-        result[f"{runs}{' by kernel' if by_kernel else ''}"] = {"training_thread_ops": count.ops, "enqueue_thread_ops": enqueued.ops,
+        result[f"{runs}{' by kernel' if by_kernel else ''}"] = {"training_thread_ops": count.ops,
+                             "enqueue_thread_ops": enqueued.ops,
                              "training_thread_views": runs_views.count(threading.get_ident()),
                              "kernel_launches": len(kernel_launches) - before,
                              "copy_runs": len(stager.runs_of("dense")) + len(stager.runs_of("L1.E0"))}
@@ -279,15 +279,15 @@ def _reads_any(launched, tensors) -> bool:
 def _mixed_state(slot_dir: str):
     """A rank's slot files and live views: dense and two experts, each a param (in one "device" tensor) and
     two moments (host zeros of their own, as ``collect.stateless_views`` gives before the first step)."""
-    from megatron_pec.memory.layout import MemoryLayout
-    from megatron_pec.memory.slots import SlotFiles
     from megatron_pec.format.stformat import layout
+    from megatron_pec.memory.slot_map import SlotMap
+    from megatron_pec.memory.slots import SlotFiles
 
     sizes = {"dense": 3001, "L1.E0": 777, "L1.E1": 1024}
     specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in sizes.items()
              for kind in ("param", "exp_avg", "exp_avg_sq")]
     entries = layout(specs)
-    files = SlotFiles(slot_dir, 0, MemoryLayout.of(entries, 4), 1)
+    files = SlotFiles(slot_dir, 0, SlotMap.of(entries, 4), 1)
     device_base = torch.randn(sum(sizes.values()) + 8)
     live, at = {}, 1  # (one element in: runs 4 bytes off 8-alignment)
     for item, n in sizes.items():
@@ -383,6 +383,7 @@ def nocompile(out: str, slot_dir: str, error: str) -> None:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (CPU tensors)"
-    {"exact": lambda: exact(sys.argv[2]), "copy": lambda: copy(sys.argv[2]), "launches": lambda: launches(sys.argv[2], sys.argv[3]),
+    {"exact": lambda: exact(sys.argv[2]), "copy": lambda: copy(sys.argv[2]),
+     "launches": lambda: launches(sys.argv[2], sys.argv[3]),
      "mixed": lambda: mixed(sys.argv[2], sys.argv[3]), "startup": lambda: startup(sys.argv[2], sys.argv[3]),
      "nocompile": lambda: nocompile(sys.argv[2], sys.argv[3], sys.argv[4])}[sys.argv[1]]()

@@ -20,23 +20,23 @@ def counting_compile(*args, **kwargs):  # (JITFunction binds triton.compiler.com
 
 
 triton.compiler.compile = counting_compile
-import triton.runtime.jit  # noqa: E402
+import triton.runtime.jit  # noqa: E402 (after the set-up above)
 
 if hasattr(triton.runtime.jit, "compile"):  # (Triton versions that bind it when the module is imported)
     triton.runtime.jit.compile = counting_compile
 
-from megatron_pec.memory.layout import POOL, MemoryLayout  # noqa: E402
-from megatron_pec.memory.slots import SlotFiles  # noqa: E402
-from megatron_pec.save.stager import Stager  # noqa: E402
-from megatron_pec.format.stformat import layout  # noqa: E402
-from megatron_pec.integrity.sum64 import item_sums  # noqa: E402
+from megatron_pec.format.stformat import layout  # noqa: E402 (after the set-up above)
+from megatron_pec.integrity.sum64 import item_sums  # noqa: E402 (after the set-up above)
+from megatron_pec.memory.slot_map import POOL, SlotMap  # noqa: E402 (after the set-up above)
+from megatron_pec.memory.slots import SlotFiles  # noqa: E402 (after the set-up above)
+from megatron_pec.save.stager import Stager  # noqa: E402 (after the set-up above)
 
 
 def main():
     specs = [(f"{item}/w.{kind}", torch.float32, n) for item, n in (("dense", 1 << 20), ("L1.E0", 12345))
              for kind in ("param", "exp_avg", "exp_avg_sq")]
     entries = layout(specs)
-    files = SlotFiles(sys.argv[1], 0, MemoryLayout.of(entries, 2), 1)
+    files = SlotFiles(sys.argv[1], 0, SlotMap.of(entries, 2), 1)
     slices = [type("S", (), {"name": e.name, "item": e.item})() for e in entries]
     stager = Stager(files, slices, 0)  # (start-up: the load begins in its thread)
     stager.pin()

@@ -9,9 +9,9 @@ import shutil
 import sys
 
 import torch
+from common import report, setup, train
 
 import megatron_pec
-from common import report, setup, train
 from megatron_pec import api
 from megatron_pec.format import small_state
 from megatron_pec.format.small_state_record import SmallState

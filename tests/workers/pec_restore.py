@@ -1,16 +1,17 @@
 """PEC restore correctness on real megatron-core: every slice equals its state at its version,
 PLT equals the value recomputed from the recorded token counts, Dynamic-K doubles K.
 
-argv: SAVE_DIR SHM_DIR. Snapshot-K 2, persist-K 1 of 8 experts; persist every 4 iterations; the example's hidden size 64.
+argv: SAVE_DIR SHM_DIR. Snapshot-K 2, persist-K 1 of 8 experts; persist every 4 iterations; the example's
+hidden size 64.
 """
 
 import shutil
 import sys
 
 import torch
+from common import checkpoints, example, report, setup
 
 import megatron_pec
-from common import checkpoints, example, report, setup
 from megatron_pec import api
 from megatron_pec.format.item_names import item_name
 from megatron_pec.megatron import collect
@@ -26,9 +27,11 @@ def train(args, model, optimizer, scheduler, data, first, last, save=True):
         if save:
             megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 0, non_persistent_ckpt=i % 4 != 0)
             api.current_engine().wait_for_saves()  # (the hand-over records the save once agreed)
-            history[i] = {k: v.clone() for k, v in collect.live_views(api.current_engine().adapter.slices, optimizer).items()}
+            live = collect.live_views(api.current_engine().adapter.slices, optimizer)
+            history[i] = {k: v.clone() for k, v in live.items()}
             tokens[i] = dict(api.current_engine().book.cumulative)
-            snapshot_versions[i] = {item_name(e): v for e, v in api.current_engine().book.state.snapshot.saved_at.items()}
+            saved_at = api.current_engine().book.state.snapshot.saved_at
+            snapshot_versions[i] = {item_name(e): v for e, v in saved_at.items()}
 
 
 def check_restore(optimizer, target, previous_lost):
@@ -53,7 +56,8 @@ def check_restore(optimizer, target, previous_lost):
 def main():
     save, shm = sys.argv[1], sys.argv[2]
     args, model, optimizer, scheduler, data_from = setup(
-        ["--hidden-size", "64", "--train-iters", "40", "--save", save, "--load", save, "--pec-shm-dir", shm, "--pec-job-id", "pec",
+        ["--hidden-size", "64", "--train-iters", "40", "--save", save, "--load", save, "--pec-shm-dir", shm,
+         "--pec-job-id", "pec",
          "--pec-snapshot-k", "2", "--pec-persist-k", "1", "--pec-dynamic-k", "--pec-plt-threshold", "0.001",
          "--pec-keep", "0",  # every iteration stays committed: the test reads their manifests
          "--pec-wait-for-slot"])  # on a loaded machine no snapshot is skipped: each restore's target exists

@@ -10,9 +10,9 @@ import sys
 import time
 
 import torch
+from common import checkpoints, example, report, setup
 
 import megatron_pec
-from common import checkpoints, example, report, setup
 from megatron_pec import api
 from megatron_pec.megatron import collect
 

@@ -18,9 +18,9 @@ import hashlib
 import sys
 
 import torch
+from common import report, setup, train
 
 import megatron_pec
-from common import report, setup, train
 from megatron_pec import api
 from megatron_pec.format.item_names import item_name
 from megatron_pec.megatron import collect
@@ -46,7 +46,8 @@ def main():
     mode, load, shm = sys.argv[1:4]
     save = sys.argv[4] if mode == "restore" else load
     args, model, optimizer, scheduler, data_from = setup(
-        ARGS + ["--hidden-size", "16", "--save", save, "--load", load, "--pec-shm-dir", shm, "--pec-job-id", f"prev-{mode}"])
+        ARGS + ["--hidden-size", "16", "--save", save, "--load", load, "--pec-shm-dir", shm,
+                "--pec-job-id", f"prev-{mode}"])
     iteration, _ = megatron_pec.load_checkpoint(model, optimizer, scheduler)
     if mode == "write":
         data = data_from(0)

@@ -13,9 +13,9 @@ import shutil
 import sys
 
 import torch
+from common import checkpoints, example, report, setup
 
 import megatron_pec
-from common import checkpoints, example, report, setup
 from megatron_pec import api
 from megatron_pec.megatron import collect
 from megatron_pec.testing import launch

@@ -11,9 +11,9 @@ import os
 import sys
 
 import torch
+from common import report, setup, train, write_safetensors
 
 import megatron_pec
-from common import report, setup, train, write_safetensors
 from megatron_pec import api
 from megatron_pec.megatron import collect
 

@@ -9,9 +9,9 @@ import sys
 
 import numpy
 import torch
+from common import report, setup, train
 
 import megatron_pec
-from common import report, setup, train
 from megatron_pec import api
 from megatron_pec.format import small_state
 from megatron_pec.megatron import collect, optstate, restore
@@ -90,7 +90,8 @@ def main():
     for i in range(1, N + 1):
         train(args, model, optimizer, scheduler, data, 1)
         if i == 1:
-            before = {k: v.clone() for k, v in collect.live_views(api.current_engine().adapter.slices, optimizer).items()}
+            live = collect.live_views(api.current_engine().adapter.slices, optimizer)
+            before = {k: v.clone() for k, v in live.items()}
         megatron_pec.save_checkpoint(i, model, optimizer, scheduler, 100.0 * i, non_persistent_ckpt=i != N)
         if i == 1:  # the first save placed the moments contiguously: same values, fewer tensors
             placed = collect.live_views(api.current_engine().adapter.slices, optimizer)
@@ -146,7 +147,8 @@ def main():
         if megatron_path:
             restore._load_in_place = lambda *a: False
         else:  # (how the fresh moments were allocated: before anything placed them)
-            restore._load_in_place = lambda *a: (recording(*a), allocated.update(moments(optimizer)))[0]
+            restore._load_in_place = lambda *a, recording=recording: (
+                recording(*a), allocated.update(moments(optimizer)))[0]
         loaded = megatron_pec.load_checkpoint(model, optimizer, scheduler)
         restore._load_in_place = recording
         after = capture(args, model, optimizer, scheduler)

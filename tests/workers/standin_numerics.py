@@ -15,9 +15,9 @@ if sys.argv[1] == "with":
     cpu.activate()
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{sys.argv[2]}")
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402 (after the set-up above)
+from megatron.core.transformer import TransformerConfig  # noqa: E402 (after the set-up above)
+from megatron.core.transformer.moe import moe_utils  # noqa: E402 (after the set-up above)
 
 if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None  # the 0.16.1 NameError without TE; not a CUDA call
@@ -27,8 +27,8 @@ config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, 
                            moe_router_topk=2, use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
                            params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
                            bias_dropout_fusion=False, gradient_accumulation_fusion=False)
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402 (after the set-up above)
+from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: E402 (after the set-up above)
 
 # A megatron-core transformer MLP runs on CPU without any CUDA call.
 # (built from its parts: megatron-core 0.19's layer spec holds a factory where 0.16's holds a ModuleSpec)

@@ -26,9 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "gpt_moe"))
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
-import pretrain_gpt_moe as example  # noqa: E402
+import pretrain_gpt_moe as example  # noqa: E402 (after the set-up above)
+import torch  # noqa: E402 (after the set-up above)
 
 HISTORY = 4
 

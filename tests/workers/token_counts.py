@@ -4,10 +4,10 @@ Reports this rank's counts per MoE layer and the tokens it routed."""
 import sys
 
 import torch
-
 from common import report, setup
-from megatron_pec.megatron.tokens import TokenCounter
 from roundtrip import train
+
+from megatron_pec.megatron.tokens import TokenCounter
 
 STEPS = 2
 

@@ -1,7 +1,6 @@
 """Train the real megatron-core GPT-MoE (EP=2, DP=2) a few iterations; report losses and buffers."""
 
 import torch
-
 from common import example, report, setup
 
 
@@ -13,7 +12,7 @@ def main():
     names = {p: n for n, p in ddp.named_parameters()}
     dense = sorted(names[p] for b in ddp.buffers for p in b.params)
     expert = sorted(names[p] for b in ddp.expert_parallel_buffers for p in b.params)
-    digest = lambda ns: float(sum(dict(ddp.named_parameters())[n].double().sum() for n in ns))  # noqa: E731
+    digest = lambda ns: float(sum(dict(ddp.named_parameters())[n].double().sum() for n in ns))
     report("train", {"losses": losses, "dense_buffer_params": dense, "expert_buffer_params": expert,
                      "dense_sum": digest(dense), "expert_sum": digest(expert),
                      "chained": [type(o).__name__ for o in optimizer.chained_optimizers]})

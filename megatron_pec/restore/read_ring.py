@@ -20,7 +20,7 @@ BUFFERS = 4            # in the ring: one being read, the others' copies in flig
 BUFFER_BYTES = 16 << 20  # each: a read's worth (bounded syscalls), a copy long enough for the copy engine
 
 
-class DeviceStaging:
+class DeviceReadRing:
     """The ring of buffers through which a restore's file reads reach one device's tensors."""
 
     def __init__(self, device: torch.device, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES):
@@ -35,13 +35,13 @@ class DeviceStaging:
         self.copies = 0  # (tests look: copies enqueued)
 
     @staticmethod
-    def for_targets(targets: dict[str, torch.Tensor], host_too: bool = False) -> "DeviceStaging | None":
+    def for_targets(targets: dict[str, torch.Tensor], host_too: bool = False) -> "DeviceReadRing | None":
         """A staging for the device ``targets`` are on (the first non-host tensor's); with ``host_too``, for the
         host where they are all there (the GPU path on CPU ranks); else None."""
         device = next((t.device for t in targets.values() if t.device.type != "cpu"), None)
         if device is None and host_too and targets:
             device = torch.device("cpu")
-        return DeviceStaging(device) if device is not None else None
+        return DeviceReadRing(device) if device is not None else None
 
     def takes(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s bytes reach it through this staging (it is on this device)."""
@@ -81,4 +81,4 @@ class DeviceStaging:
             self._copied[k] = None
 
 
-__all__ = ["DeviceStaging", "BUFFERS", "BUFFER_BYTES"]
+__all__ = ["DeviceReadRing", "BUFFERS", "BUFFER_BYTES"]

@@ -25,10 +25,21 @@ import threading
 import time
 import uuid
 
-from megatron_pec.common import log
 from megatron_pec.agent.client import AgentClient, AgentUnavailable, ensure_agent
+from megatron_pec.common import log
+from megatron_pec.format.protocol import (
+    Begin,
+    Begun,
+    Flush,
+    Flushed,
+    Granted,
+    Hello,
+    Record,
+    Released,
+    Settle,
+    SnapshotReady,
+)
 from megatron_pec.memory.history import NodeMemory
-from megatron_pec.format.protocol import Begin, Begun, Flush, Flushed, Granted, Hello, Record, Released, Settle, SnapshotReady
 from megatron_pec.memory.regions import RegionBook
 
 PERSISTENT_SLOT_WAIT_S = 10.0  # how long a persistent save waits for regions before it is skipped
@@ -46,7 +57,7 @@ SNAPSHOT_ROOM_WAIT_S = 10.0
 LISTEN_WAKE_S = 0.5  # how often an idle listener looks whether its connection was replaced (a message wakes it)
 
 
-class AgentSession:
+class AgentLink:
     def __init__(self, node_dir: str, rank: int, node_rank: int, hello: Hello, items: list[str], *,
                  idle_timeout: float, keep_shm: bool, wait_for_slot: bool):
         """``items``: the rank's items in slot order."""

@@ -42,7 +42,7 @@ def is_pool(slot: int) -> bool:
 
 
 @dataclass(frozen=True)
-class MemoryLayout:
+class SlotMap:
     """One rank's node-memory layout: the dense tensors of its home slots, its experts' tensors (offsets
     from each expert's start) and the pool's regions."""
 
@@ -58,7 +58,7 @@ class MemoryLayout:
             object.__setattr__(self, "region_bytes", -(-largest // REGION_ALIGN) * REGION_ALIGN)
 
     @classmethod
-    def of(cls, entries, regions: int, homes: int = HOME_SLOTS) -> "MemoryLayout":
+    def of(cls, entries, regions: int, homes: int = HOME_SLOTS) -> "SlotMap":
         """From a rank's slot layout (``stformat.layout`` of every slice, item by item)."""
         dense, experts, starts = [], {}, {}
         for e in entries:
@@ -111,7 +111,7 @@ class MemoryLayout:
                 "shapes": "[" + ",".join(shapes) + "]", "experts": json.dumps(items, separators=(",", ":"))}
 
     @classmethod
-    def from_headers(cls, home: Header | None, pool: Header) -> "MemoryLayout":
+    def from_headers(cls, home: Header | None, pool: Header) -> "SlotMap":
         """The layout the files say (a reader: the agent, a restore; without ``home``, the experts' only);
         raises FormatError."""
         meta = pool.metadata
@@ -161,7 +161,7 @@ class MemoryLayout:
         return Header(entries, pool.metadata, pool.header_len)
 
 
-__all__ = ["MemoryLayout", "HOME_SLOTS", "HOMES_MAX", "POOL", "POOL_TENSOR", "is_pool"]
+__all__ = ["SlotMap", "HOME_SLOTS", "HOMES_MAX", "POOL", "POOL_TENSOR", "is_pool"]
 
 _last_pool_metadata: tuple | None = None  # (experts, region_bytes, homes, metadata) of the last layout asked
 

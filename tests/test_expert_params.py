@@ -1,4 +1,4 @@
-"""Expert identity (megatron_pec.megatron.layout): names, and pieces of real megatron-core models."""
+"""Expert identity (megatron_pec.megatron.expert_params): names, and pieces of real megatron-core models."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_pec.format.item_names import ExpertId
-from megatron_pec.megatron.layout import ParamPiece, param_pieces, parse_expert_param_name
+from megatron_pec.megatron.expert_params import ParamPiece, param_pieces, parse_expert_param_name
 
 # ---------------------------------------------------------------- names
 

@@ -14,14 +14,14 @@ import os
 from dataclasses import replace
 from functools import partial
 
-from megatron_pec.memory import budget
 from megatron_pec.common import log
 from megatron_pec.config import PecConfig
-from megatron_pec.job_facts import JobFacts
-from megatron_pec.memory.node_files import memory_plan_name, replace_node_file
-from megatron_pec.memory.layout import MemoryLayout
-from megatron_pec.memory.slots import home_file_bytes, snapshot_file_bytes, tmpfs_room
 from megatron_pec.format.stformat import encode_header
+from megatron_pec.job_facts import JobFacts
+from megatron_pec.memory import budget
+from megatron_pec.memory.node_files import memory_sizing_name, replace_node_file
+from megatron_pec.memory.slot_map import SlotMap
+from megatron_pec.memory.slots import home_file_bytes, snapshot_file_bytes, tmpfs_room
 
 
 def header_reserve(job: JobFacts, small_state_bound: int) -> int:
@@ -35,8 +35,8 @@ def header_reserve(job: JobFacts, small_state_bound: int) -> int:
     return per_expert * len(job.held_names) + small_state_bound + 2 * len(job.save_root) + (6 << 10)
 
 
-def plan(job: JobFacts, config: PecConfig, collectives, layout: MemoryLayout, asked_k: int, ep_rank: int,
-         reserve: int) -> tuple[budget.MemoryPlan | None, str | None]:
+def plan(job: JobFacts, config: PecConfig, collectives, layout: SlotMap, asked_k: int, ep_rank: int,
+         reserve: int) -> tuple[budget.MemorySizing | None, str | None]:
     """This rank's node memory for the asked snapshot K, or the K a --pec-node-memory budget holds;
     (plan, None) or (None, what is wrong). Collective: the node's state is every local rank's."""
     home_file = home_file_bytes(layout.dense, reserve)
@@ -74,9 +74,9 @@ def plan(job: JobFacts, config: PecConfig, collectives, layout: MemoryLayout, as
     return planned, None
 
 
-def report(planned: budget.MemoryPlan, job: JobFacts, on_gpu: bool) -> None:
+def report(planned: budget.MemorySizing, job: JobFacts, on_gpu: bool) -> None:
     """The node memory planned: said once per node at start-up, and kept beside the files for ``inspect``."""
-    replace_node_file(os.path.join(job.node_dir, memory_plan_name(job.rank)), json.dumps(planned.record()))
+    replace_node_file(os.path.join(job.node_dir, memory_sizing_name(job.rank)), json.dumps(planned.record()))
     if job.rank % job.local_world_size == 0:
         log.info(planned.describe(job.local_world_size, on_gpu, tmpfs_room(job.node_dir)), rank=job.rank)
 

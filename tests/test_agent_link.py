@@ -10,11 +10,11 @@ from dataclasses import replace
 import torch
 
 from megatron_pec.agent import client as client_module
-from megatron_pec.agent.session import AgentSession
+from megatron_pec.agent.link import AgentLink
 from megatron_pec.format.protocol import Hello, JobInfo, SlotHeader
 from megatron_pec.format.stformat import layout
 from megatron_pec.integrity.sum64 import item_sums
-from megatron_pec.memory.layout import MemoryLayout
+from megatron_pec.memory.slot_map import SlotMap
 from megatron_pec.memory.slots import SlotFiles, node_dir
 
 ENTRIES = layout([("dense/w.param", torch.float32, 256)]
@@ -26,10 +26,10 @@ def _session(shm_dir, root):
     directory = node_dir(shm_dir, "s", 0)
     job = JobInfo(job_id="s", fingerprint="f", save=root, local_world_size=1, node_rank=0, num_nodes=1,
                   topology={"ep": 1}, keep=0, replicas=0, storage="")
-    plan = MemoryLayout.of(ENTRIES, 0, homes=2)
+    plan = SlotMap.of(ENTRIES, 0, homes=2)
     files = SlotFiles(directory, 0, replace(plan, regions=2 * len(plan.experts)), 1)
-    session = AgentSession(directory, 0, 0, Hello(0, job), ITEMS, idle_timeout=60, keep_shm=False,
-                           wait_for_slot=False)
+    session = AgentLink(directory, 0, 0, Hello(0, job), ITEMS, idle_timeout=60, keep_shm=False,
+                        wait_for_slot=False)
     session.use_pool(files.layout.regions, files.layout.homes)
     session.start()
     return session, files
@@ -45,7 +45,8 @@ def _snapshot(session, files, iteration):
         for view in files.item_views(slot, item).values():
             view.fill_(iteration + 0.5)
         sums.update(item_sums(files.mapping(slot), files.item_header(slot, item), {item}))
-    header = SlotHeader(job_id="s", fingerprint="f", save=session.hello.job.save, rank=0, world_size=1, iteration=iteration,
+    header = SlotHeader(job_id="s", fingerprint="f", save=session.hello.job.save, rank=0, world_size=1,
+                        iteration=iteration,
                         items=dict.fromkeys(ITEMS, iteration), tokens={"L1.E0": 1, "L1.E1": 2}, small="{}", pec="{}",
                         run=session.run, sums=sums)
     files.write_header(home, header.to_metadata())

@@ -79,7 +79,7 @@ def _expert_pieces(moe, layer: int) -> dict[torch.nn.Parameter, tuple[ParamPiece
             raise ValueError(
                 f"MoE layer {layer}: parameter {name!r} of {type(experts).__name__} is not in a known "
                 "expert layout (SequentialMLP, TEGroupedMLP, GroupedMLP); "
-                "megatron_pec.megatron.layout must learn it before PEC can checkpoint this model"
+                "megatron_pec.megatron.expert_params must learn it before PEC can checkpoint this model"
             )
         layout, local = parsed
         numel = param.numel()
