@@ -1,4 +1,4 @@
-"""How long a snapshot's host is busy starting its device-to-host copies, against their number (issue 41, item 8).
+"""How long a snapshot's host is busy starting its device-to-host copies, against their number.
 
 The stager (``megatron_pec/save/stager.py``) copies a snapshot with one ``torch._foreach_copy_(dst, src,
 non_blocking=True)`` per copy call, one pair per run of slices contiguous on both sides; on a GPU every pair is
@@ -28,7 +28,7 @@ from benchmarks.collective import gather_objects
 from benchmarks.common import median, p90
 
 REPS = 7
-BUDGET_S = 0.5e-3  # beyond this the copies are to be coalesced or batched further (issue 41, item 8)
+BUDGET_S = 0.5e-3  # beyond this the copies are to be coalesced or batched further
 ALIGN = 64  # bytes between the starts of the copies in host memory (a slot's regions are aligned so)
 DEEPSEEK_V3 = {"moe_layers": 58, "experts": 256, "ep": 64}
 SWEEP = (64, 256, 1024, 4096)  # run counts of the example's bytes cut in equal runs (beside DeepSeek-V3's)

@@ -1,4 +1,4 @@
-"""Node memory against the state, side by side: three regions per item (the release before issue 35), the
+"""Node memory against the state, side by side: three regions per item (the release before the expert pool), the
 new default, partial experts, a tight budget, and DLRover's one buffer - ``benchmarks/results/node_memory.md``.
 
     python -m benchmarks.node_memory                 # about 12 minutes on 2 CPU cores
@@ -17,7 +17,7 @@ node agent beside a peer node of 8, each keeping the other's replicas (``megatro
 footprint per node, the agent's CPU per snapshot of the whole node, skipped snapshots, and node 1 lost and
 pulled back from node 0's memory.
 
-The budget rows (issue 43) run K=all with and without the tightest budget the job admits (the smallest its
+The budget rows run K=all with and without the tightest budget the job admits (the smallest its
 refusal of ``1x`` names): the longest a save blocked training (the metrics file), skipped snapshots, whether
 each committed persistent save holds every expert at its iteration, and the kill's restore and PLT.
 """
@@ -39,7 +39,7 @@ from benchmarks.common import REPO, RESULTS, machine
 from megatron_pec.testing import launch
 from megatron_pec.testing.full_node import STEP_S, run_full_node
 
-BASELINE = "b4af658"  # the last commit with three regions per item (main before issue 35)
+BASELINE = "b4af658"  # the last commit with three regions per item (before the expert pool)
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--num-experts", "8",
          "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--seq-length", "64",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "2", "--hidden-dropout", "0",
@@ -59,7 +59,7 @@ ROWS = {  # name -> (tree: "baseline" or "this", extra flags)
     "tightest budget, K=all asked": ("this", ["--pec-node-memory", "tightest"]),
     "new default, snapshot-K 1 (what that budget implies)": ("this", ["--pec-snapshot-k", "1"]),
 }
-BUDGET_ROWS = {  # the focused mode's rows (issue 43), measured with their save blocking and whole persists
+BUDGET_ROWS = {  # the focused mode's rows, measured with their save blocking and whole persists
     "new default, K=all, persistent saves": [],
     "tightest budget, K=all asked, persistent saves": ["--pec-node-memory", "tightest"],
 }

@@ -1,4 +1,4 @@
-"""Persists and restores on an S3 object store against what the store itself allows (issue 42) -
+"""Persists and restores on an S3 object store against what the store itself allows -
 ``benchmarks/results/object_store.md``.
 
     python -m benchmarks.object_store              # a 256 MB state, 3 rounds, ~2 minutes on 2 CPU cores
@@ -36,7 +36,7 @@ from megatron_pec.store import msc_storage
 from megatron_pec.store.msc_storage import MscStorage
 from megatron_pec.testing import s3_server
 
-TARGET = 0.80  # of the floor (issue 42)
+TARGET = 0.80  # of the floor: what a checkpointer that streams its bytes should keep
 
 
 def put_floor(s3, bucket: str, key: str, parts: list[bytes]) -> None:

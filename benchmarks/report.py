@@ -165,7 +165,7 @@ def markdown(result: dict) -> str:
                        f"{_ms(p['K=1']['blocking_s_median'])} | {_mb(p['K=1']['bytes_per_rank'])} | −{red:.0%} |")
         out.append("")
     if result.get("targets"):
-        out += ["## Targets (issues 7 and 15)", ""] + [f"* {t}" for t in result["targets"]] + [""]
+        out += ["## Targets", ""] + [f"* {t}" for t in result["targets"]] + [""]
     out += ["Notes: blocking = time the training loop is stopped by one save (slowest rank). Persist MB/s = the "
             "node's bytes for that checkpoint ÷ time from the save call until it is durable and committed "
             "(megatron-pec: manifest written; torch_dist async: finalize; DLRover: its tracker file), "

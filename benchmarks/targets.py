@@ -131,5 +131,5 @@ def host_path_and_restore_targets(ms: dict) -> list[str]:
     if not checks:
         return []
     met = sum(ok for _, ok in checks)
-    return [f"megatron-pec K=all, issue 41's CPU targets: {met} of {len(checks)} met in this run: "
+    return [f"megatron-pec K=all, the CPU targets: {met} of {len(checks)} met in this run: "
             + "; ".join(f"{what}: {'met' if ok else 'NOT met'}" for what, ok in checks)]

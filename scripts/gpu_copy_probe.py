@@ -1,5 +1,5 @@
 """Does a snapshot's device-to-host copy delay the training step's own small copies, and can the GPU's cores
-copy instead of its copy engine? (a probe for issue 41; GPU only, torch and Triton, no Megatron; ~40 s)
+copy instead of its copy engine? (GPU only, torch and Triton, no Megatron; ~40 s)
 
 Measures, on 1.8 GB of device memory copied into page-locked node memory (a /dev/shm mapping registered
 with cudaHostRegister, as the stager's slots are):

@@ -6,7 +6,7 @@ scripts/gpu_trace_summary.py; the traces in $OUT/traces.tar.gz); then a trainer 
 printing its restore lines. ~200 s on an H200. PROBE_PARTS (default "base,kernel,engine,restore") picks the
 parts; PROBE_PROGRAMS (default "16"; a snapshot's copy runs on 4 unless asked): the kernel's programs, one run
 each (MEGATRON_PEC_COPY_PROGRAMS).
-Its output on an H200: benchmarks/results/gpu_session_h200.log
+Its output on an H200 is in the GPU session's log, benchmarks/results/gpu_session_h200.log
 
     OUT=/tmp/out python3 scripts/gpu_overhead_probe.py     # on the GPU machine, with scripts/gpu_wheels.sh's wheels
 """

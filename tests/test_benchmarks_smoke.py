@@ -76,7 +76,7 @@ def test_issue_41s_targets_in_one_line():
             "restore_storage_s_all": [0.090, 0.080], "restore_storage_floor_s_all": [0.060, 0.080]}
     dlrover = {"restore_memory_s": 0.025, "restore_storage_s": 0.100}
     line, = targets.host_path_and_restore_targets({"megatron-pec K=all": ours, "DLRover flash ckpt": dlrover})
-    assert line.startswith("megatron-pec K=all, issue 41's CPU targets: 3 of 4 met in this run: "), line
+    assert line.startswith("megatron-pec K=all, the CPU targets: 3 of 4 met in this run: "), line
     assert "the save besides its copy 0.40 ms (≤ 0.5 ms): met" in line
     assert "restore from memory 20.0 ms, DLRover 25.0 ms (no slower): met" in line
     assert "restore from storage 1.50× the cold read of its files" in line

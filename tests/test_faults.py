@@ -704,7 +704,7 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
 def test_a_byte_flipped_in_node_memory_is_caught_where_it_lands(clusters, reference, tmp_path, env, checked):
     """Issue 28: a restore from node memory checks the bytes where they land: on a GPU on the device, after
     the host-to-device copy (``MEGATRON_PEC_CHECK_ON_DEVICE=1`` runs that path on CPU ranks); on CPU ranks
-    by the copy that sums them (issue 41). A byte flipped in node 0's newest snapshot is caught there,
+    by the copy that sums them . A byte flipped in node 0's newest snapshot is caught there,
     every rank falls back to an older snapshot, says why, and continues exactly as the uninterrupted run."""
     c = clusters(tmp_path, "fdevice")
     c.launch(FULL, faults="optimizer_step=kill@7")

@@ -47,7 +47,7 @@ def test_the_kernel_gives_sum64_bit_for_bit_in_the_interpreter(tmp_path):
 
 
 def test_the_kernels_copy_lands_every_selected_byte_and_nothing_else_with_the_same_sums(tmp_path):
-    """A snapshot's launch also copies (issue 41: the copy engine then carries none of it): every unit it sums
+    """A snapshot's launch also copies (the copy engine then carries none of it): every unit it sums
     is stored at its destination, for runs of every alignment and unit size; items not selected are not
     copied; the sums equal those of the launch that only sums; a destination misaligned for its run's units
     is refused (None), nothing launched."""

@@ -4,7 +4,7 @@ trainer; a MoE-heavy model: 16 experts of hidden 128, most of the state in exper
 * By default node memory follows what snapshots write: at most 2x the state with every expert, 1.5x at
   snapshot-K 2 of 16, a snapshot every iteration and a persist in progress skipping none.
 * Under ``--pec-node-memory 1.3x`` with every expert asked (the smallest this model admits: 4 spares for 16
-  experts, issue 43), snapshots take the K the budget holds (said once), none is skipped, and a trainer
+  experts), snapshots take the K the budget holds (said once), none is skipped, and a trainer
   killed mid-run restores from memory with exactly the PLT a run at that K gets; a trainer killed in the
   middle of a snapshot never restores that half-written version.
 """
@@ -52,7 +52,7 @@ def test_node_memory_follows_what_snapshots_write(tmp_path, shm_dir, extra, boun
     found = node(shm_dir, job)
     assert round(found["ratio"], 2) <= bound, found  # (to the hundredth: the pool's own header is a few KiB)
     assert "node memory planned per rank" in out
-    if not extra:  # every expert: against what storage keeps of a rank, its file of the newest persist (issue 40)
+    if not extra:  # every expert: against what storage keeps of a rank, its file of the newest persist
         held = [p for p in (Path(shm_dir) / job / "node0").iterdir() if re.fullmatch(r"rank\d\.(slot\d|pool)", p.name)]
         files = [os.path.getsize(checkpoints(tmp_path / job).rank_file(20, rank)) for rank in (0, 1)]
         # (the excess over 2x: two home headers' room for a save's metadata over what it wrote, ~0.3% here)

@@ -1,4 +1,4 @@
-"""State parity against Megatron itself (issue 39, item 8): what a restore gives back, item by item.
+"""State parity against Megatron itself : what a restore gives back, item by item.
 
 Megatron-LM's own ``pretrain_gpt.py`` (the oldest and the newest supported release, 2 CPU ranks, EP 2, fp16
 with a dynamic loss scale that moves) trains 3 iterations and saves iteration 3 twice in the same process:

@@ -254,7 +254,7 @@ def test_no_module_writes_files_around_the_storage_seam():
     assert set(found) <= set(AROUND_THE_SEAM), {k: v for k, v in found.items() if k not in AROUND_THE_SEAM}
 
 
-# ---- a storage that cannot be reached (issue 42: an object store's outage) ---------------------------------
+# ---- a storage that cannot be reached (an object store's outage) ---------------------------------------------
 class _OutageStorage(PosixStorage):
     """POSIX storage whose creates fail as an unreachable endpoint ``outages`` times, then succeed."""
 

@@ -1,7 +1,7 @@
 """The node agent's side of replication, started once a job asks for it (``--pec-replicas``, more
 than one node): accept peers' replicas (``ReplicaStore`` behind a ``ReplicaServer``), publish where,
 send this node's recorded snapshots to its holders (``Replicator``), and pull a rank's replica onto
-a replacement node. The transfers themselves are ``replicas.py``'s.
+a replacement node. The transfers themselves are ``replica_transport.py``'s.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ trainer crashes so their snapshots stay in node memory. It never imports torch o
 threads do its work, save steps 5-7 (docs/design.md):
 
 5. record     the worker, for each announced snapshot in arrival order: check its header (the trainer
-              wrote each item's checksum there) and record its regions in node memory (``memory.py``):
-              it is restorable now, every item at its newest version. A memory-only snapshot is
+              wrote each item's checksum there) and record its regions in node memory
+              (``memory/history.py``): it is restorable now, every item at its newest version. A memory-only snapshot is
               released at once: it costs the agent its header and its index entry, whatever its size.
 6. persist    the writer (``writer.py``), for each persistent snapshot in arrival order: write the rank
    and        file (tmp, fsync, rename; each persisted item checked on the way); when all local ranks of

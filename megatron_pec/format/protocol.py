@@ -416,7 +416,7 @@ class SlotHeader(Record):
     # v2: ``tokens`` and the PEC state's expert versions cover only the experts of this rank (v1: every
     # expert); a restore merges them over ranks, which reads v1 files too. An older megatron-pec would
     # take a v2 file's partial counts for the whole model: the version makes it refuse instead.
-    # v3: ``tokens`` and the PEC state's per-expert values may be packed (``packed.PackedColumn``).
+    # v3: ``tokens`` and the PEC state's per-expert values may be packed (``packed_column.PackedColumn``).
     # v4: ``sums``, the items' checksums from the trainer (an older reader would ignore them).
     VERSION: ClassVar[int] = 4
     WRITING: ClassVar[dict[str, str]] = {"type": "slot-header", "v": "4", "state": "writing"}

@@ -6,7 +6,7 @@ call whatever the number of runs.
 device, not the caller's: only device memory goes to a device kernel.
 
 * runs in device memory, with the one-launch kernel loaded (``KernelLoad``): ``FusedRunSums``, one kernel
-  launch over a table of chunks built once (``chunks.ChunkTable``, ``integrity/sum64_kernel.py``), whatever the
+  launch over a table of chunks built once (``chunk_table.ChunkTable``, ``integrity/sum64_kernel.py``), whatever the
   items a call selects;
 * runs in device memory, where Triton gave no kernel (not importable, or it cannot compile: said once, at
   start-up): ``StockRunSums``, stock torch operations per run (``sum64.DeviceSums``);

@@ -23,11 +23,9 @@ import triton.language as tl
 
 BLOCK = 1024  # units per step of a program
 # Programs of a copy: few, so the copy takes a few of the GPU's cores beside training and none of its copy
-# engines (the training step's own small device-to-host copies queue there behind whatever is queued: 33 ms
-# behind a K=all snapshot's on an H200). On the H200 a K=all snapshot's cost on the example's step, paired
-# within one run (scripts/gpu_paired_probe.py), was 30 ms on 16 programs and 33 ms by the copy engine, but
-# 3.0 ms on 4 and 1.6 ms on 2: the copy's bytes bound it (4 and 16 both took 47-50 ms beside training), and
-# 16 programs slowed the step's own kernels all the while. 4 leave room in a step for the copy to end.
+# engines (the training step's own small device-to-host copies would queue there behind the snapshot). The
+# copy's bytes bound its time, not its programs, while more programs slow the step's own kernels; 4 leave
+# room in a step for the copy to end (docs/performance.md, "Why the copy runs on 4 of the GPU's cores").
 COPY_PROGRAMS = 4
 
 

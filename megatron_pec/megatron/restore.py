@@ -272,7 +272,7 @@ def set_checkpoint_version(version: float) -> None:
     """Megatron-LM's record of the loaded checkpoint's format version (``get_checkpoint_version``), set at
     every load as Megatron's own loader does, where Megatron-LM's loop runs (its training.py has loaded the
     module). Never imported here: a trainer of its own has nothing that reads it, and importing Megatron-LM's
-    training package (megatron-core 0.19's wheel ships it) took 0.57 s of a relaunched restore on an H200."""
+    training package (megatron-core 0.19's wheel ships it) would cost a relaunched restore half a second."""
     checkpointing = sys.modules.get("megatron.training.checkpointing")
     if checkpointing is not None:
         checkpointing.set_checkpoint_version(version)

@@ -53,7 +53,7 @@ class RegionBook:
 
     # ---- what the agent says ---------------------------------------------------------------------
     def reset(self, memory, rank: int) -> None:
-        """Start from what node memory holds (``agent.memory.NodeMemory``, as the agent last wrote it):
+        """Start from what node memory holds (``memory.history.NodeMemory``, as the agent last wrote it):
         every region on the rank's timeline is recorded, the rest free."""
         self.holder[:] = -1
         self.version[:] = -1

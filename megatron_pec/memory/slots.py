@@ -304,8 +304,8 @@ def tmpfs_room(directory: str) -> tuple[int, int | None]:
 
 
 def cgroup_memory() -> tuple[int, int, str] | None:
-    """(limit, usage, where) of this process's memory cgroup (v2 ``memory.max``/``memory.current``, v1
-    ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None without a limit.
+    """(limit, usage, where) of this process's memory cgroup (v2 files memory.max and memory.current,
+    v1 memory.limit_in_bytes and memory.usage_in_bytes); None without a limit.
     ``MEGATRON_PEC_CGROUP_DIR`` points the check at another directory holding those files."""
     for directory in _cgroup_dirs():
         for limit_name, usage_name in (("memory.max", "memory.current"),

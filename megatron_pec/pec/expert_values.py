@@ -4,7 +4,7 @@ A large MoE model has tens of thousands of experts (58 layers x 256), and every 
 writes the PEC state of each one a rank holds. ``ExpertValues`` is a dict of ExpertId -> int for
 whoever reads or sets a few experts (the loader, the policies' reference path, the tests), kept
 as one int64 array over a fixed expert order, so that a save records, plans and encodes whole
-arrays with numpy instead of one Python call per expert (``packed.PackedColumn`` is their stored form).
+arrays with numpy instead of one Python call per expert (``packed_column.PackedColumn`` is their stored form).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class Level:
                      self.checkpoints)
 
     def json_parts(self, held: HeldExperts) -> list[tuple[str, bool]]:
-        """The level as JSON with the ``held`` experts' values packed (see ``packed.PackedColumn``), in
+        """The level as JSON with the ``held`` experts' values packed (see ``packed_column.PackedColumn``), in
         ``Quoted.join``'s parts."""
         return [(f'{{"k":{json.dumps(self.k)},"checkpoints":{json.dumps(self.checkpoints)},"saved_at":"', False),
                 (held.column(self.saved_at).encoded()["values"], True), ('","tokens_at":"', False),

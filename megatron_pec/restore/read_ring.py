@@ -6,7 +6,7 @@ A file read into one pageable buffer and then copied to the device pays for the 
 pageable speed (on the H200, 0.45 s of a 1.5 s restore of 1.8 GB: 14x the copy's floor). Through a ring
 of a few page-locked buffers the copies run at the copy engine's speed beside the read, and the host
 holds a few buffers of the file, not all of it. The file's CRC-32 is still computed as it is read (the
-storage does), and the restore checks the items where they landed, on the device (``Restore._checked``).
+storage does), and the restore checks the items where they landed, on the device (``Restore._checked_on_device``).
 
 On a host "device" (``MEGATRON_PEC_CHECK_ON_DEVICE=1`` on CPU ranks, the tests) the buffers are plain and
 each copy is synchronous: the same path, without a GPU.

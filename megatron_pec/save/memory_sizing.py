@@ -45,7 +45,7 @@ def plan(job: JobFacts, config: PecConfig, collectives, layout: SlotMap, asked_k
                                    layout.pool_metadata()))
     held = len(layout.experts)
     demand = partial(budget.per_snapshot, job.expert_layout, config.selection, ep_rank=ep_rank, held=held)
-    # A node keeps a replica, the state's size, of each rank of ``replicas`` peer nodes (``replicas.py``).
+    # A node keeps a replica, the state's size, of each rank of ``replicas`` peer nodes (``replica_transport.py``).
     replica_share = job.replicas * state
     least = budget.least_bytes(home_file, layout.homes, header, layout.region_bytes, held, lambda k: demand(k=k),
                                replica_share)

@@ -471,7 +471,7 @@ def storage_outcome(bench, c: Cluster, result: dict, codes: dict, error: str | N
     common_end_checks(bench, c, result, "storage")
 
 
-# ---- planned exits and relaunches (issue 29: nothing lost, nothing committed rewritten) -----------
+# ---- planned exits and relaunches (nothing lost, nothing committed rewritten) --------------------
 def pec_args(k: int) -> list[str]:
     return ["--pec-snapshot-k", str(k), "--pec-persist-k", "1"]
 

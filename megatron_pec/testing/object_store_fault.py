@@ -1,4 +1,4 @@
-"""The fault campaign's object-store fault (``object_store_crash``, issue 42): the job checkpoints to
+"""The fault campaign's object-store fault (``object_store_crash``): the job checkpoints to
 ``--save msc://...`` on a real S3 server (SeaweedFS, ``testing/s3_server.py``), which is SIGKILLed while
 training runs and restarted some seconds later on the same data.
 

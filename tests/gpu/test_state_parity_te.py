@@ -1,4 +1,4 @@
-"""State parity against Megatron itself with Transformer Engine and FP8 (issue 39, item 8), on a GPU.
+"""State parity against Megatron itself with Transformer Engine and FP8 , on a GPU.
 
 The check of ``tests/test_state_parity.py`` (save the same iteration through megatron-pec and through
 Megatron-LM's own ``torch_dist`` save, restore each in a fresh process, dump the whole state right after the

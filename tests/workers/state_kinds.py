@@ -1,5 +1,5 @@
 """The example trainer with a frozen parameter and a module whose extra state changes every step (a stand-in
-for Transformer Engine's FP8 scaling state): issue 39's state beyond the optimizer.
+for Transformer Engine's FP8 scaling state): the state beyond the optimizer.
 
 Run under torchrun with the example's flags. The model provider is the example's, with two changes made
 before Megatron DDP wraps the model:
