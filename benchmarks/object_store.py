@@ -14,7 +14,7 @@ reached through the MSC profile the tests use. For one state of random bytes:
   memoryviews: the copy into parts and the crc32 as a persist pays them);
 * restore: ``MscStorage.read_checked`` of the object (ranged reads and the crc32 a restore checks).
 
-Issue 42 asks a persist of at least 80% of the put floor and a restore of at least 80% of the get floor.
+The target: a persist of at least 80% of the put floor and a restore of at least 80% of the get floor.
 One unmeasured upload first (SeaweedFS grows its volumes at the first writes); then rounds alternate the
 methods (a slow moment of the shared machine hits each alike); the best round counts.
 """
@@ -174,7 +174,7 @@ def markdown(result: dict) -> str:
         floor = floors.get(name)
         share = f"{100 * mb / s['mb_per_s'][floor]:.0f}% of the {floor}" if floor else "(floor)"
         lines.append(f"| {name} | {s['best_s'][name]:.2f} | {mb:.0f} | {share} |")
-    lines += ["", f"Issue 42's target: at least {TARGET:.0%} of each floor: "
+    lines += ["", f"The target: at least {TARGET:.0%} of each floor: "
               f"{'met' if s['meets_target'] else 'NOT met'}.", "",
               f"Every round (s): `{json.dumps({k: [round(x, 3) for x in v] for k, v in result['seconds'].items()})}`",
               *_e2e_lines(result.get("end_to_end")),

@@ -51,7 +51,7 @@ def evaluate(result: dict) -> list[str]:
 
 
 def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
-    """Issue 15's goals: restores at every K against the memcpy floor and DLRover, the save's floor,
+    """The goals: restores at every K against the memcpy floor and DLRover, the save's floor,
     throughput against DLRover."""
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
@@ -109,7 +109,7 @@ def restore_and_throughput_targets(ms: dict, fl: dict) -> list[str]:
 
 
 def host_path_and_restore_targets(ms: dict) -> list[str]:
-    """Issue 41's four targets for CPU ranks, all experts, all in one run: the save's costs besides its copy,
+    """The four targets for CPU ranks, all experts, all in one run: the save's costs besides its copy,
     both restores no slower than DLRover's, the restore from storage within 1.3x the cold read of its files."""
     full, dl = ms.get("megatron-pec K=all", {}), ms.get("DLRover flash ckpt", {})
     checks = []  # (what, met)

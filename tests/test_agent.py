@@ -25,6 +25,8 @@ from megatron_pec.restore.sources import SourceError, storage_source
 from megatron_pec.store.storage import PosixStorage
 from megatron_pec.testing.scripted import ScriptedTrainer
 
+pytestmark = pytest.mark.megatron_free
+
 ENTRIES = layout([("dense/w.param", torch.float32, 256)]
                  + [(f"L1.E{e}/w.{k}", torch.float32, 128) for e in range(4) for k in ("param", "exp_avg")])
 ALL = ("dense", "L1.E0", "L1.E1", "L1.E2", "L1.E3")
@@ -636,7 +638,7 @@ def test_a_corrupt_or_foreign_replica_is_never_pulled(trainers, shm_dir):
 
 
 def test_a_slow_replica_push_holds_the_next_snapshot_back_only_as_far_as_the_lag_bound(trainers):
-    """Issue 29: the replica lag is a bound, not a timing assumption. The holder stopped (SIGSTOP) in the
+    """The replica lag is a bound, not a timing assumption. The holder stopped (SIGSTOP) in the
     middle of a push: the snapshot being pushed is pinned on its trainer, and once the newest replica is
     --pec-replica-lag (2) snapshots behind, the agent holds the next snapshot back (``hold``) instead of
     letting a node loss lose more. The push ends: the agent says so unasked (``Granted``), without hold."""

@@ -1,3 +1,4 @@
+
 """The trainer's session with a real node agent: its messages read and handled by the session's listener
 thread, never on the thread that leases (the training thread), and a lost agent noticed without a call."""
 
@@ -7,6 +8,7 @@ import threading
 import time
 from dataclasses import replace
 
+import pytest
 import torch
 
 from megatron_pec.agent import client as client_module
@@ -16,6 +18,8 @@ from megatron_pec.format.stformat import layout
 from megatron_pec.integrity.sum64 import item_sums
 from megatron_pec.memory.slot_map import SlotMap
 from megatron_pec.memory.slots import SlotFiles, node_dir
+
+pytestmark = pytest.mark.megatron_free
 
 ENTRIES = layout([("dense/w.param", torch.float32, 256)]
                  + [(f"L1.E{e}/w.{k}", torch.float32, 128) for e in range(2) for k in ("param", "exp_avg")])

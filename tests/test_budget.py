@@ -1,4 +1,4 @@
-"""Issue 35: node memory sized by what snapshots write, and a hard budget's implied K (pure: ``memory/budget.py``,
+"""Node memory sized by what snapshots write, and a hard budget's implied K (pure: ``memory/budget.py``,
 ``memory/slot_map.py``, ``regions.RegionBook``)."""
 
 import json
@@ -12,6 +12,8 @@ from megatron_pec.memory.budget import Budget, BudgetError
 from megatron_pec.memory.regions import RegionBook
 from megatron_pec.memory.slot_map import POOL, SlotMap
 from megatron_pec.pec.policy import ExpertGrid
+
+pytestmark = pytest.mark.megatron_free
 
 LAYOUT = ExpertGrid(layers=(1, 2), num_experts=8, ep_size=2, expert_bytes=1000)
 
@@ -62,7 +64,7 @@ def test_a_budget_implies_the_k_it_holds():
 
 
 def test_the_tightest_budget_is_the_pool_a_k1_run_gets_and_below_it_is_refused_with_the_smallest():
-    """Issue 43: with no spare region every region holds its expert's newest version, so no save can write a
+    """With no spare region every region holds its expert's newest version, so no save can write a
     new one (the rounds of a persistent save waited 120 s and gave up). The least a budget must leave is the
     spares of a K = 1 pool: what one snapshot at K = 1 writes, at least a quarter of the experts (a save of
     every expert in at most ROUNDS rounds) - here 2 spares, 1.4x; a hundredth below it is refused."""
@@ -130,7 +132,7 @@ def test_a_book_of_one_spare_takes_as_many_experts_as_regions_are_free():
 
 
 def test_a_save_waits_for_regions_only_while_the_agent_holds_one_it_will_free():
-    """Issue 43: the rounds of a persistent save waited 120 s for regions no wait could free (every region
+    """The rounds of a persistent save waited 120 s for regions no wait could free (every region
     held its expert's newest version). A wait is worth it only while a snapshot is in flight or a persist /
     push pins a region that is not its expert's newest; it then ends when the pin is handed back."""
     from megatron_pec.format.protocol import Pin

@@ -9,6 +9,8 @@ from megatron_pec.format.protocol import NodeMarker, RankFile
 from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import PosixStorage
 
+pytestmark = pytest.mark.megatron_free
+
 
 class FullStorage(PosixStorage):
     """POSIX storage on which a write of an object named ``*<failing>`` runs out of space."""

@@ -1,8 +1,11 @@
-"""Issue 15: copies coalesced into runs contiguous on both sides, copying exactly the same bytes."""
+"""Copies coalesced into runs contiguous on both sides, copying exactly the same bytes."""
 
+import pytest
 import torch
 
 from megatron_pec.common.coalesce import coalesced
+
+pytestmark = pytest.mark.megatron_free
 
 
 def test_runs_contiguous_on_both_sides_become_one_copy_and_copy_the_same_bytes():

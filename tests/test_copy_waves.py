@@ -1,11 +1,14 @@
-"""Issue 41: a snapshot's device-to-host copies go out in waves, at most two queued on the copy stream, so
+"""A snapshot's device-to-host copies go out in waves, at most two queued on the copy stream, so
 that the training step's own small device-to-host copies never wait behind a whole snapshot (the H200
 measured +23% step time at K=all with the snapshot enqueued at once). CPU tensors and stand-in events: the
 order and the bytes are what matter here; tests/gpu and benchmarks.gpu run it on a device."""
 
+import pytest
 import torch
 
 from megatron_pec.save.copy_waves import copy_in_waves, waves
+
+pytestmark = pytest.mark.megatron_free
 
 
 def _pairs(sizes, dtype=torch.float32):

@@ -1,12 +1,15 @@
-"""Issue 2: the CPU stand-in layer refuses to replace a real GPU and changes no numerics."""
+"""The CPU stand-in layer refuses to replace a real GPU and changes no numerics."""
 
 import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, WORKERS
 
 from megatron_pec.testing.launch import free_port
+
+pytestmark = pytest.mark.both_releases
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

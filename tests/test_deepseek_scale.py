@@ -1,4 +1,4 @@
-"""Issue 14: DeepSeek-V3's expert topology (58 MoE layers x 256 experts, top-8, EP=2; tiny widths so it
+"""DeepSeek-V3's expert topology (58 MoE layers x 256 experts, top-8, EP=2; tiny widths so it
 runs on CPU) trains with a save every iteration, restores, and ``inspect``/``verify``/``export`` read it.
 Before, each rank's ~10 MB header outgrew its reserve and the first save died mid-training."""
 

@@ -8,6 +8,8 @@ import torch
 from megatron_pec.format.item_names import ExpertId
 from megatron_pec.megatron.expert_params import ParamPiece, param_pieces, parse_expert_param_name
 
+pytestmark = pytest.mark.both_releases
+
 # ---------------------------------------------------------------- names
 
 

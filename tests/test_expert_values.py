@@ -10,6 +10,8 @@ from megatron_pec.format.item_names import ExpertId, ExpertOrder
 from megatron_pec.format.packed_column import ABSENT, PackedColumn
 from megatron_pec.pec.expert_values import ExpertValues, HeldExperts, values_in
 
+pytestmark = pytest.mark.megatron_free
+
 EXPERTS = [ExpertId(layer, e) for layer in (1, 3) for e in range(4)]
 
 

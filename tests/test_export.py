@@ -1,4 +1,4 @@
-"""Issue 14: ``python -m megatron_pec export`` - a committed iteration as consolidated safetensors."""
+"""``python -m megatron_pec export`` - a committed iteration as consolidated safetensors."""
 
 import json
 import shutil
@@ -13,7 +13,7 @@ from megatron_pec.format.stformat import torch_dtype
 from megatron_pec.testing import launch
 from megatron_pec.testing.cluster import run_megatron_pec
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.newest_only]
 
 
 def read_safetensors(path) -> dict[str, torch.Tensor]:
@@ -75,7 +75,7 @@ def test_export_equals_the_live_model(trained, tmp_path):
 
 
 def test_export_after_training_ends_under_pec_equals_the_live_model(tmp_path):
-    """Issue 29: snapshot-K 2 / persist-K 1 and training ends right after a memory snapshot: the end is a
+    """Snapshot-K 2 / persist-K 1 and training ends right after a memory snapshot: the end is a
     planned exit, which saves that iteration with every expert, so the exported final checkpoint is the
     trained model, not experts from older iterations."""
     train_and_keep_live_state(tmp_path, "--pec-snapshot-k", "2", "--pec-persist-k", "1",

@@ -166,7 +166,7 @@ def test_trainer_sigkill_around_snapshot_and_in_optimizer_step(clusters, referen
 
 
 def test_a_deferred_snapshot_reaches_the_agent_before_the_next_step(clusters, tmp_path):
-    """Issue 28: a snapshot completed by the hand-over thread (every rank's path) is handed to the agent
+    """A snapshot completed by the hand-over thread (every rank's path) is handed to the agent
     as soon as its bytes are in, not at the next save or step. With EP=1 the
     example's ``optimizer_step`` fault point is the first hook of the one optimizer: a trainer killed
     there in iteration 31 has run nothing of ours since the save of 30, and restores 30 from memory."""
@@ -511,7 +511,7 @@ def test_node_loss_survivor_restores_the_committed_iteration_from_memory_whateve
 
 @pytest.mark.slow  # (~38 s: the full campaign's relaunch_finished scenario, run with -m campaign or -m slow)
 def test_a_finished_job_relaunched_restores_its_last_iteration_whole_every_time(clusters, tmp_path):
-    """Issue 29: train to 24 (persisted every 10, snapshot-K 2 / persist-K 1), then launch the same job twice
+    """Train to 24 (persisted every 10, snapshot-K 2 / persist-K 1), then launch the same job twice
     more, the second time with another PEC configuration. The end of training is a planned exit: 24 is
     committed with every expert, each relaunch restores it with PLT 0 and saves nothing over it (its files
     are never written again), and ``verify`` passes after every launch."""
@@ -534,7 +534,7 @@ def test_a_finished_job_relaunched_restores_its_last_iteration_whole_every_time(
 
 @pytest.mark.slow  # (~22 s: the default run has it in the real Megatron-LM loop, test_megatron_lm_loop.py)
 def test_planned_exit_under_pec_loses_nothing(clusters, reference, tmp_path):
-    """Issue 29: snapshot-K 2 / persist-K 1 and --exit-interval 7 between persists (every 5): the trainers
+    """Snapshot-K 2 / persist-K 1 and --exit-interval 7 between persists (every 5): the trainers
     save 7 once more with every expert before they detach, the restart restores 7 with PLT 0.0000% and
     every later loss equals the uninterrupted run's. The campaign's ``planned_exit`` scenario, persists every 5
     (``RARE``); it checks: both launches end cleanly, [5, 7] committed, 7 with every expert at 7; every rank
@@ -702,7 +702,7 @@ def test_corruption_falls_back_to_previous_valid_iteration(clusters, reference, 
                                             "(checked on the device after the copy)")],
                          ids=["host-copy", "device-path"])
 def test_a_byte_flipped_in_node_memory_is_caught_where_it_lands(clusters, reference, tmp_path, env, checked):
-    """Issue 28: a restore from node memory checks the bytes where they land: on a GPU on the device, after
+    """A restore from node memory checks the bytes where they land: on a GPU on the device, after
     the host-to-device copy (``MEGATRON_PEC_CHECK_ON_DEVICE=1`` runs that path on CPU ranks); on CPU ranks
     by the copy that sums them . A byte flipped in node 0's newest snapshot is caught there,
     every rank falls back to an older snapshot, says why, and continues exactly as the uninterrupted run."""

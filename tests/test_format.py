@@ -11,6 +11,8 @@ from megatron_pec.format import small_state
 from megatron_pec.format.stformat import FormatError, decode_header, encode_header, layout, tensor_view
 from megatron_pec.memory.slot_map import SlotMap
 
+pytestmark = pytest.mark.megatron_free
+
 
 def test_header_is_strict_safetensors():
     entries = layout([("dense/a.param", torch.float32, 3), ("L1.E0/b.exp_avg", torch.bfloat16, 5)])

@@ -1,10 +1,10 @@
-"""Issue 33: a snapshot's item checksums in one kernel launch. The Triton kernel (``integrity/sum64_kernel.py``)
+"""A snapshot's item checksums in one kernel launch. The Triton kernel (``integrity/sum64_kernel.py``)
 over the chunk table (``integrity/chunk_table.py``) gives ``Sum64``'s values bit for bit, run here on CPU tensors by
 Triton's interpreter (a fresh process with TRITON_INTERPRET=1: the interpreter must be chosen before
 Triton is first imported); ``tests/gpu/`` runs the compiled kernel on CUDA. And what a snapshot
 enqueues on the device does not grow with its runs.
 
-Issue 41, the branches of the GPU path that need no device: the kernel is compiled and loaded at
+The branches of the GPU path that need no device: the kernel is compiled and loaded at
 start-up in a thread, so a fresh process's restore compiles nothing; a Triton that cannot compile falls
 back to the stock operations with one log line, before any save; only device memory goes to the kernel
 (tensors in host memory are copied and summed by the host, a mixed snapshot is bit-exact); close waits
@@ -21,6 +21,8 @@ import torch
 from conftest import REPO, WORKERS
 
 from megatron_pec.integrity.chunk_table import CHUNK_BYTES, run_rows, table_rows, unit_log2
+
+pytestmark = pytest.mark.megatron_free
 
 pytest.importorskip("triton")
 

@@ -19,6 +19,8 @@ from megatron_pec.restore.read_ring import DeviceReadRing
 from megatron_pec.restore.sources import Source, SourceError, read_checked_header
 from megatron_pec.store.storage import PosixStorage
 
+pytestmark = pytest.mark.megatron_free
+
 SPECS = [("dense/a", torch.float32, 1000), ("dense/b", torch.float32, 24), ("dense/c", torch.bfloat16, 7),
          ("L1.E0/w", torch.float32, 300), ("L1.E0/x", torch.float32, 5)]
 

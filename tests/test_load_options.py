@@ -4,7 +4,7 @@ and start at iteration 0; a --load directory in another format is refused with a
 import pytest
 from conftest import REPO, checkpoints, read_jsonl, torchrun
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.newest_only]
 
 PRETRAIN = str(REPO / "examples" / "gpt_moe" / "pretrain_gpt_moe.py")
 SMALL = ["--hidden-size", "32", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -50,7 +50,7 @@ def test_finetune_loads_weights_only_and_foreign_dirs_are_refused(tmp_path, shm_
 
 
 def test_a_finetune_that_saves_an_iteration_the_directory_holds_commits_it_under_new_names(tmp_path, shm_dir):
-    """Issue 29: --finetune into the directory it loads starts again at 0 and saves 4, which the first run
+    """--finetune into the directory it loads starts again at 0 and saves 4, which the first run
     committed: the first run's files of 4 are never written again, the finetune's save of 4 goes to files
     of its own and replaces the commit atomically (the first run's files go once unreferenced), and
     ``verify`` passes."""

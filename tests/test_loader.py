@@ -1,12 +1,16 @@
+
 """The loader on its own (and the restore built from stand-in parts, without an engine or Megatron,
 ``workers/loader_alone.py``: one real gloo process, a checkpoint directory made by hand)."""
 
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, WORKERS, checkpoints
 
 from megatron_pec.testing.launch import free_port
+
+pytestmark = pytest.mark.megatron_free
 
 
 def test_training_from_scratch_retires_node_markers_of_an_abandoned_run(tmp_path):

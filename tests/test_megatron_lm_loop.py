@@ -33,7 +33,7 @@ from conftest import assert_committed_files_unchanged, checkpoints, committed_fi
 
 from megatron_pec.testing import launch, megatron_lm
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.megatron_lm]
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = [*megatron_lm.SMALL_MOE_ON_CPU, "--log-interval", "1", "--seed", "1234", "--train-iters", "10"]
@@ -164,7 +164,7 @@ def newest_tree(tmp_path) -> Path:
 
 
 def test_megatron_lm_planned_exit_under_pec_loses_nothing(newest_tree, uninterrupted, tmp_path):
-    """Issue 29: snapshot-K 2 of 4, persist-K 1, Megatron's --exit-interval 7 between persists (every 4):
+    """Snapshot-K 2 of 4, persist-K 1, Megatron's --exit-interval 7 between persists (every 4):
     at the clean exit the trainers save iteration 7 once more with every expert and the agents commit it,
     so the restart restores 7 with PLT 0.0000% and every later loss equals the uninterrupted run's."""
     shm = Path("/dev/shm") / f"pec-mlm-exit-{os.getpid()}-{tmp_path.name[-12:]}"

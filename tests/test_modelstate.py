@@ -1,4 +1,4 @@
-"""Issue 39, the pure parts of ``megatron/modelstate.py`` (no processes): Megatron's argument check with its
+"""The pure parts of ``megatron/modelstate.py`` (no processes): Megatron's argument check with its
 conditions and message, the rerun state machine's state through the JSON codec (its enums and call records
 rebuilt by name, nothing else), --override-ckpt-iteration's side effects, the room for a pending rerun."""
 
@@ -87,7 +87,7 @@ def test_override_ckpt_iteration_sets_the_samples_megatron_sets(monkeypatch):
 
 
 def test_a_trainer_of_its_own_never_imports_megatron_lms_training_package():
-    """Issue 41: megatron-core 0.19's wheel ships ``megatron.training``; importing it (the whole training
+    """Megatron-core 0.19's wheel ships ``megatron.training``; importing it (the whole training
     package) took 0.57 s of a relaunched restore on an H200 in the example trainer. Its checkpoint version
     and its arguments are looked up only where Megatron-LM's loop has loaded them (a fresh process here)."""
     import importlib.util

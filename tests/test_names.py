@@ -20,7 +20,10 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.megatron_free
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SOURCE_ROOTS = [REPO / "megatron_pec", REPO / "benchmarks", REPO / "examples", REPO / "scripts", REPO / "tests"]

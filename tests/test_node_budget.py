@@ -1,4 +1,4 @@
-"""Issue 35: node memory within a budget, with real megatron-core on 2 CPU ranks of one node (the example
+"""Node memory within a budget, with real megatron-core on 2 CPU ranks of one node (the example
 trainer; a MoE-heavy model: 16 experts of hidden 128, most of the state in experts as in real MoE models).
 
 * By default node memory follows what snapshots write: at most 2x the state with every expert, 1.5x at

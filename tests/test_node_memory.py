@@ -12,6 +12,8 @@ from megatron_pec.memory.slot_map import POOL as P
 from megatron_pec.memory.slot_map import SlotMap
 from megatron_pec.memory.slots import SlotFiles
 
+pytestmark = pytest.mark.megatron_free
+
 ENTRIES = layout([("dense/w.param", torch.float32, 16), ("L1.E0/w.param", torch.float32, 8),
                   ("L1.E1/w.param", torch.float32, 8)])
 JOB = JobKey("job", "cfg", "/ckpt")

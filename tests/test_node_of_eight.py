@@ -1,4 +1,4 @@
-"""Issue 35: a full node - 8 ranks sharing one node agent - beside a peer node of 8 that keeps its
+"""A full node - 8 ranks sharing one node agent - beside a peer node of 8 that keeps its
 replicas. A snapshot every iteration and a persist every 20 (scripted trainers: the agent is the real
 process, the ranks write known values through the trainer's own node-memory classes): no snapshot waits
 for a region, the node's memory (its ranks' files and the replicas it keeps) stays within 3x its state,

@@ -9,6 +9,8 @@ import pytest
 from megatron_pec.megatron import numpy_rng
 from megatron_pec.megatron.numpy_rng import numpy_state
 
+pytestmark = pytest.mark.megatron_free
+
 
 @pytest.fixture(autouse=True)
 def numpy_rng_put_back():

@@ -20,6 +20,8 @@ from megatron_pec.format.checkpoint_paths import storage_spec_for as spec_for
 from megatron_pec.store.checkpoint_dir import CheckpointDir
 from megatron_pec.store.storage import open_storage
 
+pytestmark = pytest.mark.object_store
+
 
 @pytest.fixture
 def s(s3_prefix):

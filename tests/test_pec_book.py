@@ -1,4 +1,4 @@
-"""Issue 40, item 6: the modules that ran only end to end, on their own - the job facts a trainer works out
+"""The modules that ran only end to end, on their own - the job facts a trainer works out
 at start-up (``job_facts.py``), its PEC bookkeeping from save to save (``save/pec_book.py``) and the hand-over
 thread that completes each snapshot (``save/handover.py``). One rank, stand-ins for Megatron's adapter and
 its collectives: no model, no process group, no node agent."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megatron_pec.config import PecConfig
@@ -15,6 +16,8 @@ from megatron_pec.format.item_names import ExpertId
 from megatron_pec.job_facts import JobFacts
 from megatron_pec.save.handover import HandOver
 from megatron_pec.save.pec_book import PecBook
+
+pytestmark = pytest.mark.megatron_free
 
 LAYERS, EXPERTS = (2, 4), 4  # two MoE layers (global numbers) of four experts
 

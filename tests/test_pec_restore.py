@@ -1,4 +1,4 @@
-"""Issue 4: partial-experts restore is exact per version, PLT is exact, Dynamic-K doubles K,
+"""Partial-experts restore is exact per version, PLT is exact, Dynamic-K doubles K,
 and persisting 1 of 8 experts cuts persisted bytes per rank by at least 70%."""
 
 import json
@@ -8,7 +8,7 @@ from conftest import torchrun
 
 from megatron_pec.testing.cluster import run_megatron_pec
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.newest_only]
 
 
 def test_pec_restore_versions_plt_and_dynamic_k(tmp_path, shm_dir):
@@ -39,7 +39,7 @@ def test_pec_restore_versions_plt_and_dynamic_k(tmp_path, shm_dir):
 
 
 def test_a_planned_exit_right_after_a_skipped_snapshot_saves_that_iteration_whole(tmp_path, shm_dir):
-    """Issue 29: the snapshot of the last iteration was skipped (no region on one rank), then training ends
+    """The snapshot of the last iteration was skipped (no region on one rank), then training ends
     cleanly: the trainers save that iteration once more with every expert before they detach, so the restart
     restores it from storage with PLT 0 and every slice as it was at exit."""
     proc = torchrun("planned_exit.py", str(tmp_path / "ckpt"), shm_dir, env={"PEC_TEST_OUT": str(tmp_path)})
@@ -54,7 +54,7 @@ def test_a_planned_exit_right_after_a_skipped_snapshot_saves_that_iteration_whol
 
 
 def test_a_committed_iteration_saved_again_is_committed_under_new_names(tmp_path, shm_dir):
-    """Issue 29: 4 is committed (persist-K 1) and saved again by the same process: the first save's files are
+    """4 is committed (persist-K 1) and saved again by the same process: the first save's files are
     never written again, the second save writes every expert (its commit replaces the first's) into new files
     its manifest switches to, and the first's go once unreferenced. Restored from node memory and saved once
     more, nothing is written. ``verify`` passes, and a restore from storage reads exactly the state saved."""

@@ -1,9 +1,14 @@
+
 """Replica placement and the peer address book (``agent/peers.py``): pure, no processes."""
+
+import pytest
 
 from megatron_pec.agent import peers
 from megatron_pec.config import Launch
 from megatron_pec.format.protocol import JobInfo, PeerAddress
 from megatron_pec.store.storage import PosixStorage
+
+pytestmark = pytest.mark.megatron_free
 
 
 def test_holders_are_other_nodes_in_ring_order():

@@ -4,6 +4,8 @@ import pytest
 
 from megatron_pec.common.phases import Phases
 
+pytestmark = pytest.mark.megatron_free
+
 
 class Clock:
     """A clock the test moves by hand."""
@@ -48,7 +50,7 @@ def test_a_phase_that_raises_is_still_timed_and_closed():
 
 
 def test_each_phase_is_a_range_in_the_profilers_trace_while_it_records():
-    """Issue 41: a trace of a training step (the example's --profile) shows the save's phases beside the step's
+    """A trace of a training step (the example's --profile) shows the save's phases beside the step's
     operators; without the profiler the blocks add nothing to it."""
     import torch
 

@@ -1,4 +1,4 @@
-"""Issue 15: the GPU path's page-locking (every CUDA return code checked, one warning and synchronous
+"""The GPU path's page-locking (every CUDA return code checked, one warning and synchronous
 copies when pinning fails, unregistered before unmapping, never twice) and the node-memory preflight
 against the container's memory limit. The CUDA runtime is a seam: a recording stand-in here."""
 
@@ -9,6 +9,8 @@ from megatron_pec.format.stformat import layout
 from megatron_pec.memory import pinning
 from megatron_pec.memory.slot_map import SlotMap
 from megatron_pec.memory.slots import SlotFiles, SlotSpaceError, cgroup_memory
+
+pytestmark = pytest.mark.megatron_free
 
 
 class Runtime:
@@ -84,7 +86,7 @@ def test_a_large_mapping_is_registered_in_chunks(monkeypatch):
 
 
 def test_the_kernel_stores_into_the_slots_only_where_the_gpu_addresses_them_as_the_host_does(slots, monkeypatch):
-    """Issue 41: a snapshot's copy by the checksum kernel stores at the slots' host addresses; it is chosen
+    """A snapshot's copy by the checksum kernel stores at the slots' host addresses; it is chosen
     only where the driver gives every pinned piece the same address on the device (CUDA's
     canUseHostPointerForRegisteredMem), not where it gives another, cannot be asked, or pinning failed."""
     monkeypatch.setattr(pinning, "_REGISTERED", set())

@@ -1,3 +1,4 @@
+
 """The loader's agreement: two ranks as threads over in-process collectives.
 
 A restore plans optimistically (each rank its own newest iteration and expert versions) and
@@ -11,6 +12,7 @@ import argparse
 import threading
 from types import SimpleNamespace
 
+import pytest
 from conftest import checkpoints
 
 from megatron_pec.config import PecConfig
@@ -19,6 +21,8 @@ from megatron_pec.pec.state import Level, PecState
 from megatron_pec.restore import loader
 from megatron_pec.restore.loader import Candidates, LoadContext, Loader, Refused
 from megatron_pec.restore.sources import Source, SourceError
+
+pytestmark = pytest.mark.megatron_free
 
 EXPERTS = (ExpertId(1, 0), ExpertId(1, 1))
 TARGET = 10

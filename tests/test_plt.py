@@ -7,6 +7,8 @@ import pytest
 from megatron_pec.format.item_names import ExpertId
 from megatron_pec.pec.lost_tokens import PltReport, accumulate, lost_tokens, next_k
 
+pytestmark = pytest.mark.megatron_free
+
 A, B, C, D = ExpertId(1, 0), ExpertId(1, 1), ExpertId(3, 0), ExpertId(3, 1)
 
 

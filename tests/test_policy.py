@@ -18,6 +18,8 @@ from megatron_pec.pec.policy import (
     select_two_level,
 )
 
+pytestmark = pytest.mark.megatron_free
+
 EB = 100  # expert_bytes used throughout
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import torchrun
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.newest_only]
 
 FIXTURE = Path(__file__).parent / "fixtures" / "previous_format"
 

@@ -8,6 +8,8 @@ import pytest
 
 from megatron_pec.format import protocol as p
 
+pytestmark = pytest.mark.megatron_free
+
 FILE = p.RankFile(file="iter_0000010/pec/rank_00000.safetensors", size=4096, crc32=0xDEADBEEF,
                   items=["L1.E0", "dense"], header_crc32=7, item_sums={"L1.E0": "s64:" + "1" * 32,
                                                                        "dense": "s64:" + "2" * 32})

@@ -8,6 +8,8 @@ import pytest
 from megatron_pec.megatron import python_rng
 from megatron_pec.megatron.python_rng import python_state
 
+pytestmark = pytest.mark.megatron_free
+
 
 @pytest.fixture(autouse=True)
 def random_put_back():

@@ -11,6 +11,8 @@ from megatron_pec.format import reduced_record as rr
 from megatron_pec.format.reduced_record import MIN, columns, scalar, vector
 from megatron_pec.restore.loader import ACCOUNT_VECTORS, NONE, DecisionVote
 
+pytestmark = pytest.mark.megatron_free
+
 
 @dataclass
 class Vote:

@@ -1,4 +1,4 @@
-"""Issue 14: restore a persisted iteration onto other data- and expert-parallel sizes (real processes,
+"""Restore a persisted iteration onto other data- and expert-parallel sizes (real processes,
 real megatron-core): 4 ranks (EP=2, DP=2) -> 2 ranks (EP=2), -> 2 ranks (EP=1), and 2 -> 4. Every restored
 optimizer shard equals the saved one bit for bit in global coordinates; the weights equal ``export`` of
 the source iteration."""
@@ -37,8 +37,12 @@ def global_state(files) -> dict[tuple[str, str], torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("before,after,ep,pec", [(4, 2, 2, False), (2, 4, 2, False), (4, 2, 1, False),
-                                                (4, 2, 2, True)], ids=["4to2", "2to4", "4to2_ep1", "4to2_pec"])
+# The newest release reshards the plain state up and down (2 to 4 ranks, 4 to 2), the oldest with an EP change and
+# with partial experts (~22 s each on 2 cores).
+@pytest.mark.parametrize("before,after,ep,pec", [
+    pytest.param(4, 2, 2, False, marks=pytest.mark.newest_only, id="4to2"),
+    pytest.param(2, 4, 2, False, marks=pytest.mark.newest_only, id="2to4"),
+    pytest.param(4, 2, 1, False, id="4to2_ep1"), pytest.param(4, 2, 2, True, id="4to2_pec")])
 def test_restore_onto_another_parallel_layout(tmp_path, shm_dir, before, after, ep, pec):
     """``pec``: one expert per layer persisted per save, so most experts come from older iterations'
     files (their weights are checked against export, which reads the recorded versions)."""

@@ -1,4 +1,4 @@
-"""Issue 3: bit-exact restore from node memory and from storage on real megatron-core, EP=2, DP=2."""
+"""Bit-exact restore from node memory and from storage on real megatron-core, EP=2, DP=2."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 from conftest import torchrun
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.both_releases]
 
 
 def test_round_trip_memory_then_storage(tmp_path, shm_dir):

@@ -1,6 +1,10 @@
-"""Issue 29: what a trainer saved and restored decides the saves a committed iteration gets (pure)."""
+"""What a trainer saved and restored decides the saves a committed iteration gets (pure)."""
+
+import pytest
 
 from megatron_pec.save.save_history import SaveHistory
+
+pytestmark = pytest.mark.megatron_free
 
 
 def test_a_partial_or_skipped_last_save_is_owed_at_exit_until_training_goes_on():

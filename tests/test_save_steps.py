@@ -22,6 +22,8 @@ from megatron_pec.save.save_history import SaveHistory
 from megatron_pec.save.saver import Saver
 from megatron_pec.testing import launch
 
+pytestmark = pytest.mark.megatron_free
+
 EXPERTS = [ExpertId(1, e) for e in range(5)]
 ITEMS = [item_name(e) for e in EXPERTS]
 

@@ -13,6 +13,8 @@ import torch
 from megatron_pec.format.protocol import ProtocolError
 from megatron_pec.format.small_state_record import VERSION, Captured, SmallState
 
+pytestmark = pytest.mark.megatron_free
+
 PREVIOUS = Path(__file__).parent / "fixtures" / "previous_format" / "checkpoint" / "iter_0000008" / "pec"
 
 

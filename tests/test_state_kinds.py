@@ -1,4 +1,4 @@
-"""Issue 39: every piece of state Megatron's own checkpoint keeps comes back, or is refused at start-up.
+"""Every piece of state Megatron's own checkpoint keeps comes back, or is refused at start-up.
 
 The example trainer with a frozen parameter and a module whose extra state changes every step (a stand-in
 for Transformer Engine's FP8 scaling state; ``tests/workers/state_kinds.py``), killed with SIGKILL and
@@ -198,6 +198,7 @@ def test_refusals_exit_on_missing_checkpoint_and_the_argument_check(tmp_path, sh
     assert "restored iteration 2 from" in proc.stdout and "training from iteration 2 to 3" in proc.stdout
 
 
+@pytest.mark.both_releases
 def test_grad_scaler_before_the_first_step_rerun_state_machine_and_override_iteration(tmp_path, shm_dir):
     """The grad scaler saved before any optimizer step comes back; the rerun state machine is saved as the
     installed megatron-core's save_checkpoint saves it (0.16: only while a rerun is pending; 0.19: whenever it

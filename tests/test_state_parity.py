@@ -204,6 +204,7 @@ def test_megatron_lm_restore_equals_megatrons_own(trees, tmp_path):
                                               f"[{name}]") for name, diff in found.items())
 
 
+@pytest.mark.both_releases
 def test_example_trainer_restore_equals_the_state_it_saved(tmp_path):
     """examples/gpt_moe/pretrain_gpt_moe.py (megatron-core only): its restore of iteration 3 against its own
     live state right after it saved iteration 3."""

@@ -1,3 +1,4 @@
+
 """The package's boundaries, checked on its source: one owner per concern.
 
 * the package is cut in folders by concern, each a layer that imports only the layers below it
@@ -19,7 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.megatron_free
 
 PACKAGE = REPO / "megatron_pec"
 SOURCES = sorted(PACKAGE.rglob("*.py"))

@@ -1,4 +1,4 @@
-"""Issue 28: the checksum computed where the bytes are. One definition (two 64-bit sums over an item's
+"""The checksum computed where the bytes are. One definition (two 64-bit sums over an item's
 words, ``megatron_pec/integrity/sum64.py``), three implementations - the C kernel and numpy on the CPU, torch
 on the device - that must agree bit for bit with each other and with the definition, however the bytes are cut
 into pieces and wherever they lie in memory."""
@@ -14,6 +14,8 @@ import torch
 from megatron_pec.format.stformat import Header, layout
 from megatron_pec.integrity import sum64
 from megatron_pec.integrity.sum64 import DeviceSums, Sum64, digest, is_sum64, item_sums
+
+pytestmark = pytest.mark.megatron_free
 
 
 def reference(data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Issue 43: the tightest node-memory budget admitted works - real megatron-core on 2 CPU ranks of one node
+"""The tightest node-memory budget admitted works - real megatron-core on 2 CPU ranks of one node
 (the example trainer, the issue's model: 8 experts of hidden 64, EP 2), a snapshot every iteration and a
 persistent save every 4.
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import torchrun
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.both_releases]
 
 
 def counts(tmp_path, *flags):

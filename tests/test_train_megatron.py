@@ -1,4 +1,4 @@
-"""Issue 2: real megatron-core GPT-MoE + DDP + DistributedOptimizer trains on 2 gloo processes."""
+"""Real megatron-core GPT-MoE + DDP + DistributedOptimizer trains on 2 gloo processes."""
 
 import json
 
@@ -25,7 +25,7 @@ def test_gpt_moe_trains_with_separate_expert_buffers(tmp_path):
 
 
 def test_megatron_cores_biased_expert_failure_is_a_message_with_the_fix(tmp_path):
-    """Issue 28: the example with biased experts at EP = 1 hits megatron-core's in-place bias update on an
+    """The example with biased experts at EP = 1 hits megatron-core's in-place bias update on an
     autograd view (0.16.1 on CPU, 0.19.2 on GPU); the user reads what to pass, not a traceback."""
     from conftest import REPO
 

@@ -1,4 +1,4 @@
-"""Issue 39: Megatron's state beyond model and optimizer, through node memory and storage on real megatron-core
+"""Megatron's state beyond model and optimizer, through node memory and storage on real megatron-core
 (2 ranks, EP=2): the fp16 grad scaler saved before the first optimizer step, the rerun state machine as the
 installed release saves it, --override-ckpt-iteration.
 
