@@ -24,7 +24,7 @@ BOXES = [  # (x, y, width, height, title, lines, colour)
      ["POSIX or object store (msc://)", "iter_N/pec/rank_*.safetensors", "manifest written last: the commit"],
      "#e8e8e8"),
     (9.9, 0.55, 3.6, 2.2, "a peer node's agent",
-     ["keeps a verified replica", "of this node's snapshots", "in its own node memory", "(authenticated transport)"],
+     ["keeps a verified replica", "of this node's snapshots", "in its own node memory", "(checked as it lands)"],
      "#dbe9f6"),
 ]
 ARROWS = [  # (from, to, label, colour, style, label offset)
