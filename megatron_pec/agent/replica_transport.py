@@ -283,11 +283,12 @@ def _decode_request(line: bytes) -> ReplicaPush | ReplicaPull:
 class ReplicaServer:
     """Accepts pushes and pulls from other nodes' agents (one request per connection)."""
 
-    def __init__(self, store: ReplicaStore):
+    def __init__(self, store: ReplicaStore, host: str):
+        """``host``: the address this node advertises to its peers, the only one it listens on."""
         self.store = store
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("0.0.0.0", 0))
+        self.sock.bind((host, 0))
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()

@@ -43,8 +43,9 @@ class Replication:
                 return
             self.storage = storage
             self.store = ReplicaStore(self.directory)
-            self.server = ReplicaServer(self.store)
-            self.address = PeerAddress(job.node_rank, peers.advertised_host(job), self.server.port,
+            host = peers.advertised_host(job)
+            self.server = ReplicaServer(self.store, host)
+            self.address = PeerAddress(job.node_rank, host, self.server.port,
                                        job.domain or f"node {job.node_rank}", os.getpid())
             self.replicator = Replicator(self.directory, job, self.storage, self.slots, self.on_push_done)
         self.publish(job)  # storage I/O: outside the lock
